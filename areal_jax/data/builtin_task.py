@@ -1,0 +1,169 @@
+"""The built-in synthetic reasoning task: multi-step integer arithmetic.
+
+It exists so that the whole system (SFT warm start, async RL, evaluation) runs on a
+CPU in minutes with no download. A problem is a left-to-right chain of additions and
+subtractions; the solution writes every intermediate step, so answers have varied
+length (2 to ``max_operands`` operands give 1 to ``max_operands - 1`` steps) and the
+long tail of long answers exists::
+
+    prompt:      Q:17+5-8=
+    completion:  17+5=22;22-8=14;A:14<eos>
+
+Every intermediate result stays in ``[0, max_value]``. The tokenizer is character
+level, saved in HF ``tokenizer.json`` form, so the generic tokenizer loader, the
+engine and the learner treat it like any other model's tokenizer.
+
+Splits are generated deterministically from a seed: ``train`` and ``eval`` never
+share a question.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+SPECIAL_TOKENS = [PAD, BOS, EOS]
+CHARS = list("0123456789+-=;:QA")
+VOCAB = SPECIAL_TOKENS + CHARS
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class ArithmeticTaskConfig:
+    min_operands: int = 2
+    max_operands: int = 4
+    max_value: int = 99
+    max_operand: int = 30
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.min_operands <= self.max_operands:
+            raise ValueError(
+                f"need 2 <= min_operands <= max_operands, got {self.min_operands}, {self.max_operands}"
+            )
+        if self.max_operand < 1 or self.max_value < self.max_operand:
+            raise ValueError("need 1 <= max_operand <= max_value")
+
+
+def make_problem(rng: random.Random, cfg: ArithmeticTaskConfig) -> dict:
+    """One problem: question, step-by-step solution and integer answer."""
+    n = rng.randint(cfg.min_operands, cfg.max_operands)
+    value = rng.randint(0, cfg.max_operand)
+    question = str(value)
+    steps = []
+    for _ in range(n - 1):
+        ops = []
+        if value + 1 <= cfg.max_value:
+            ops.append("+")
+        if value >= 1:
+            ops.append("-")
+        op = rng.choice(ops)
+        if op == "+":
+            operand = rng.randint(1, min(cfg.max_operand, cfg.max_value - value))
+            new = value + operand
+        else:
+            operand = rng.randint(1, min(cfg.max_operand, value))
+            new = value - operand
+        steps.append(f"{value}{op}{operand}={new}")
+        question += f"{op}{operand}"
+        value = new
+    return {
+        "question": f"Q:{question}=",
+        "solution": ";".join(steps) + f";A:{value}",
+        "answer": str(value),
+        "num_steps": n - 1,
+    }
+
+
+def make_split(split: str, n: int | None = None, cfg: ArithmeticTaskConfig | None = None) -> list[dict]:
+    """Deterministic ``train`` (default 20000) or ``eval`` (default 256) problems.
+
+    Eval questions are drawn first from their own seed; train questions skip any
+    question that appears in eval.
+    """
+    cfg = cfg or ArithmeticTaskConfig()
+    if split not in ("train", "eval"):
+        raise ValueError(f"builtin task split must be 'train' or 'eval', got {split!r}")
+    eval_rng = random.Random(1234)
+    n_eval = 256 if split != "eval" or n is None else n
+    eval_items, seen = [], set()
+    while len(eval_items) < n_eval:
+        p = make_problem(eval_rng, cfg)
+        if p["question"] not in seen:
+            seen.add(p["question"])
+            eval_items.append(p)
+    if split == "eval":
+        items = eval_items
+    else:
+        n_train = 20000 if n is None else n
+        rng = random.Random(42)
+        items, train_seen = [], set()
+        while len(items) < n_train:
+            p = make_problem(rng, cfg)
+            if p["question"] in seen:
+                continue
+            items.append(p)
+            train_seen.add(p["question"])
+    return [{"prompt_id": f"{split}-{i}", **p} for i, p in enumerate(items)]
+
+
+def write_split(path: str | Path, split: str, n: int | None = None,
+                cfg: ArithmeticTaskConfig | None = None) -> Path:
+    """Write a split as JSONL (keys: prompt_id, question, solution, answer, num_steps)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w") as f:
+        for item in make_split(split, n, cfg):
+            f.write(json.dumps(item) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def build_tokenizer():
+    """The character-level tokenizer as a ``tokenizers.Tokenizer``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return tok
+
+
+def save_tokenizer(out_dir: str | Path) -> Path:
+    """Save ``tokenizer.json`` and ``tokenizer_config.json`` (HF layout) into out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build_tokenizer().save(str(out_dir / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": PAD,
+        "model_max_length": 128,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": PAD}, indent=2)
+    )
+    return out_dir
+
+
+def encode(text: str) -> list[int]:
+    """Encode task text without the tokenizer object (it is a fixed char vocabulary)."""
+    index = {c: i for i, c in enumerate(VOCAB)}
+    try:
+        return [index[c] for c in text]
+    except KeyError as e:
+        raise ValueError(f"character {e.args[0]!r} is not in the builtin task vocabulary") from None
+
+
+def decode(ids: list[int]) -> str:
+    """Decode ids, dropping special tokens."""
+    return "".join(VOCAB[i] for i in ids if i >= len(SPECIAL_TOKENS) and i < len(VOCAB))
