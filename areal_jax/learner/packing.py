@@ -1,0 +1,295 @@
+"""Sequence packing: trajectories of varied length -> micro-batches of static shape.
+
+Pure numpy. Sequences are placed into rows of ``seq_len`` tokens by first-fit-decreasing;
+rows are grouped into micro-batches of ``rows_per_micro_batch`` rows, and assigned to
+(micro-batch, data shard) slots so that every shard of every micro-batch holds about the
+same number of tokens. Shard ``s`` of a micro-batch is the contiguous block of rows
+``[s * R / n_shards, (s + 1) * R / n_shards)``, which is how a batch dimension sharded over
+the ("data", "fsdp") mesh axes is laid out.
+
+Alignment inside a packed row: ``positions`` restart at 0 for every segment, ``segment_ids``
+number the segments of a row 1..k (0 = padding), and every per-token array keeps the
+trajectory's own alignment (``behav_logp[t]`` is the logprob of ``input_ids[t]``). The learner
+predicts token t from the hidden state at t-1 *of the same segment*, so the first token of a
+segment never carries a logprob and must not be a loss token.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from areal_jax.rollout.types import Trajectory
+
+# Per-token arrays of a packed micro-batch, with their dtypes. All have shape [R, L].
+PACKED_FIELDS: dict[str, type] = {
+    "input_ids": np.int32,
+    "positions": np.int32,
+    "segment_ids": np.int32,
+    "loss_mask": np.int32,
+    "behav_logp": np.float32,
+    "advantages": np.float32,
+    "versions": np.int32,
+}
+OPTIONAL_FIELDS: dict[str, type] = {"prox_logp": np.float32}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one trajectory sits: row ``row`` of a micro-batch, tokens [start, start+length)."""
+
+    traj_index: int
+    row: int
+    start: int
+    length: int
+
+
+@dataclass
+class PackedBatch:
+    """One micro-batch of packed sequences. Every array is [R, L] (rows x seq_len)."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
+    loss_mask: np.ndarray
+    behav_logp: np.ndarray
+    advantages: np.ndarray
+    versions: np.ndarray
+    placements: list[Placement] = field(default_factory=list)
+    minibatch_id: int = 0
+    # Sum of loss_mask over every micro-batch (and every shard) of this minibatch: the
+    # global normaliser of the token-mean loss.
+    minibatch_loss_tokens: int = 0
+    n_shards: int = 1
+    prox_logp: np.ndarray | None = None
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in PACKED_FIELDS and key not in OPTIONAL_FIELDS:
+            raise KeyError(f"PackedBatch has no array {key!r}; arrays: {list(PACKED_FIELDS)} + prox_logp")
+        value = getattr(self, key)
+        if value is None:
+            raise KeyError(f"PackedBatch[{key!r}] is not set yet (compute it with Learner.compute_logp)")
+        return value
+
+    def __setitem__(self, key: str, value: np.ndarray) -> None:
+        if key not in PACKED_FIELDS and key not in OPTIONAL_FIELDS:
+            raise KeyError(f"PackedBatch has no array {key!r}; arrays: {list(PACKED_FIELDS)} + prox_logp")
+        value = np.asarray(value, dtype={**PACKED_FIELDS, **OPTIONAL_FIELDS}[key])
+        if value.shape != self.shape:
+            raise ValueError(f"PackedBatch[{key!r}] must have shape {self.shape}, got {value.shape}")
+        setattr(self, key, value)
+
+    def __contains__(self, key: str) -> bool:
+        return (key in PACKED_FIELDS or key in OPTIONAL_FIELDS) and getattr(self, key) is not None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)  # type: ignore[return-value]
+
+    @property
+    def n_tokens(self) -> int:
+        return int((self.segment_ids > 0).sum())
+
+    @property
+    def n_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The per-token arrays (prox_logp included once set)."""
+        out = {k: getattr(self, k) for k in PACKED_FIELDS}
+        if self.prox_logp is not None:
+            out["prox_logp"] = self.prox_logp
+        return out
+
+    def shard_tokens(self) -> list[int]:
+        """Real tokens in each data shard's block of rows (for balance checks and metrics)."""
+        blocks = np.split(self.segment_ids > 0, self.n_shards, axis=0)
+        return [int(b.sum()) for b in blocks]
+
+
+def _per_token_advantages(traj: Trajectory, adv: float | np.ndarray | None, index: int) -> np.ndarray:
+    n = traj.num_tokens
+    if adv is None:
+        return np.zeros(n, np.float32)
+    arr = np.asarray(adv, dtype=np.float32)
+    if arr.ndim == 0:  # a scalar: broadcast over the generated tokens
+        return (traj.loss_mask * arr).astype(np.float32)
+    if arr.shape != (n,):
+        raise ValueError(f"advantages[{index}] has shape {arr.shape}; expected a scalar or ({n},) "
+                         f"to match trajectory {index}'s input_ids")
+    return arr
+
+
+def _check_trajectories(trajs: Sequence[Trajectory], seq_len: int) -> np.ndarray:
+    lengths = np.array([t.num_tokens for t in trajs], dtype=np.int64)
+    for i, t in enumerate(trajs):
+        if lengths[i] == 0:
+            raise ValueError(f"trajectory {i} is empty (0 tokens)")
+        if lengths[i] > seq_len:
+            raise ValueError(f"trajectory {i} has {lengths[i]} tokens, longer than seq_len={seq_len}; "
+                             "raise seq_len or drop/truncate the trajectory before packing")
+        if t.loss_mask[0] != 0:
+            raise ValueError(f"trajectory {i} has loss_mask=1 on its first token, which has no "
+                             "logprob (nothing precedes it); the first token must be a prompt token")
+    return lengths
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int,
+                         max_items_per_bin: int | None = None) -> list[list[int]]:
+    """Bins (lists of item indices) of total length <= capacity, by first-fit-decreasing."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        for b, room in enumerate(free):
+            if room >= lengths[i] and (max_items_per_bin is None or len(bins[b]) < max_items_per_bin):
+                bins[b].append(i)
+                free[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            free.append(capacity - lengths[i])
+    return bins
+
+
+def balanced_partition(weights: Sequence[int], n_groups: int, group_capacity: int | None = None
+                       ) -> list[list[int]]:
+    """Greedy longest-processing-time partition of item indices into ``n_groups`` groups.
+
+    Heaviest item first, each into the lightest group that still has room (at most
+    ``group_capacity`` items per group when given).
+    """
+    heap = [(0, g) for g in range(n_groups)]
+    groups: list[list[int]] = [[] for _ in range(n_groups)]
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        load, g = heapq.heappop(heap)
+        while group_capacity is not None and len(groups[g]) >= group_capacity:
+            load, g = heapq.heappop(heap)  # full: drop it from the heap for good
+        groups[g].append(i)
+        heapq.heappush(heap, (load + int(weights[i]), g))
+    return groups
+
+
+def _pack_group(trajs: Sequence[Trajectory], advs: list[np.ndarray], indices: list[int],
+                lengths: np.ndarray, *, seq_len: int, rows_per_micro_batch: int, n_shards: int,
+                max_segments_per_row: int | None, min_micro_batches: int, minibatch_id: int
+                ) -> list[PackedBatch]:
+    rows = [[indices[j] for j in b] for b in
+            first_fit_decreasing([int(lengths[i]) for i in indices], seq_len, max_segments_per_row)]
+    rows_per_shard = rows_per_micro_batch // n_shards
+    n_micro = max(math.ceil(len(rows) / rows_per_micro_batch), min_micro_batches)
+    row_tokens = [int(sum(lengths[i] for i in r)) for r in rows]
+    slots = balanced_partition(row_tokens, n_micro * n_shards, group_capacity=rows_per_shard)
+
+    shape = (rows_per_micro_batch, seq_len)
+    batches = []
+    for m in range(n_micro):
+        arrays = {k: np.zeros(shape, dtype) for k, dtype in PACKED_FIELDS.items()}
+        placements = []
+        for s in range(n_shards):
+            # Slot order within a shard: heaviest row first, for readability of dumps.
+            slot_rows = sorted(slots[m * n_shards + s], key=lambda r: -row_tokens[r])
+            for k, row_idx in enumerate(slot_rows):
+                row = s * rows_per_shard + k
+                start = 0
+                for seg, ti in enumerate(rows[row_idx], start=1):
+                    t, n = trajs[ti], int(lengths[ti])
+                    span = slice(start, start + n)
+                    arrays["input_ids"][row, span] = t.input_ids
+                    arrays["positions"][row, span] = np.arange(n)
+                    arrays["segment_ids"][row, span] = seg
+                    arrays["loss_mask"][row, span] = t.loss_mask
+                    arrays["behav_logp"][row, span] = t.behav_logp * (t.loss_mask != 0)
+                    arrays["advantages"][row, span] = advs[ti]
+                    arrays["versions"][row, span] = t.versions
+                    placements.append(Placement(ti, row, start, n))
+                    start += n
+        batches.append(PackedBatch(**arrays, placements=placements, minibatch_id=minibatch_id,
+                                   n_shards=n_shards))
+    total = sum(b.n_loss_tokens for b in batches)
+    for b in batches:
+        b.minibatch_loss_tokens = total
+    return batches
+
+
+def pack_trajectories(
+    trajs: Sequence[Trajectory],
+    advantages: Sequence[float | np.ndarray] | None = None,
+    *,
+    seq_len: int,
+    rows_per_micro_batch: int,
+    n_shards: int = 1,
+    n_minibatches: int = 1,
+    max_segments_per_row: int | None = None,
+    min_micro_batches: int = 1,
+) -> list[PackedBatch]:
+    """Pack trajectories into micro-batches of shape [rows_per_micro_batch, seq_len].
+
+    Args:
+      trajs: the batch. A trajectory longer than ``seq_len`` is an error.
+      advantages: one per trajectory, a scalar (broadcast over its loss tokens) or a [T]
+        array aligned with its input_ids. None packs zeros (enough for ``compute_logp``).
+      seq_len: tokens per row.
+      rows_per_micro_batch: rows per micro-batch; a multiple of ``n_shards``.
+      n_shards: number of batch shards (mesh data x fsdp size).
+      n_minibatches: trajectories are first split into this many token-balanced
+        minibatches (one optimizer step each), then each is packed on its own; the
+        micro-batches of minibatch k carry ``minibatch_id == k``.
+      max_segments_per_row: cap on sequences per row (1 = plain padding, no packing).
+      min_micro_batches: pad each minibatch with empty micro-batches up to this count.
+
+    Returns:
+      The micro-batches, minibatch by minibatch. ``placements`` map rows back to trajectories
+      (see :func:`unpack_per_token`).
+    """
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be > 0, got {seq_len}")
+    if n_shards <= 0:
+        raise ValueError(f"n_shards must be > 0, got {n_shards}")
+    if rows_per_micro_batch <= 0 or rows_per_micro_batch % n_shards:
+        raise ValueError(f"rows_per_micro_batch={rows_per_micro_batch} must be a positive multiple "
+                         f"of n_shards={n_shards} (the data x fsdp size of the mesh)")
+    if n_minibatches <= 0:
+        raise ValueError(f"n_minibatches must be > 0, got {n_minibatches}")
+    if max_segments_per_row is not None and max_segments_per_row <= 0:
+        raise ValueError(f"max_segments_per_row must be None or > 0, got {max_segments_per_row}")
+    if len(trajs) < n_minibatches:
+        raise ValueError(f"cannot split {len(trajs)} trajectories into n_minibatches={n_minibatches}")
+    if advantages is not None and len(advantages) != len(trajs):
+        raise ValueError(f"got {len(advantages)} advantages for {len(trajs)} trajectories")
+    lengths = _check_trajectories(trajs, seq_len)
+    advs = [_per_token_advantages(t, None if advantages is None else advantages[i], i)
+            for i, t in enumerate(trajs)]
+
+    groups = balanced_partition([int(n) for n in lengths], n_minibatches)
+    batches: list[PackedBatch] = []
+    for mb_id, group in enumerate(groups):
+        batches += _pack_group(trajs, advs, sorted(group), lengths, seq_len=seq_len,
+                               rows_per_micro_batch=rows_per_micro_batch, n_shards=n_shards,
+                               max_segments_per_row=max_segments_per_row,
+                               min_micro_batches=min_micro_batches, minibatch_id=mb_id)
+    return batches
+
+
+def unpack_per_token(batches: Sequence[PackedBatch], values: Sequence[np.ndarray],
+                     n_trajectories: int) -> list[np.ndarray]:
+    """Map per-token values ([R, L] per micro-batch) back to per-trajectory [T_i] arrays."""
+    if len(values) != len(batches):
+        raise ValueError(f"got {len(values)} value arrays for {len(batches)} micro-batches")
+    out: list[np.ndarray | None] = [None] * n_trajectories
+    for b, v in zip(batches, values, strict=True):
+        v = np.asarray(v)
+        if v.shape != b.shape:
+            raise ValueError(f"values of shape {v.shape} do not match micro-batch shape {b.shape}")
+        for p in b.placements:
+            if p.traj_index >= n_trajectories:
+                raise ValueError(f"placement of trajectory {p.traj_index} but n_trajectories={n_trajectories}")
+            out[p.traj_index] = v[p.row, p.start:p.start + p.length].copy()
+    missing = [i for i, o in enumerate(out) if o is None]
+    if missing:
+        raise ValueError(f"trajectories {missing[:10]} are in none of the micro-batches")
+    return out  # type: ignore[return-value]
