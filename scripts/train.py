@@ -1,0 +1,59 @@
+"""Train a policy with asynchronous (or synchronous) RL.
+
+    python scripts/train.py --config configs/tiny_demo.yaml [--mesh data=1,fsdp=2,tensor=1] \
+        [--resume | --no-resume] [key=value ...]
+
+Overrides use dotted keys of the config schema (``areal_jax/config.py``), e.g.
+``train.total_versions=20 rollout.max_staleness=4 mode=sync``. The run directory
+(``run_dir``) receives the resolved config, ``metrics.jsonl``, TensorBoard events,
+checkpoints and the published serving weights. By default a run dir that already
+holds a checkpoint is resumed from it; ``--no-resume`` refuses to touch it instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="YAML run config (see configs/)")
+    p.add_argument("--mesh", default=None, help="learner mesh, e.g. data=1,fsdp=2,tensor=1 (overrides mesh=)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", dest="resume", action="store_true", default=None,
+                   help="resume from the latest checkpoint in the run dir (error if there is none)")
+    g.add_argument("--no-resume", dest="resume", action="store_false",
+                   help="start fresh; error if the run dir already has checkpoints")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = p.parse_args(argv)
+
+    from areal_jax.config import ConfigError, load_config
+
+    overrides = list(args.overrides)
+    if args.mesh:
+        overrides.append(f"mesh={args.mesh}")
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+    from areal_jax.trainer import TrainerError, run_training
+
+    try:
+        run_training(cfg, resume=args.resume)
+    except TrainerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; servers stopped, last checkpoint kept", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
