@@ -1,0 +1,44 @@
+"""Flax NNX decoder-only causal LMs (Qwen2/Qwen2.5, Qwen3, Llama 3) and HF checkpoint I/O."""
+
+from model_defs.config import (
+    PRESETS,
+    SUPPORTED_ARCHITECTURES,
+    ConfigError,
+    ModelConfig,
+    ModelDirNotFoundError,
+    UnsupportedArchitectureError,
+)
+from model_defs.hf_io import HF_PARAM_TABLE, CheckpointError, load_hf, save_hf
+from model_defs.model import CausalLM, KVCache, init_cache
+from model_defs.sharding import (
+    LOGICAL_AXIS_RULES,
+    current_mesh,
+    logical_to_spec,
+    param_logical_axes,
+    param_shardings,
+    shard,
+    use_mesh,
+)
+
+__all__ = [
+    "CausalLM",
+    "CheckpointError",
+    "ConfigError",
+    "HF_PARAM_TABLE",
+    "KVCache",
+    "LOGICAL_AXIS_RULES",
+    "ModelConfig",
+    "ModelDirNotFoundError",
+    "PRESETS",
+    "SUPPORTED_ARCHITECTURES",
+    "UnsupportedArchitectureError",
+    "current_mesh",
+    "init_cache",
+    "load_hf",
+    "logical_to_spec",
+    "param_logical_axes",
+    "param_shardings",
+    "save_hf",
+    "shard",
+    "use_mesh",
+]

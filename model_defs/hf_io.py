@@ -1,0 +1,264 @@
+"""HF checkpoint I/O: ``load_hf`` and ``save_hf`` driven by one mapping table.
+
+``HF_PARAM_TABLE`` rows are (HF key, NNX path, transform). ``{i}`` stands for the layer.
+Transforms (data, applied in both directions):
+- ``None``: same shape;
+- ``"reshape"``: HF flattens the trailing dims of ours (bias [H*Dh] <-> [H, Dh]);
+- ``("transpose", n)``: HF stores [out, in] while ours is [in..., out...] with the first
+  ``n`` dims of ours forming "in": ours = HF.T reshaped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from model_defs.config import ModelConfig
+from model_defs.model import CausalLM
+from model_defs.sharding import sharding_for_array
+
+Transform = None | str | tuple[str, int]
+
+HF_PARAM_TABLE: tuple[tuple[str, str, Transform], ...] = (
+    ("model.embed_tokens.weight", "embed_vd", None),
+    ("model.norm.weight", "final_norm.scale", None),
+    ("lm_head.weight", "lm_head_dv", ("transpose", 1)),
+    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_norm.scale", None),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attn_norm.scale", None),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.attn.q_kernel_dhk", ("transpose", 1)),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers.{i}.attn.k_kernel_dkh", ("transpose", 1)),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers.{i}.attn.v_kernel_dkh", ("transpose", 1)),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.attn.o_kernel_hkd", ("transpose", 2)),
+    ("model.layers.{i}.self_attn.q_proj.bias", "layers.{i}.attn.q_bias", "reshape"),
+    ("model.layers.{i}.self_attn.k_proj.bias", "layers.{i}.attn.k_bias", "reshape"),
+    ("model.layers.{i}.self_attn.v_proj.bias", "layers.{i}.attn.v_bias", "reshape"),
+    ("model.layers.{i}.self_attn.q_norm.weight", "layers.{i}.attn.q_norm.scale", None),
+    ("model.layers.{i}.self_attn.k_norm.weight", "layers.{i}.attn.k_norm.scale", None),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_kernel_df", ("transpose", 1)),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up_kernel_df", ("transpose", 1)),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_kernel_fd", ("transpose", 1)),
+)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SINGLE_SAFETENSORS = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A safetensors checkpoint that does not match the config (missing/misshaped tensor)."""
+
+
+# --------------------------------------------------------------------------- transforms
+def hf_shape(our_shape: tuple[int, ...], transform: Transform) -> tuple[int, ...]:
+    """The HF tensor shape that maps onto a parameter of ``our_shape``."""
+    if transform is None:
+        return tuple(our_shape)
+    if transform == "reshape":
+        return (math.prod(our_shape),)
+    _, n_in = transform
+    return (math.prod(our_shape[n_in:]), math.prod(our_shape[:n_in]))
+
+
+def hf_to_ours(array: np.ndarray, our_shape: tuple[int, ...], transform: Transform) -> np.ndarray:
+    if transform is None:
+        return array
+    if transform == "reshape":
+        return array.reshape(our_shape)
+    return array.T.reshape(our_shape)
+
+
+def ours_to_hf(array: np.ndarray, transform: Transform) -> np.ndarray:
+    if transform is None:
+        return array
+    if transform == "reshape":
+        return array.reshape(-1)
+    _, n_in = transform
+    in_size = math.prod(array.shape[:n_in])
+    return np.ascontiguousarray(array.reshape(in_size, -1).T)
+
+
+def param_table(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str | int, ...], Transform]]:
+    """Rows of HF_PARAM_TABLE expanded over layers, keeping only the ones this config has."""
+    for hf_key, nnx_path, transform in HF_PARAM_TABLE:
+        layers = range(cfg.num_hidden_layers) if "{i}" in hf_key else [None]
+        for i in layers:
+            key = hf_key.format(i=i) if i is not None else hf_key
+            path = nnx_path.format(i=i) if i is not None else nnx_path
+            yield key, tuple(int(p) if p.isdigit() else p for p in path.split(".")), transform
+
+
+# --------------------------------------------------------------------------- load
+def _safetensors_files(path: Path) -> dict[str, Path]:
+    """HF key -> file holding it."""
+    index_path = path / SAFETENSORS_INDEX
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index_path} is not a valid safetensors index: {e}") from None
+        files = {}
+        for key, fname in weight_map.items():
+            fpath = path / fname
+            if not fpath.is_file():
+                raise CheckpointError(f"{index_path} maps {key} to {fname}, which does not exist")
+            files[key] = fpath
+        return files
+    single = path / SINGLE_SAFETENSORS
+    if not single.is_file():
+        raise FileNotFoundError(
+            f"model directory {path} has neither {SINGLE_SAFETENSORS} nor {SAFETENSORS_INDEX}"
+        )
+    try:
+        with safe_open(str(single), framework="numpy") as f:
+            return {key: single for key in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types
+        raise CheckpointError(f"{single} is not a readable safetensors file: {e}") from None
+
+
+def _place(array: np.ndarray, dtype: Any, sharding: Any) -> jax.Array:
+    """Puts a host array straight onto its target sharding (each device gets its slice)."""
+    if sharding is None:
+        return jnp.asarray(array, dtype=dtype)
+    return jax.make_array_from_callback(
+        array.shape, sharding, lambda idx: np.asarray(array[idx], dtype=dtype)
+    )
+
+
+def load_hf(
+    path: str | os.PathLike, dtype: str | Any = "float32", mesh: Mesh | None = None
+) -> tuple[CausalLM, ModelConfig]:
+    """Loads an HF Qwen2/Qwen2.5, Qwen3 or Llama-3 checkpoint directory.
+
+    Args:
+      path: directory with config.json and model.safetensors (or shards + index).
+      dtype: "float32" or "bfloat16" (params and compute; logits are always fp32).
+      mesh: optional mesh with axes data/fsdp/tensor; each tensor is placed directly on
+        its NamedSharding from the logical-axis rules.
+    """
+    path = Path(path)
+    cfg = ModelConfig.from_pretrained_dir(path)
+    jdtype = _parse_dtype(dtype)
+    files = _safetensors_files(path)
+
+    abstract = nnx.eval_shape(
+        lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jdtype, param_dtype=jdtype)
+    )
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+
+    handles: dict[Path, Any] = {}
+    try:
+        new_flat = []
+        for hf_key, nnx_path, transform in param_table(cfg):
+            if nnx_path not in flat:
+                continue  # a tensor this config does not have (bias, qk-norm, untied head)
+            variable = flat.pop(nnx_path)
+            abstract_value = variable.get_value()
+            our_shape = tuple(abstract_value.shape)
+            fpath = files.get(hf_key)
+            if fpath is None:
+                where = path / (SAFETENSORS_INDEX if (path / SAFETENSORS_INDEX).is_file()
+                                else SINGLE_SAFETENSORS)
+                raise CheckpointError(
+                    f"{where}: missing tensor {hf_key} (expected shape "
+                    f"{list(hf_shape(our_shape, transform))}) for {cfg.architecture}"
+                )
+            if fpath not in handles:
+                handles[fpath] = safe_open(str(fpath), framework="numpy").__enter__()
+            handle = handles[fpath]
+            actual_shape = tuple(handle.get_slice(hf_key).get_shape())
+            expected_shape = hf_shape(our_shape, transform)
+            if actual_shape != expected_shape:
+                raise CheckpointError(
+                    f"{fpath}: tensor {hf_key} has shape {list(actual_shape)}, expected "
+                    f"{list(expected_shape)} for {cfg.architecture} per config.json"
+                )
+            host = hf_to_ours(handle.get_tensor(hf_key), our_shape, transform)
+            sharding = None
+            if mesh is not None:
+                axes = variable.get_metadata().get("logical_axes")
+                sharding = sharding_for_array(our_shape, axes, mesh)
+            new_flat.append((nnx_path, variable.replace(_place(host, jdtype, sharding))))
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+    if flat:
+        raise CheckpointError(f"internal: no HF mapping for parameters {sorted(flat)}")
+    state = nnx.from_flat_state(new_flat)
+    return nnx.merge(graphdef, state), cfg
+
+
+def _parse_dtype(dtype: str | Any) -> Any:
+    names = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
+             "bf16": jnp.bfloat16}
+    if isinstance(dtype, str):
+        if dtype not in names:
+            raise ValueError(f"dtype {dtype!r} is not supported; use 'float32' or 'bfloat16'")
+        return names[dtype]
+    jd = jnp.dtype(dtype)
+    if jd not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"dtype {dtype!r} is not supported; use 'float32' or 'bfloat16'")
+    return jd
+
+
+# --------------------------------------------------------------------------- save
+def save_hf(
+    model: CausalLM,
+    cfg: ModelConfig,
+    path: str | os.PathLike,
+    max_shard_bytes: int = 5 * 1024**3,
+    dtype: str | None = None,
+) -> Path:
+    """Writes config.json + model.safetensors (or shards + index) that transformers loads.
+
+    ``dtype`` (e.g. "bfloat16") casts the saved tensors; default: the params' dtype.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    out_dtype = _parse_dtype(dtype) if dtype is not None else None
+    tensors: dict[str, np.ndarray] = {}
+    for hf_key, nnx_path, transform in param_table(cfg):
+        if nnx_path not in flat:
+            continue
+        value = flat[nnx_path].get_value()
+        host = np.asarray(jax.device_get(value if out_dtype is None else value.astype(out_dtype)))
+        tensors[hf_key] = ours_to_hf(host, transform)
+    torch_dtype = str(next(iter(tensors.values())).dtype)
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for key, arr in tensors.items():
+        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = arr
+        size += arr.nbytes
+    for stale in list(path.glob("model*.safetensors")) + [path / SAFETENSORS_INDEX]:
+        if stale.exists():
+            stale.unlink()
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(path / SINGLE_SAFETENSORS), metadata=metadata)
+    else:
+        weight_map = {}
+        for n, shard_tensors in enumerate(shards, start=1):
+            fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard_tensors, str(path / fname), metadata=metadata)
+            weight_map.update({k: fname for k in shard_tensors})
+        index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+                 "weight_map": weight_map}
+        (path / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
+    (path / "config.json").write_text(json.dumps(cfg.to_hf_dict(torch_dtype), indent=2))
+    return path

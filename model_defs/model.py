@@ -1,0 +1,322 @@
+"""A Flax NNX decoder-only causal LM covering Qwen2/Qwen2.5, Qwen3 and Llama 3.
+
+Shape letters: B batch, T query tokens, S key tokens (cache length), D hidden, V vocab,
+H query heads, K kv heads, G query heads per kv head (H = K*G), Dh head dim, F mlp, L layers.
+
+Weights keep the HF layout up to a transpose/reshape (``q_proj.kernel_dhk`` is HF
+``q_proj.weight`` transposed to [D, H, Dh]); see ``hf_io.HF_PARAM_TABLE``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from model_defs.config import ModelConfig
+from model_defs.sharding import shard
+
+Array = jax.Array
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+# --------------------------------------------------------------------------- cache
+@struct.dataclass
+class KVCache:
+    """Per-layer keys/values, ``k``/``v``: [L, B, S_max, K, Dh].
+
+    Token (b, t) is stored at index ``positions[b, t]`` of row b; a query at position p
+    reads indices j <= p of its row only.
+    """
+
+    k: Array
+    v: Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
+    shape = (cfg.num_hidden_layers, batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def _write_cache(cache_lbskd: Array, layer: int, new_btkd: Array, positions_bt: Array) -> Array:
+    batch_idx_bt = jnp.broadcast_to(jnp.arange(new_btkd.shape[0])[:, None], positions_bt.shape)
+    return cache_lbskd.at[layer, batch_idx_bt, positions_bt].set(
+        new_btkd.astype(cache_lbskd.dtype), mode="drop"
+    )
+
+
+# --------------------------------------------------------------------------- rope
+def rope_inv_freq(cfg: ModelConfig) -> Array:
+    """Inverse frequencies [Dh/2], including Llama-3 scaling, as transformers computes them."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    scaling = cfg.rope_scaling
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_context_len = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = jnp.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = jnp.where(is_medium, smoothed, inv_freq_llama)
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: Array, positions_bt: Array, dtype: Any) -> tuple[Array, Array]:
+    """cos, sin: [B, T, Dh] (the two halves repeated, HF convention)."""
+    freqs_btf = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+    emb_btd = jnp.concatenate([freqs_btf, freqs_btf], axis=-1)
+    return jnp.cos(emb_btd).astype(dtype), jnp.sin(emb_btd).astype(dtype)
+
+
+def apply_rope(x_btnd: Array, cos_btd: Array, sin_btd: Array) -> Array:
+    half = x_btnd.shape[-1] // 2
+    rotated = jnp.concatenate([-x_btnd[..., half:], x_btnd[..., :half]], axis=-1)
+    return x_btnd * cos_btd[:, :, None, :] + rotated * sin_btd[:, :, None, :]
+
+
+# --------------------------------------------------------------------------- layers
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype: Any, param_dtype: Any):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        normed = (x32 * jax.lax.rsqrt(var + self.eps)).astype(self.dtype)
+        return self.scale[...].astype(self.dtype) * normed
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any,
+           std: float = 0.02) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), logical_axes=axes)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        d, h, k, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
+        self.dtype = dtype
+        self.q_kernel_dhk = _param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), param_dtype)
+        self.k_kernel_dkh = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.v_kernel_dkh = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.o_kernel_hkd = _param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), param_dtype)
+        if cfg.attention_bias:
+            self.q_bias = nnx.Param(jnp.zeros((h, dh), param_dtype), logical_axes=("heads", "head_dim"))
+            self.k_bias = nnx.Param(jnp.zeros((k, dh), param_dtype), logical_axes=("kv_heads", "head_dim"))
+            self.v_bias = nnx.Param(jnp.zeros((k, dh), param_dtype), logical_axes=("kv_heads", "head_dim"))
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _project(self, x_btd: Array, kernel: nnx.Param, bias: nnx.Param | None) -> Array:
+        out_btnh = jnp.einsum("btd,dnh->btnh", x_btd, kernel[...].astype(self.dtype))
+        if bias is not None:
+            out_btnh = out_btnh + bias[...].astype(self.dtype)
+        return out_btnh
+
+    def __call__(
+        self,
+        x_btd: Array,
+        cos_sin: tuple[Array, Array],
+        mask_bts: Array,
+        positions_bt: Array,
+        cache: KVCache | None,
+        layer_idx: int,
+    ) -> tuple[Array, KVCache | None]:
+        b, t, _ = x_btd.shape
+        q_bthd = self._project(x_btd, self.q_kernel_dhk, self.q_bias)
+        k_btkd = self._project(x_btd, self.k_kernel_dkh, self.k_bias)
+        v_btkd = self._project(x_btd, self.v_kernel_dkh, self.v_bias)
+        if self.q_norm is not None:
+            q_bthd = self.q_norm(q_bthd)
+            k_btkd = self.k_norm(k_btkd)
+        cos, sin = cos_sin
+        q_bthd = shard(apply_rope(q_bthd, cos, sin), ("batch", "seq", "heads", "head_dim"))
+        k_btkd = shard(apply_rope(k_btkd, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
+        v_btkd = shard(v_btkd, ("batch", "seq", "kv_heads", "head_dim"))
+
+        if cache is not None:
+            cache = KVCache(
+                k=_write_cache(cache.k, layer_idx, k_btkd, positions_bt),
+                v=_write_cache(cache.v, layer_idx, v_btkd, positions_bt),
+            )
+            keys_bskd = cache.k[layer_idx].astype(self.dtype)
+            values_bskd = cache.v[layer_idx].astype(self.dtype)
+        else:
+            keys_bskd, values_bskd = k_btkd, v_btkd
+
+        groups = self.num_heads // self.num_kv_heads
+        q_btkgd = q_bthd.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
+        q_btkgd = q_btkgd * jnp.asarray(self.head_dim**-0.5, self.dtype)
+        scores_bkgts = jnp.einsum(
+            "btkgd,bskd->bkgts", q_btkgd, keys_bskd, preferred_element_type=jnp.float32
+        )
+        scores_bkgts = jnp.where(mask_bts[:, None, None, :, :], scores_bkgts, _MASK_VALUE)
+        probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(self.dtype)
+        out_btkgd = jnp.einsum("bkgts,bskd->btkgd", probs_bkgts, values_bskd)
+        out_bthd = out_btkgd.reshape(b, t, self.num_heads, self.head_dim)
+        out_btd = jnp.einsum("bthd,hdD->btD", out_bthd, self.o_kernel_hkd[...].astype(self.dtype))
+        return out_btd, cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.dtype = dtype
+        self.gate_kernel_df = _param(rngs, (d, f), ("embed", "mlp"), param_dtype)
+        self.up_kernel_df = _param(rngs, (d, f), ("embed", "mlp"), param_dtype)
+        self.down_kernel_fd = _param(rngs, (f, d), ("mlp", "embed"), param_dtype)
+
+    def __call__(self, x_btd: Array) -> Array:
+        gate_btf = x_btd @ self.gate_kernel_df[...].astype(self.dtype)
+        up_btf = x_btd @ self.up_kernel_df[...].astype(self.dtype)
+        hidden_btf = shard(jax.nn.silu(gate_btf) * up_btf, ("batch", "seq", "mlp"))
+        return hidden_btf @ self.down_kernel_fd[...].astype(self.dtype)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.attn = Attention(cfg, rngs=rngs, **kw)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.mlp = MLP(cfg, rngs=rngs, **kw)
+
+    def __call__(self, x_btd, cos_sin, mask_bts, positions_bt, cache, layer_idx):
+        attn_btd, cache = self.attn(
+            self.input_norm(x_btd), cos_sin, mask_bts, positions_bt, cache, layer_idx
+        )
+        x_btd = shard(x_btd + attn_btd, ("batch", "seq", "act_embed"))
+        x_btd = x_btd + self.mlp(self.post_attn_norm(x_btd))
+        return shard(x_btd, ("batch", "seq", "act_embed")), cache
+
+
+def _run_layer(layer, x_btd, cos_sin, mask_bts, positions_bt, cache, layer_idx):
+    return layer(x_btd, cos_sin, mask_bts, positions_bt, cache, layer_idx)
+
+
+# --------------------------------------------------------------------------- model
+class CausalLM(nnx.Module):
+    """Decoder-only LM. ``model(ids)`` -> fp32 logits; with ``cache=`` -> (logits, cache)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = jnp.float32,
+        remat: bool = False,
+    ):
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.param_dtype = jnp.dtype(param_dtype)
+        self.remat = remat
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        self.embed_vd = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                               self.param_dtype)
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, rngs=rngs, **kw) for _ in range(cfg.num_hidden_layers)]
+        )
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        if cfg.tie_word_embeddings:
+            self.lm_head_dv = None
+        else:
+            self.lm_head_dv = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+                                     self.param_dtype)
+
+    # ------------------------------------------------------------------ helpers
+    def unembed_dv(self) -> Array:
+        """[D, V] output projection (the transposed embedding when tied)."""
+        if self.lm_head_dv is None:
+            return self.embed_vd[...].T
+        return self.lm_head_dv[...]
+
+    def hidden_states(
+        self,
+        input_ids_bt: Array,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        cache: KVCache | None = None,
+    ) -> Any:
+        """Hidden states after the final norm, [B, T, D] (and the cache when given)."""
+        input_ids_bt = jnp.asarray(input_ids_bt)
+        if input_ids_bt.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {input_ids_bt.shape}")
+        b, t = input_ids_bt.shape
+        if positions is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        else:
+            positions_bt = jnp.asarray(positions, jnp.int32)
+            if positions_bt.shape != (b, t):
+                raise ValueError(f"positions has shape {positions_bt.shape}, expected {(b, t)}")
+        if cache is not None:
+            # A query at position p sees cache indices j <= p of its own row.
+            key_idx_s = jnp.arange(cache.max_len, dtype=jnp.int32)
+            mask_bts = key_idx_s[None, None, :] <= positions_bt[:, :, None]
+        else:
+            idx_t = jnp.arange(t)
+            mask_bts = jnp.broadcast_to(idx_t[None, :, None] >= idx_t[None, None, :], (b, t, t))
+            if segment_ids is not None:
+                seg_bt = jnp.asarray(segment_ids)
+                if seg_bt.shape != (b, t):
+                    raise ValueError(f"segment_ids has shape {seg_bt.shape}, expected {(b, t)}")
+                mask_bts = mask_bts & (seg_bt[:, :, None] == seg_bt[:, None, :])
+
+        x_btd = jnp.take(self.embed_vd[...], input_ids_bt, axis=0).astype(self.dtype)
+        x_btd = shard(x_btd, ("batch", "seq", "act_embed"))
+        cos_sin = rope_cos_sin(rope_inv_freq(self.cfg), positions_bt, self.dtype)
+        run = nnx.remat(_run_layer, static_argnums=(6,)) if self.remat else _run_layer
+        for i, layer in enumerate(self.layers):
+            x_btd, cache = run(layer, x_btd, cos_sin, mask_bts, positions_bt, cache, i)
+        hidden_btd = self.final_norm(x_btd)
+        return hidden_btd if cache is None else (hidden_btd, cache)
+
+    def logits_from_hidden(self, hidden_btd: Array) -> Array:
+        """fp32 logits [B, T, V] = hidden @ unembed_dv."""
+        w_dv = self.unembed_dv()
+        if self.dtype == jnp.float32 and w_dv.dtype == jnp.float32:
+            logits_btv = hidden_btd @ w_dv
+        else:
+            logits_btv = jnp.einsum(
+                "btd,dv->btv", hidden_btd, w_dv.astype(self.dtype),
+                preferred_element_type=jnp.float32,
+            )
+        return shard(logits_btv.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+    def __call__(
+        self,
+        input_ids_bt: Array,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        cache: KVCache | None = None,
+    ) -> Any:
+        """fp32 logits [B, T, V]; with ``cache`` returns (logits, updated cache).
+
+        ``segment_ids`` [B, T]: tokens attend only to earlier tokens of the same segment
+        (0 marks padding). Ignored when a cache is given.
+        """
+        out = self.hidden_states(input_ids_bt, positions, segment_ids, cache)
+        if cache is None:
+            return self.logits_from_hidden(out)
+        hidden_btd, cache = out
+        return self.logits_from_hidden(hidden_btd), cache

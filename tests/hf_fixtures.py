@@ -1,0 +1,89 @@
+"""Tiny random HF checkpoints made offline with transformers (the reference implementation).
+
+    from hf_fixtures import make_tiny_hf_checkpoint   # tests/ is on sys.path under pytest
+    path = make_tiny_hf_checkpoint(tmp_path, arch="qwen2", tie=True, seed=0)
+
+Overrides are HF config keys (``hidden_size=48``, ``num_key_value_heads=1``, ...).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+ARCH_ALIASES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
+
+BASE_CONFIG: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def make_hf_config(arch: str = "qwen2", tie: bool = False, **overrides: Any) -> Any:
+    """A transformers config object for a tiny model of ``arch`` ("qwen2"|"qwen3"|"llama")."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    config_cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}
+    if arch not in config_cls:
+        raise ValueError(f"arch must be one of {sorted(config_cls)}, got {arch!r}")
+    kwargs = dict(BASE_CONFIG, tie_word_embeddings=tie)
+    if arch in ("qwen3", "llama"):
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    kwargs.update(overrides)
+    return config_cls[arch](**kwargs)
+
+
+def make_hf_model(arch: str = "qwen2", tie: bool = False, seed: int = 0, **overrides: Any) -> Any:
+    """A random fp32 transformers model (eval mode). Norm weights and biases are randomised
+    too, so a mix-up of any tensor shows in the logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = make_hf_config(arch, tie=tie, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(seed + 1)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+    return model.eval()
+
+
+def make_tiny_hf_checkpoint(
+    tmp_path: str | Path,
+    arch: str = "qwen2",
+    tie: bool = True,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Saves a tiny random fp32 HF checkpoint and returns its directory.
+
+    ``max_shard_size`` (e.g. "20KB") makes transformers write sharded safetensors + index.
+    """
+    model = make_hf_model(arch, tie=tie, seed=seed, **overrides)
+    name = f"{arch}-{'tied' if tie else 'untied'}-s{seed}"
+    if overrides:
+        name += "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()) if not isinstance(v, dict))
+    out = Path(tmp_path) / name
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out, safe_serialization=True, **kwargs)
+    return out
