@@ -1,0 +1,285 @@
+"""Training checkpoints: params, optimizer state and a JSON ``meta`` item, via Orbax.
+
+One checkpoint is one step directory ``DIR/<step>/`` with three items:
+
+* ``params``    a PyTree of arrays (an ``nnx.State`` is saved as its pure dict);
+* ``opt_state`` a PyTree of arrays (an optax state, or an ``nnx.State`` of one);
+* ``meta``      a JSON dict: step, version, rng, executor accounting, grain iterator
+  state, the HF ``model_config`` and anything else JSON-serialisable.
+
+Saves are asynchronous: ``save`` returns once the arrays are copied off the devices
+and the write continues in a background thread (so donating the buffers to the next
+train step is safe). Orbax writes into a temporary directory and renames it (local
+disk) or writes a commit marker (``gs://``) only when every item is durable, so a
+process killed mid-save leaves the previous checkpoint as the latest readable one.
+
+Restore onto devices by passing targets: PyTrees of ``jax.ShapeDtypeStruct`` (or
+concrete arrays) whose ``sharding`` says where each array goes. Without a target,
+arrays come back on the default device and containers as plain dicts/lists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+PARAMS, OPT_STATE, META = "params", "opt_state", "meta"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be found, read or matched to the requested target."""
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _item_handlers() -> dict[str, ocp.CheckpointHandler]:
+    return {
+        PARAMS: ocp.StandardCheckpointHandler(),
+        OPT_STATE: ocp.StandardCheckpointHandler(),
+        META: ocp.JsonCheckpointHandler(),
+    }
+
+
+def _to_pure(tree: Any) -> Any:
+    """An ``nnx.State`` as its pure nested dict; anything else unchanged."""
+    return tree.to_pure_dict() if isinstance(tree, nnx.State) else tree
+
+
+def _abstract(tree: Any) -> Any:
+    """Arrays / ShapeDtypeStructs -> ShapeDtypeStructs, keeping (or defaulting) shardings."""
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x if x.sharding is not None else jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=default)
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        if isinstance(x, np.ndarray | np.generic | int | float):
+            arr = np.asarray(x)
+            return jax.ShapeDtypeStruct(arr.shape, arr.dtype, sharding=default)
+        raise CheckpointError(f"restore target leaf of type {type(x).__name__} is not an array")
+
+    return jax.tree.map(leaf, tree)
+
+
+def _key_str(path: tuple) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                    for k in path) or "<root>"
+
+
+def _flat_by_key(tree: Any) -> dict[str, Any]:
+    return {_key_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_target(saved_meta_tree: Any, target_abstract: Any, item: str, where: str) -> None:
+    """Names the first mismatching keys/shapes instead of letting Orbax fail deep inside."""
+    saved = _flat_by_key(saved_meta_tree)
+    wanted = _flat_by_key(target_abstract)
+    missing = sorted(set(wanted) - set(saved))
+    extra = sorted(set(saved) - set(wanted))
+    if missing or extra:
+        raise CheckpointError(
+            f"{where}: {item} in the checkpoint does not match the restore target; "
+            f"keys only in the target: {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
+            f"keys only in the checkpoint: {extra[:5]}{' ...' if len(extra) > 5 else ''}"
+        )
+    for key, want in wanted.items():
+        have_shape = tuple(saved[key].shape)
+        if have_shape != tuple(want.shape):
+            raise CheckpointError(
+                f"{where}: {item}/{key} has shape {have_shape} in the checkpoint but the "
+                f"restore target expects {tuple(want.shape)}"
+            )
+
+
+def _default_target(saved_meta_tree: Any) -> Any:
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), saved_meta_tree
+    )
+
+
+def _json_copy(meta: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(meta, Mapping):
+        raise TypeError(f"checkpoint meta must be a dict, got {type(meta).__name__}")
+    for key, value in meta.items():
+        if not isinstance(key, str):
+            raise TypeError(f"checkpoint meta key {key!r} is not a string")
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"checkpoint meta[{key!r}] is not JSON-serialisable: {e}") from None
+    return json.loads(json.dumps(dict(meta)))
+
+
+def rng_to_json(key: jax.Array) -> list[int]:
+    """A JAX PRNG key (typed or raw uint32) as a list of ints for ``meta['rng']``."""
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return [int(v) for v in np.asarray(key).reshape(-1)]
+
+
+def rng_from_json(data: list[int], *, typed: bool = True) -> jax.Array:
+    """Inverse of ``rng_to_json`` for the default (threefry) implementation."""
+    raw = np.asarray(data, dtype=np.uint32)
+    if raw.shape != (2,):
+        raise CheckpointError(f"meta rng must be 2 uint32 words (threefry), got {list(data)!r}")
+    return jax.random.wrap_key_data(raw) if typed else jax.numpy.asarray(raw)
+
+
+class TrainCheckpointer:
+    """Saves and restores the learner's training state in ``directory`` (local or gs://).
+
+    Keeps the newest ``keep`` checkpoints. ``save`` is asynchronous unless
+    ``async_save=False``; call ``wait()`` before relying on it being on disk.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
+                 read_only: bool = False):
+        directory = os.fspath(directory)
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"TrainCheckpointer keep must be an int >= 1, got {keep!r}")
+        if not _is_url(directory):
+            directory = os.path.abspath(directory)
+            if read_only and not os.path.isdir(directory):
+                raise CheckpointError(f"checkpoint directory {directory} does not exist")
+            if os.path.exists(directory) and not os.path.isdir(directory):
+                raise CheckpointError(f"checkpoint directory {directory} is a file")
+        self.directory = directory
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            create=not read_only,
+            read_only=read_only,
+            # Leftover tmp dirs of a killed save are ignored, and removed before the next save.
+            cleanup_tmp_directories=not read_only,
+        )
+        self._manager = ocp.CheckpointManager(directory, options=options,
+                                              item_handlers=_item_handlers())
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, params: Any, opt_state: Any | None, meta: Mapping[str, Any],
+             *, force: bool = False) -> bool:
+        """Starts saving checkpoint ``step``; returns True if a save was started.
+
+        ``opt_state=None`` saves params only (e.g. a converted HF model). ``force``
+        overwrites nothing; it only bypasses Orbax's save-interval policy.
+        """
+        if not isinstance(step, int | np.integer) or step < 0:
+            raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
+        step = int(step)
+        if step in self.all_steps():
+            raise CheckpointError(f"{self.directory}: checkpoint step {step} already exists")
+        meta = _json_copy(meta)
+        meta.setdefault("step", step)
+        meta["has_opt_state"] = opt_state is not None
+        items: dict[str, Any] = {
+            PARAMS: ocp.args.StandardSave(_to_pure(params)),
+            META: ocp.args.JsonSave(meta),
+        }
+        if opt_state is not None:
+            items[OPT_STATE] = ocp.args.StandardSave(_to_pure(opt_state))
+        return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
+
+    def wait(self) -> None:
+        """Blocks until every started save is durable (and raises if one failed)."""
+        self._manager.wait_until_finished()
+        self._manager.check_for_errors()
+
+    # --------------------------------------------------------------- queries
+    def all_steps(self) -> list[int]:
+        """Committed checkpoint steps, oldest first (ignores unfinished tmp dirs)."""
+        return sorted(int(s) for s in self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def _resolve_step(self, step: int | None) -> int:
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"no checkpoint found in {self.directory}")
+            return steps[-1]
+        if int(step) not in steps:
+            raise CheckpointError(
+                f"checkpoint step {step} not found in {self.directory}; available steps: {steps}"
+            )
+        return int(step)
+
+    def restore_meta(self, step: int | None = None) -> dict[str, Any]:
+        """Only the JSON ``meta`` item of checkpoint ``step`` (default: latest)."""
+        step = self._resolve_step(step)
+        restored = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
+        return dict(restored[META])
+
+    # --------------------------------------------------------------- restore
+    def restore(self, step: int | None = None, *, params_target: Any = None,
+                opt_state_target: Any = None) -> tuple[Any, Any, dict[str, Any]]:
+        """Returns ``(params, opt_state, meta)`` of checkpoint ``step`` (default: latest).
+
+        A target (PyTree of arrays or ``jax.ShapeDtypeStruct`` with shardings, or an
+        ``nnx.State``) fixes the structure, dtypes and device placement of the result;
+        an ``nnx.State`` target comes back as an ``nnx.State``. Without a target the
+        result is a pure PyTree on the default device. ``opt_state`` is None for a
+        params-only checkpoint.
+        """
+        step = self._resolve_step(step)
+        where = f"{self.directory}/{step}"
+        saved = self._manager.item_metadata(step)
+        meta = self.restore_meta(step)
+        has_opt = bool(meta.get("has_opt_state", saved.get(OPT_STATE) is not None))
+        if saved.get(PARAMS) is None:
+            raise CheckpointError(f"{where} has no params item")
+        if opt_state_target is not None and not has_opt:
+            raise CheckpointError(f"{where} holds params only (no optimizer state) but an "
+                                  f"opt_state_target was given")
+
+        def prepare(item: str, target: Any) -> Any:
+            saved_tree = saved[item].tree
+            if target is None:
+                return _default_target(saved_tree)
+            abstract = _abstract(_to_pure(target))
+            _check_target(saved_tree, abstract, item, where)
+            return abstract
+
+        items = {PARAMS: ocp.args.StandardRestore(prepare(PARAMS, params_target))}
+        if has_opt:
+            items[OPT_STATE] = ocp.args.StandardRestore(prepare(OPT_STATE, opt_state_target))
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            raise CheckpointError(f"{where}: failed to restore: {e}") from e
+        params = _back_to_target(restored[PARAMS], params_target)
+        opt_state = _back_to_target(restored[OPT_STATE], opt_state_target) if has_opt else None
+        return params, opt_state, meta
+
+    def close(self) -> None:
+        """Waits for pending saves, then releases the manager."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> TrainCheckpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _back_to_target(pure_tree: Any, target: Any) -> Any:
+    """Restored pure tree -> the target's type (a fresh ``nnx.State`` if it was one)."""
+    if isinstance(target, nnx.State):
+        state = jax.tree.map(lambda x: x, target)  # new State and Variables, same structure
+        nnx.replace_by_pure_dict(state, pure_tree)
+        return state
+    return pure_tree

@@ -1,0 +1,245 @@
+"""TrainCheckpointer: Orbax save/restore of params, optimizer state and meta."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from areal_jax.checkpoint.orbax_ckpt import (
+    CheckpointError,
+    TrainCheckpointer,
+    rng_from_json,
+    rng_to_json,
+)
+
+
+class TinyNet(nnx.Module):
+    """Two linear layers in an nnx.List (int keys in the state) and an embedding."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(32, 16, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(16, 16, rngs=rngs) for _ in range(2)])
+
+
+def _params_and_opt(seed: int = 0):
+    model = TinyNet(nnx.Rngs(seed))
+    params = nnx.state(model, nnx.Param)
+    tx = optax.adamw(1e-2)
+    opt_state = tx.init(params.to_pure_dict())
+    # One real update so mu/nu/count are not the trivial init values.
+    grads = jax.tree.map(lambda p: jnp.cos(p) + 0.1, params.to_pure_dict())
+    _, opt_state = tx.update(grads, opt_state, params.to_pure_dict())
+    return params, opt_state
+
+
+def _assert_trees_equal(a, b):
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_round_trip_params_opt_state_meta(tmp_path):
+    params, opt_state = _params_and_opt()
+    key = jax.random.key(123)
+    meta = {"version": 7, "rng": rng_to_json(key), "executor": {"accepted": 12, "running": 3},
+            "data_iter": {"next_index": 40}, "model_config": {"hidden_size": 16}}
+    ckpt = TrainCheckpointer(tmp_path / "ckpt", keep=3, async_save=True)
+    assert ckpt.latest_step() is None
+    assert ckpt.save(5, params, opt_state, meta)
+    ckpt.wait()
+    ckpt.close()
+
+    ckpt = TrainCheckpointer(tmp_path / "ckpt")
+    assert ckpt.latest_step() == 5
+    # With targets: same container types (nnx.State, optax namedtuples) and values.
+    abstract_params = jax.tree.map(lambda x: x, params)
+    got_params, got_opt, got_meta = ckpt.restore(params_target=abstract_params,
+                                                 opt_state_target=opt_state)
+    assert isinstance(got_params, nnx.State)
+    _assert_trees_equal(got_params, params)
+    _assert_trees_equal(got_opt, opt_state)
+    assert got_meta["step"] == 5 and got_meta["version"] == 7
+    assert got_meta["executor"] == {"accepted": 12, "running": 3}
+    assert got_meta["data_iter"] == {"next_index": 40}
+    np.testing.assert_array_equal(jax.random.key_data(rng_from_json(got_meta["rng"])),
+                                  jax.random.key_data(key))
+    # The restored nnx.State plugs back into a fresh model.
+    fresh = TinyNet(nnx.Rngs(99))
+    nnx.update(fresh, got_params)
+    np.testing.assert_array_equal(fresh.embed.embedding[...],
+                                  params.to_pure_dict()["embed"]["embedding"])
+
+    # Without targets: pure containers, same leaves.
+    pure_params, pure_opt, _ = ckpt.restore(5)
+    state = jax.tree.map(lambda x: x, params)
+    nnx.replace_by_pure_dict(state, pure_params)
+    _assert_trees_equal(state, params)
+    np.testing.assert_array_equal(pure_opt[0]["mu"]["layers"]["1"]["kernel"],
+                                  opt_state[0].mu["layers"][1]["kernel"])
+    assert int(pure_opt[0]["count"]) == 1
+    ckpt.close()
+
+
+def test_restore_onto_sharded_target(tmp_path):
+    devices = np.array(jax.devices())
+    assert devices.size == 8, "conftest sets 8 fake CPU devices"
+    save_mesh = Mesh(devices.reshape(8), ("fsdp",))
+    params, opt_state = _params_and_opt(seed=1)
+
+    def place(tree, mesh, spec_2d):
+        return jax.tree.map(lambda x: jax.device_put(
+            x, NamedSharding(mesh, spec_2d if x.ndim == 2 else P())), tree)
+
+    saved_params = place(params.to_pure_dict(), save_mesh, P("fsdp", None))
+    saved_opt = place(opt_state, save_mesh, P("fsdp", None))
+    with TrainCheckpointer(tmp_path / "ckpt", async_save=True) as ckpt:
+        ckpt.save(1, saved_params, saved_opt, {"version": 1})
+
+    restore_mesh = Mesh(devices.reshape(4, 2), ("fsdp", "tensor"))
+
+    def abstract(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype,
+            sharding=NamedSharding(restore_mesh, P("fsdp", "tensor") if x.ndim == 2 else P())),
+            tree)
+
+    params_target, opt_target = abstract(saved_params), abstract(saved_opt)
+    with TrainCheckpointer(tmp_path / "ckpt") as ckpt:
+        got_params, got_opt, _ = ckpt.restore(1, params_target=params_target,
+                                              opt_state_target=opt_target)
+    for got, want, tgt in zip(jax.tree.leaves(got_params), jax.tree.leaves(saved_params),
+                              jax.tree.leaves(params_target), strict=True):
+        assert got.sharding == tgt.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for got, want, tgt in zip(jax.tree.leaves(got_opt), jax.tree.leaves(saved_opt),
+                              jax.tree.leaves(opt_target), strict=True):
+        assert got.sharding == tgt.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    kernel = got_params["layers"][0]["kernel"]
+    assert kernel.sharding.spec == P("fsdp", "tensor")
+    assert {s.data.shape for s in kernel.addressable_shards} == {(4, 8)}
+
+
+def test_keep_k_and_missing_step(tmp_path):
+    params, opt_state = _params_and_opt()
+    with TrainCheckpointer(tmp_path / "ckpt", keep=2, async_save=False) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, params, opt_state, {"version": step})
+        ckpt.wait()
+        assert ckpt.all_steps() == [3, 4]
+        assert sorted(p for p in os.listdir(tmp_path / "ckpt") if p.isdigit()) == ["3", "4"]
+        with pytest.raises(CheckpointError, match=r"step 1 not found .*available steps: \[3, 4\]"):
+            ckpt.restore(1)
+        assert ckpt.restore_meta()["version"] == 4
+        with pytest.raises(CheckpointError, match="step 4 already exists"):
+            ckpt.save(4, params, opt_state, {})
+
+
+def test_params_only_checkpoint(tmp_path):
+    params, opt_state = _params_and_opt()
+    with TrainCheckpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        ckpt.save(0, params, None, {"source": "hf"})
+    with TrainCheckpointer(tmp_path / "ckpt", read_only=True) as ckpt:
+        got_params, got_opt, meta = ckpt.restore(params_target=params)
+        assert got_opt is None and meta["has_opt_state"] is False and meta["source"] == "hf"
+        _assert_trees_equal(got_params, params)
+        with pytest.raises(CheckpointError, match="params only"):
+            ckpt.restore(params_target=params, opt_state_target=opt_state)
+
+
+def test_clear_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        TrainCheckpointer(tmp_path / "nowhere", read_only=True)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file"):
+        TrainCheckpointer(tmp_path / "afile")
+    with pytest.raises(ValueError, match="keep must be an int >= 1"):
+        TrainCheckpointer(tmp_path / "k", keep=0)
+    params, opt_state = _params_and_opt()
+    with TrainCheckpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        with pytest.raises(CheckpointError, match="no checkpoint found in .*ckpt"):
+            ckpt.restore()
+        with pytest.raises(TypeError, match=r"meta\['rng'\] is not JSON-serialisable"):
+            ckpt.save(1, params, opt_state, {"rng": jax.random.key(0)})
+        ckpt.save(1, params, opt_state, {})
+        # A target of a different model: shape mismatch named by key path.
+        wrong = jax.tree.map(lambda x: x, params.to_pure_dict())
+        wrong["embed"]["embedding"] = jnp.zeros((64, 16))
+        with pytest.raises(CheckpointError, match=r"params/embed/embedding has shape \(32, 16\)"):
+            ckpt.restore(params_target=wrong)
+        wrong = params.to_pure_dict()
+        del wrong["layers"]
+        wrong["head"] = {"kernel": jnp.zeros((16, 4))}
+        with pytest.raises(CheckpointError, match="keys only in the target: \\['head/kernel'\\]"):
+            ckpt.restore(params_target=wrong)
+    with pytest.raises(CheckpointError, match="2 uint32 words"):
+        rng_from_json([1, 2, 3])
+
+
+_KILL_CHILD = textwrap.dedent("""
+    import os, sys, time
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import numpy as np
+    from areal_jax.checkpoint.orbax_ckpt import TrainCheckpointer
+    ckpt = TrainCheckpointer(sys.argv[1], keep=100, async_save=True)
+    def params(step):  # ~32 MB per save, values identify the step
+        return {"w": np.full((2048, 4096), float(step), np.float32), "b": np.arange(7.0) + step}
+    ckpt.save(1, params(1), None, {"version": 1})
+    ckpt.wait()
+    print("committed 1", flush=True)
+    step = 2
+    while True:
+        ckpt.save(step, params(step), None, {"version": step})
+        ckpt.wait()
+        step += 1
+""")
+
+
+def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    child = subprocess.Popen([sys.executable, "-c", _KILL_CHILD, str(ckpt_dir)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line.strip() == "committed 1", child.stderr.read()
+        deadline = time.time() + 60
+        tmp_seen = None
+        while time.time() < deadline and tmp_seen is None:
+            tmp_seen = next((n for n in os.listdir(ckpt_dir) if "tmp" in n), None)
+        assert tmp_seen is not None, "child never had a save in flight"
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    # The in-flight save was a tmp dir: ignored by all_steps, removed before the next save.
+    with TrainCheckpointer(ckpt_dir, keep=100) as ckpt:
+        steps = ckpt.all_steps()
+        assert steps and steps == list(range(1, steps[-1] + 1))
+        latest = ckpt.latest_step()
+        params, opt_state, meta = ckpt.restore()
+        assert meta["version"] == latest and opt_state is None
+        np.testing.assert_array_equal(np.asarray(params["b"]), np.arange(7.0) + latest)
+        assert float(np.asarray(params["w"]).min()) == float(np.asarray(params["w"]).max()) == latest
+        # The run goes on: the next save after resume commits normally.
+        ckpt.save(latest + 1, params, None, {"version": latest + 1})
+        ckpt.wait()
+        assert ckpt.latest_step() == latest + 1
+        assert ckpt.restore_meta()["version"] == latest + 1
+        assert not any("tmp" in n for n in os.listdir(ckpt_dir)), os.listdir(ckpt_dir)
