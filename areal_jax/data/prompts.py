@@ -1,0 +1,205 @@
+"""Prompt datasets as grain pipelines: local or ``gs://`` JSONL/JSON/Parquet files.
+
+    ds = load_prompt_dataset("train.jsonl", prompt_key="question", seed=1, num_epochs=2)
+    it = iter(ds)                 # a grain DatasetIterator
+    item = next(it)               # {"prompt_id": "17", "prompt": ..., "answer": ..., "epoch": 0, ...}
+    state = it.get_state()        # JSON-serialisable; it.set_state(state) resumes exactly there
+
+Every item is the original row plus five normalised keys:
+
+- ``prompt_id``: stable id of the row (the ``id_key`` column, else the row's index
+  counted over all files in order);
+- ``prompt``: the ``prompt_key`` column (a string, or a list of chat messages);
+- ``answer``: the ``answer_key`` column (absent when ``answer_key`` is None);
+- ``epoch``: which pass over this shard the item comes from;
+- ``stream_index``: the item's position in this shard's stream (0, 1, 2, ...).
+
+Order: rows are sharded first (``shard_index::shard_count``), then shuffled with
+``seed`` and a new permutation every epoch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+
+SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def _open_path(path: str):
+    """An ``etils.epath.Path`` for local or ``gs://`` paths (gs:// needs gcsfs + credentials)."""
+    from etils import epath
+
+    return epath.Path(path)
+
+
+def _suffix(path: str) -> str:
+    lower = path.lower()
+    for suffix in SUPPORTED_SUFFIXES:
+        if lower.endswith(suffix):
+            return suffix
+    raise ValueError(
+        f"prompt dataset {path!r} has an unsupported extension; "
+        f"supported: {', '.join(SUPPORTED_SUFFIXES)}"
+    )
+
+
+def read_records(path: str) -> list[dict[str, Any]]:
+    """Reads every row of one JSONL, JSON (a list of objects) or Parquet file."""
+    suffix = _suffix(path)
+    p = _open_path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"prompt dataset {path!r} does not exist")
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        with p.open("rb") as f:
+            rows = pq.read_table(f).to_pylist()
+    elif suffix == ".json":
+        try:
+            rows = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"prompt dataset {path!r} is not valid JSON: {e}") from None
+        if not isinstance(rows, list):
+            raise ValueError(f"prompt dataset {path!r} must hold a JSON list of objects, "
+                             f"got {type(rows).__name__}")
+    else:
+        rows = []
+        for line_no, line in enumerate(p.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: invalid JSON line: {e}") from None
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: row {i} is a {type(row).__name__}, expected an object")
+    return rows
+
+
+def _normalise_rows(rows_by_file: list[tuple[str, list[dict]]], prompt_key: str,
+                    answer_key: str | None, id_key: str | None) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    seen_ids: set[str] = set()
+    for path, rows in rows_by_file:
+        for i, row in enumerate(rows):
+            for key, role in ((prompt_key, "prompt_key"), (answer_key, "answer_key"),
+                              (id_key, "id_key")):
+                if key is not None and key not in row:
+                    raise KeyError(
+                        f"{path}: row {i} has no key {key!r} (the {role}); "
+                        f"available keys: {sorted(row)}"
+                    )
+            prompt_id = str(row[id_key]) if id_key is not None else str(len(out))
+            if prompt_id in seen_ids:
+                raise ValueError(f"{path}: row {i} repeats prompt id {prompt_id!r} "
+                                 f"(id_key={id_key!r}); ids must be unique")
+            seen_ids.add(prompt_id)
+            item = dict(row)
+            item["prompt_id"] = prompt_id
+            item["prompt"] = row[prompt_key]
+            if answer_key is not None:
+                item["answer"] = row[answer_key]
+            out.append(item)
+    return out
+
+
+def _default_shard() -> tuple[int, int]:
+    import jax
+
+    return jax.process_index(), jax.process_count()
+
+
+def prompt_map_dataset(
+    paths: str | Sequence[str],
+    *,
+    prompt_key: str = "question",
+    answer_key: str | None = "answer",
+    id_key: str | None = None,
+    seed: int = 0,
+    shuffle: bool = True,
+    num_epochs: int | None = 1,
+    shard_index: int | None = None,
+    shard_count: int | None = None,
+) -> grain.MapDataset:
+    """The random-access form of :func:`load_prompt_dataset` (same arguments)."""
+    path_list = [paths] if isinstance(paths, str) else list(paths)
+    if not path_list:
+        raise ValueError("load_prompt_dataset needs at least one path")
+    if num_epochs is not None and num_epochs <= 0:
+        raise ValueError(f"num_epochs must be a positive int or None (forever), got {num_epochs}")
+    if (shard_index is None) != (shard_count is None):
+        raise ValueError("give both shard_index and shard_count, or neither "
+                         f"(got shard_index={shard_index}, shard_count={shard_count})")
+    if shard_index is None:
+        shard_index, shard_count = _default_shard()
+    assert shard_count is not None
+    if not 0 <= shard_index < shard_count:
+        raise ValueError(f"shard_index={shard_index} is outside [0, shard_count={shard_count})")
+
+    rows = _normalise_rows([(p, read_records(p)) for p in path_list], prompt_key, answer_key,
+                           id_key)
+    if len(rows) < shard_count:
+        raise ValueError(f"prompt dataset {path_list} has {len(rows)} rows, fewer than "
+                         f"shard_count={shard_count}; every shard needs at least one")
+    ds = grain.MapDataset.source(rows)[shard_index::shard_count]
+    if shuffle:
+        ds = ds.shuffle(seed=seed)  # grain reseeds every epoch: seed + epoch
+    shard_len = len(ds)
+    if num_epochs != 1:
+        ds = ds.repeat(num_epochs)
+
+    def tag(index: int, row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, "epoch": index // shard_len, "stream_index": index}
+
+    return ds.map_with_index(tag)
+
+
+def load_prompt_dataset(
+    paths: str | Sequence[str],
+    *,
+    prompt_key: str = "question",
+    answer_key: str | None = "answer",
+    id_key: str | None = None,
+    seed: int = 0,
+    shuffle: bool = True,
+    num_epochs: int | None = 1,
+    shard_index: int | None = None,
+    shard_count: int | None = None,
+) -> grain.IterDataset:
+    """A grain IterDataset of prompt items; ``iter()`` gives a checkpointable iterator.
+
+    Args:
+        paths: one or more ``.jsonl``/``.json``/``.parquet`` files, local or ``gs://``.
+        prompt_key, answer_key, id_key: column names (see the module docstring).
+        seed, shuffle: the shuffle seed; each epoch gets its own permutation.
+        num_epochs: passes over the data; None repeats forever.
+        shard_index, shard_count: this process's shard; default
+            ``jax.process_index()`` / ``jax.process_count()``.
+    """
+    ds = prompt_map_dataset(paths, prompt_key=prompt_key, answer_key=answer_key, id_key=id_key,
+                            seed=seed, shuffle=shuffle, num_epochs=num_epochs,
+                            shard_index=shard_index, shard_count=shard_count)
+    # No read-ahead threads: the executor pulls prompts one at a time, and a synchronous
+    # iterator keeps get_state() exact.
+    return ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+
+
+def prompt_items_from_list(items: Sequence[dict[str, Any]], *, seed: int = 0,
+                           shuffle: bool = False, num_epochs: int | None = 1) -> grain.IterDataset:
+    """Wraps in-memory prompt dicts (each needs ``prompt_id``) in the same pipeline."""
+    for i, item in enumerate(items):
+        if "prompt_id" not in item:
+            raise KeyError(f"prompt item {i} has no 'prompt_id' key; keys: {sorted(item)}")
+    ds = grain.MapDataset.source(list(items))
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    n = len(ds)
+    if num_epochs != 1:
+        ds = ds.repeat(num_epochs)
+    ds = ds.map_with_index(lambda i, row: {**row, "epoch": i // n, "stream_index": i})
+    return ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))

@@ -1,0 +1,316 @@
+"""A pool of reward worker processes with a per-call timeout that kills hung workers.
+
+    pool = RewardPool(num_workers=2, timeout_s=5.0)
+    reward = await pool.score(math_reward, completion_text, answer)   # float, or None
+    reward = await pool.score("my_pkg.rewards:judge", text, answer)   # "module:function" works too
+
+``score`` never raises for a bad sample: an exception in the reward function, a result
+that is not a finite number, a worker that dies (segfault, ``os._exit``) or a call that
+runs past ``timeout_s`` all give None and are counted in :meth:`RewardPool.metrics`.
+A worker that times out is SIGKILLed and replaced. Reward functions must be picklable
+(defined at module level) or given as ``"module:function"`` strings.
+
+Workers are fresh interpreters (not forks), so they never inherit the JAX runtime or the
+event-loop threads of the parent, and they die with it. They import reward functions by
+module name, so a function defined in a script's ``__main__`` cannot be used: put it in a
+module. The pool can be used from any event loop and thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import math
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[..., float] | str
+
+
+def resolve_reward_fn(spec: RewardFn) -> Callable[..., Any]:
+    """A callable from a callable or a ``"module:function"`` string."""
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"reward function {spec!r} must be a callable or a 'module:function' "
+                         "string, e.g. 'areal_jax.rewards.math:math_reward'")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r}: {e}") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r}: module {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+def _worker_main(fd: int, parent_pid: int, preload: tuple[str, ...] = ()) -> None:
+    """Runs in the worker process: (fn, args, kwargs) in, ("ok", float) | ("err", str) out."""
+    if sys.platform == "linux":  # die with the parent, even on SIGKILL
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+        if os.getppid() != parent_pid:
+            return
+    conn = Connection(fd)
+    for module_name in preload:
+        importlib.import_module(module_name)
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        fn_spec, args, kwargs = msg
+        try:
+            value = float(resolve_reward_fn(fn_spec)(*args, **kwargs))
+            if not math.isfinite(value):
+                raise ValueError(f"reward is not finite: {value}")
+            reply = ("ok", value)
+        except BaseException as e:  # noqa: BLE001 - report every failure to the parent
+            reply = ("err", f"{type(e).__name__}: {e}")
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, OSError):
+            return
+
+
+class _Worker:
+    """A fresh interpreter (``python -c``) talking to the parent over a socket pair.
+
+    A plain subprocess rather than multiprocessing's spawn: it never re-imports the
+    parent's ``__main__``, so scripts need no ``if __name__ == "__main__"`` guard.
+    """
+
+    def __init__(self, preload: tuple[str, ...]) -> None:
+        self.ready = False
+        parent_sock, child_sock = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        code = (f"from areal_jax.rewards.pool import _worker_main; "
+                f"_worker_main({child_sock.fileno()}, {os.getpid()}, {preload!r})")
+        self.process = subprocess.Popen([sys.executable, "-c", code], env=env,
+                                        pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL)
+        child_sock.close()
+        self.conn = Connection(parent_sock.detach())
+
+    def kill(self) -> None:
+        try:
+            self.process.kill()
+            self.process.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+            self.process.wait(timeout=2)
+        except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
+            self.kill()
+            return
+        self.conn.close()
+
+
+class RewardPool:
+    """Runs reward functions in ``num_workers`` processes, each call limited to ``timeout_s``."""
+
+    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, *,
+                 preload: tuple[str, ...] = (), startup_timeout_s: float = 120.0) -> None:
+        if num_workers < 1:
+            raise ValueError(f"RewardPool num_workers must be >= 1, got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"RewardPool timeout_s must be > 0, got {timeout_s}")
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.preload = tuple(preload)  # modules each worker imports before its first call
+        self.startup_timeout_s = startup_timeout_s
+        self._lock = threading.Lock()
+        self._idle: list[_Worker] = []
+        self._waiters: list[asyncio.Future] = []
+        self._num_started = 0
+        self._closed = False
+        self._counts = {"calls": 0, "ok": 0, "errors": 0, "timeouts": 0, "crashes": 0,
+                        "workers_replaced": 0}
+        self._busy_s = 0.0
+        self.last_errors: list[str] = []  # the 20 most recent error messages
+
+    # --- worker bookkeeping -------------------------------------------------------------
+    async def _acquire(self) -> _Worker:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("RewardPool is closed")
+            if self._idle:
+                return self._idle.pop()
+            if self._num_started < self.num_workers:
+                self._num_started += 1
+                start_new = True
+            else:
+                start_new = False
+                fut: asyncio.Future = loop.create_future()
+                self._waiters.append(fut)
+        if start_new:
+            return _Worker(self.preload)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            with self._lock:
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+                elif fut.done() and not fut.cancelled():
+                    self._release(fut.result())
+            raise
+
+    def _release(self, worker: _Worker) -> None:
+        """Hands a worker to the oldest waiter (on its own loop) or back to the idle list."""
+        with self._lock:
+            if self._closed:
+                worker.stop()
+                return
+            while self._waiters:
+                fut = self._waiters.pop(0)
+                if fut.done():
+                    continue
+                fut.get_loop().call_soon_threadsafe(_deliver, fut, worker, self)
+                return
+            self._idle.append(worker)
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        self._counts["workers_replaced"] += 1
+        self._release(_Worker(self.preload))
+
+    def _record_error(self, kind: str, message: str) -> None:
+        self._counts[kind] += 1
+        self.last_errors = (self.last_errors + [message])[-20:]
+        logger.warning("reward %s: %s", {"timeouts": "timeout", "crashes": "crash",
+                                         "errors": "error"}[kind], message)
+
+    # --- public API ---------------------------------------------------------------------
+    async def score(self, fn: RewardFn, *args: Any, **kwargs: Any) -> float | None:
+        """The reward, or None when the call raised, crashed or timed out (counted)."""
+        if not (callable(fn) or isinstance(fn, str)):
+            raise TypeError(f"reward function must be callable or 'module:function', got {fn!r}")
+        try:
+            payload = pickle.dumps((fn, args, kwargs))
+        except Exception as e:  # noqa: BLE001 - pickling errors come in many types
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise TypeError(f"reward function {name} or its arguments cannot be pickled ({e}); "
+                            "define it at module level or pass 'module:function'") from e
+        if callable(fn) and getattr(fn, "__module__", None) == "__main__":
+            raise TypeError(f"reward function {fn.__qualname__} is defined in __main__, which "
+                            "reward workers cannot import; move it into a module")
+        self._counts["calls"] += 1
+        worker = await self._acquire()
+        t0 = time.monotonic()
+        try:
+            if not worker.ready:
+                await self._start(worker)
+            worker.conn.send_bytes(payload)
+            status, value = await _recv(worker, self.timeout_s)
+        except TimeoutError:
+            self._record_error("timeouts", f"{_name(fn)} ran past {self.timeout_s}s; "
+                                           "worker killed")
+            self._replace(worker)
+            return None
+        except (EOFError, OSError) as e:
+            self._record_error("crashes", f"{_name(fn)}: worker died ({type(e).__name__}, "
+                                          f"exit code {worker.process.poll()})")
+            self._replace(worker)
+            return None
+        except BaseException:  # cancelled, or failed to start: never reuse a half-read worker
+            self._replace(worker)
+            raise
+        finally:
+            self._busy_s += time.monotonic() - t0
+        self._release(worker)
+        if status == "ok":
+            self._counts["ok"] += 1
+            return value
+        self._record_error("errors", f"{_name(fn)}: {value}")
+        return None
+
+    async def _start(self, worker: _Worker) -> None:
+        try:
+            status, _ = await _recv(worker, self.startup_timeout_s)
+        except (TimeoutError, EOFError, OSError) as e:
+            raise RuntimeError(f"reward worker failed to start within {self.startup_timeout_s}s "
+                               f"(preload={self.preload}, exit code {worker.process.poll()}): "
+                               f"{type(e).__name__}; see its stderr above") from None
+        if status != "ready":
+            raise RuntimeError(f"reward worker sent {status!r} instead of 'ready'")
+        worker.ready = True
+
+    def score_sync(self, fn: RewardFn, *args: Any, **kwargs: Any) -> float | None:
+        """``score`` for code without an event loop."""
+        return asyncio.run(self.score(fn, *args, **kwargs))
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = dict(self._counts)
+        out["busy_s"] = round(self._busy_s, 3)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            waiters, self._waiters = self._waiters, []
+        for w in idle:
+            w.stop()
+        for fut in waiters:
+            fut.get_loop().call_soon_threadsafe(_cancel, fut)
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _name(fn: RewardFn) -> str:
+    return fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
+
+
+async def _recv(worker: _Worker, timeout_s: float) -> tuple[str, Any]:
+    """The worker's next message, waiting on its socket without blocking the event loop."""
+    loop = asyncio.get_running_loop()
+    readable: asyncio.Future = loop.create_future()
+    fd = worker.conn.fileno()
+    loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+    try:
+        await asyncio.wait_for(readable, timeout_s)
+    finally:
+        loop.remove_reader(fd)
+    return worker.conn.recv()
+
+
+def _deliver(fut: asyncio.Future, worker: _Worker, pool: RewardPool) -> None:
+    if fut.done():  # cancelled meanwhile: give the worker to someone else
+        pool._release(worker)
+    else:
+        fut.set_result(worker)
+
+
+def _cancel(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.cancel()
