@@ -1,0 +1,55 @@
+"""EngineConfig: what the generation engine serves and how many requests it runs at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings. ``max_seq_len`` None means min(model max_position_embeddings, 2048).
+
+    Attributes:
+      model_path: HF checkpoint directory (config.json + safetensors), as ``save_hf`` writes.
+      max_slots: requests decoded together; each slot owns a KV-cache row of max_seq_len.
+      max_seq_len: prompt + generated tokens per request (the context length).
+      dtype: params and compute dtype; the KV cache uses it too unless cache_dtype is set.
+      prefill_rows: prompts prefilled together in one call (fixed, padded with dummy rows).
+      decode_steps: tokens generated per slot per device call (1 = react every token).
+      seed: seeds the per-request seeds drawn for requests that send no sampling_seed.
+      weight_version: reported in every response until an update changes it.
+      warmup: compile every prefill bucket and the decode step at start-up.
+    """
+
+    model_path: str
+    max_slots: int = 16
+    max_seq_len: int | None = None
+    dtype: str = "float32"
+    cache_dtype: str | None = None
+    prefill_rows: int = 4
+    decode_steps: int = 1
+    seed: int = 0
+    weight_version: str = "0"
+    warmup: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("max_slots", "prefill_rows", "decode_steps"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"EngineConfig.{key} must be a positive int, got {value!r}")
+        if self.max_seq_len is not None and (
+            not isinstance(self.max_seq_len, int) or self.max_seq_len < 2
+        ):
+            raise ValueError(f"EngineConfig.max_seq_len must be an int >= 2, got {self.max_seq_len!r}")
+        for key in ("dtype", "cache_dtype"):
+            value = getattr(self, key)
+            if value is not None and value not in SUPPORTED_DTYPES:
+                raise ValueError(
+                    f"EngineConfig.{key}={value!r} is not supported; use one of {SUPPORTED_DTYPES}"
+                )
+        if not isinstance(self.weight_version, str):
+            raise ValueError(
+                f"EngineConfig.weight_version must be a string, got {self.weight_version!r}"
+            )

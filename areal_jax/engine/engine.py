@@ -1,0 +1,521 @@
+"""The generation engine: continuous batching over a fixed set of KV-cache slots.
+
+A background thread runs the step loop:
+
+1. run control commands (abort, pause, continue, weight swap) posted by other threads;
+2. admit waiting requests into free slots: prefill them in length buckets, which also
+   samples each one's first token;
+3. one jitted decode call over all slots (sampling on device), one device-to-host
+   transfer of the sampled tokens and logprobs;
+4. append tokens, finish requests on stop / eos / max_new_tokens / context length, free
+   their slots.
+
+Requests therefore join and leave the running batch between steps. Weight swaps happen
+only between steps and only when no request is running (requests are either aborted
+first or allowed to finish), so every response was produced by a single weight version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from areal_jax.engine.config import EngineConfig
+from areal_jax.engine.request import EngineRequest, SamplingParams
+from areal_jax.engine.runner import ModelRunner, bucket_for
+from model_defs import ModelConfig, load_hf
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SEQ_LEN = 2048
+# ModelConfig fields that may differ between the served model and a weight update.
+_UPDATE_IGNORED_CONFIG_KEYS = ("bos_token_id", "eos_token_id")
+
+
+class EngineRequestError(ValueError):
+    """A request the engine cannot run (bad prompt, duplicate rid); maps to HTTP 400."""
+
+
+class ModelPathError(ValueError):
+    """A model directory that cannot be served (missing, no config.json, incompatible)."""
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """Returns the path if it looks like an HF checkpoint directory, else raises ModelPathError."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelPathError(f"model_path {path} does not exist")
+    if not path.is_dir():
+        raise ModelPathError(f"model_path {path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise ModelPathError(f"model_path {path} has no config.json")
+    return path
+
+
+def read_eos_token_ids(path: Path, cfg: ModelConfig) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (either may hold an int or list)."""
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            ids.append(value)
+        elif isinstance(value, list):
+            ids.extend(v for v in value if isinstance(v, int) and not isinstance(v, bool))
+
+    add(cfg.eos_token_id)
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.is_file():
+        try:
+            add(json.loads(gen_cfg.read_text()).get("eos_token_id"))
+        except (OSError, ValueError, AttributeError):
+            logger.warning("ignoring unreadable %s", gen_cfg)
+    return tuple(sorted(set(ids)))
+
+
+def _load_tokenizer(path: Path) -> Any:
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(tokenizer_file))
+    except Exception as e:  # noqa: BLE001 - text output is optional
+        logger.warning("could not load %s (%s); responses will have empty text", tokenizer_file, e)
+        return None
+
+
+class GenerationEngine:
+    """Serves one model with continuous batching. Thread-safe public methods."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        path = check_model_dir(config.model_path)
+        model, cfg = load_hf(path, dtype=config.dtype)
+        max_seq_len = config.max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+        if max_seq_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
+                f"{cfg.max_position_embeddings} ({path / 'config.json'})"
+            )
+        self.model_config = cfg
+        self.model_path = str(path)
+        self.max_seq_len = max_seq_len
+        self.eos_token_ids = read_eos_token_ids(path, cfg)
+        self.tokenizer = _load_tokenizer(path)
+        self.runner = ModelRunner(
+            model,
+            max_slots=config.max_slots,
+            max_seq_len=max_seq_len,
+            cache_dtype=config.cache_dtype or config.dtype,
+            prefill_rows=min(config.prefill_rows, config.max_slots),
+            decode_steps=config.decode_steps,
+        )
+        del model
+        self.weight_version = config.weight_version
+        self._seed_rng = np.random.default_rng(config.seed)
+
+        self._lock = threading.Condition()
+        self._waiting: deque[EngineRequest] = deque()  # guarded by _lock
+        self._commands: deque[Callable[[], None]] = deque()  # guarded by _lock
+        self._inflight: dict[str, EngineRequest] = {}  # rid -> request, guarded by _lock
+        self._slots: list[EngineRequest | None] = [None] * config.max_slots  # engine thread
+        self._paused = False
+        self._pending_update: tuple[nnx.State, str | None, Future, int] | None = None
+        self._update_lock = threading.Lock()
+        self._stop = False
+        self.fatal_error: str | None = None
+        self.stats = {"decode_calls": 0, "prefill_calls": 0, "generated_tokens": 0,
+                      "finished_requests": 0, "aborted_requests": 0}
+
+        if config.warmup:
+            t0 = time.perf_counter()
+            self.runner.warmup()
+            logger.info("warm-up compiled %d functions in %.1fs", self.runner.num_compilations,
+                        time.perf_counter() - t0)
+        self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    # ================================================================== public API
+    @property
+    def num_compilations(self) -> int:
+        return self.runner.num_compilations
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def healthy(self) -> bool:
+        return self.fatal_error is None and self._thread.is_alive()
+
+    def submit(
+        self,
+        input_ids: Sequence[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        on_finish: Callable[[EngineRequest], None] | None = None,
+    ) -> EngineRequest:
+        """Queues a request; it runs as soon as a slot is free (and the engine not paused)."""
+        if self.fatal_error is not None:
+            raise RuntimeError(f"engine stopped after an internal error: {self.fatal_error}")
+        ids = [int(t) for t in input_ids]
+        if not ids:
+            raise EngineRequestError("input_ids is empty; the prompt needs at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineRequestError(
+                f"input_ids contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(ids) >= self.max_seq_len:
+            raise EngineRequestError(
+                f"prompt has {len(ids)} tokens; the context length (max_seq_len) is "
+                f"{self.max_seq_len}, so prompts must have at most {self.max_seq_len - 1}"
+            )
+        rid = rid if rid is not None else uuid.uuid4().hex
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
+        req = EngineRequest(rid=rid, input_ids=ids, params=params, on_finish=on_finish,
+                            seed=seed % 2**32)
+        with self._lock:
+            if rid in self._inflight:
+                raise EngineRequestError(f"rid {rid!r} is already in flight; rids must be unique")
+            self._inflight[rid] = req
+            self._waiting.append(req)
+            self._lock.notify_all()
+        return req
+
+    def generate(self, input_ids: Sequence[int], params: SamplingParams,
+                 rid: str | None = None, timeout: float | None = None) -> EngineRequest:
+        """Blocking helper: submits and waits for the request to finish."""
+        req = self.submit(input_ids, params, rid=rid)
+        if not req.done.wait(timeout):
+            raise TimeoutError(f"request {req.rid} did not finish within {timeout}s")
+        return req
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+        """Aborts one request (or all); they return their partial output. Returns the count."""
+        return self._call(lambda: self._abort_matching(
+            lambda r: abort_all or r.rid == rid, "aborted by /abort_request"))
+
+    def pause(self) -> int:
+        """Aborts running requests (partial output, finish_reason abort) and stops admitting
+        new ones until ``continue_generation``. Returns the number aborted."""
+
+        def pause_now() -> int:
+            self._paused = True
+            return self._abort_running("generation paused (/pause_generation mode=abort)")
+
+        return self._call(pause_now)
+
+    def continue_generation(self) -> None:
+        def resume() -> None:
+            self._paused = False
+
+        self._call(resume)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                 abort_all_requests: bool = False) -> dict[str, Any]:
+        """Loads an HF checkpoint (in the calling thread) and swaps it in between steps.
+
+        Running requests are aborted first if ``abort_all_requests``, otherwise the swap
+        waits for them to finish; waiting requests stay queued. Returns SGLang's reply
+        fields ``success``, ``message``, ``num_paused_requests`` (here: requests aborted).
+        On failure the served weights are untouched.
+        """
+        with self._update_lock:
+            t0 = time.perf_counter()
+            try:
+                new_state = self._load_compatible_state(model_path)
+            except (ModelPathError, ValueError, OSError) as e:
+                return {"success": False, "message": f"weights not updated: {e}",
+                        "num_paused_requests": 0}
+            load_s = time.perf_counter() - t0
+            done: Future = Future()
+
+            def begin() -> None:
+                aborted = 0
+                if abort_all_requests:
+                    aborted = self._abort_running("aborted for a weight update")
+                self._pending_update = (new_state, weight_version, done, aborted)
+
+            self._call(begin)
+            result = done.result()
+            result["message"] += f" (loaded in {load_s:.2f}s)"
+            return result
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> None:
+        def set_version() -> None:
+            if abort_all_requests:
+                self._abort_running("aborted by /update_weight_version")
+            self.weight_version = new_version
+
+        self._call(set_version)
+
+    def flush_cache(self) -> bool:
+        """Zeros the KV cache when nothing runs (no prefix cache to flush). False if busy."""
+
+        def flush() -> bool:
+            if any(s is not None for s in self._slots):
+                return False
+            self.runner.reset()
+            return True
+
+        return self._call(flush)
+
+    def info(self) -> dict[str, Any]:
+        with self._lock:
+            waiting = len(self._waiting)
+        running = sum(s is not None for s in self._slots)
+        return {
+            "model_path": self.model_path,
+            "weight_version": self.weight_version,
+            "max_slots": self.config.max_slots,
+            "max_seq_len": self.max_seq_len,
+            "max_total_num_tokens": self.config.max_slots * self.max_seq_len,
+            "dtype": self.config.dtype,
+            "prefill_rows": self.runner.prefill_rows,
+            "decode_steps": self.config.decode_steps,
+            "prefill_buckets": list(self.runner.buckets),
+            "num_compilations": self.num_compilations,
+            "compiled_functions": list(self.runner.compiled),
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "paused": self._paused,
+            "eos_token_ids": list(self.eos_token_ids),
+            "vocab_size": self.vocab_size,
+            "healthy": self.healthy,
+            **self.stats,
+        }
+
+    def decode_text(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None or not token_ids:
+            return ""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        self._thread.join(timeout)
+        self._fail_all("engine shut down")
+
+    # ================================================================== internals
+    def _call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Runs ``fn`` on the engine thread between steps and returns its result."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        if not self.healthy:
+            raise RuntimeError(f"engine is not running: {self.fatal_error or 'stopped'}")
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+        with self._lock:
+            self._commands.append(run)
+            self._lock.notify_all()
+        return fut.result(timeout)
+
+    def _load_compatible_state(self, model_path: str) -> nnx.State:
+        path = check_model_dir(model_path)
+        cfg = ModelConfig.from_pretrained_dir(path)
+        served = dataclasses.asdict(self.model_config)
+        new = dataclasses.asdict(cfg)
+        diff = [k for k in served if k not in _UPDATE_IGNORED_CONFIG_KEYS and served[k] != new[k]]
+        if diff:
+            k = diff[0]
+            raise ModelPathError(
+                f"{path / 'config.json'} is incompatible with the served model: {k}={new[k]!r} "
+                f"but the server runs {k}={served[k]!r} (differing keys: {', '.join(diff)})"
+            )
+        model, _ = load_hf(path, dtype=self.config.dtype)
+        _, state = nnx.split(model)
+        problem = self.runner.check_compatible(state)
+        if problem:
+            raise ModelPathError(f"{path} is incompatible with the served model: {problem}")
+        return self.runner.place_like_current(state)
+
+    # ---------------------------------------------------------------- step loop
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stop and not self._commands and not self._has_work():
+                        self._lock.wait()
+                    if self._stop:
+                        return
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for command in commands:
+                    command()
+                self._maybe_swap_weights()
+                self._admit()
+                if any(s is not None for s in self._slots):
+                    self._decode()
+        except BaseException as e:  # noqa: BLE001 - reported via /health and failed requests
+            self.fatal_error = f"{type(e).__name__}: {e}"
+            logger.error("engine step loop crashed:\n%s", traceback.format_exc())
+            self._fail_all(f"engine error: {self.fatal_error}")
+
+    def _has_work(self) -> bool:
+        if any(s is not None for s in self._slots):
+            return True
+        if self._pending_update is not None:
+            return True
+        return bool(self._waiting) and not self._paused
+
+    def _maybe_swap_weights(self) -> None:
+        if self._pending_update is None or any(s is not None for s in self._slots):
+            return
+        state, version, done, aborted = self._pending_update
+        self._pending_update = None
+        self.runner.swap_params(state)
+        if version is not None:
+            self.weight_version = version
+        done.set_result({
+            "success": True,
+            "message": f"Succeeded to update model weights. Weight version is {self.weight_version}.",
+            "num_paused_requests": aborted,
+        })
+
+    def _admit(self) -> None:
+        if self._paused or self._pending_update is not None:
+            return
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        if not free:
+            return
+        with self._lock:
+            batch = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+        if not batch:
+            return
+        by_bucket: dict[int, list[tuple[int, EngineRequest]]] = {}
+        for slot, req in zip(free, batch, strict=False):
+            by_bucket.setdefault(bucket_for(req.prompt_len, self.runner.buckets), []).append(
+                (slot, req))
+        rows_per_call = self.runner.prefill_rows
+        for bucket, group in sorted(by_bucket.items()):
+            for start in range(0, len(group), rows_per_call):
+                chunk = group[start : start + rows_per_call]
+                rows = [{"input_ids": r.input_ids, "slot": slot, "temperature": r.params.temperature,
+                         "top_p": r.params.top_p, "top_k": r.params.top_k, "seed": r.seed}
+                        for slot, r in chunk]
+                tokens, logprobs = self.runner.prefill(
+                    bucket, rows,
+                    any_truncation=any(r.params.truncates for _, r in chunk),
+                    any_random=any(not r.params.greedy for _, r in chunk))
+                self.stats["prefill_calls"] += 1
+                now = time.perf_counter()
+                for (slot, req), token, logprob in zip(chunk, tokens, logprobs, strict=True):
+                    self._slots[slot] = req
+                    req.first_token_time = now
+                    self._append_token(slot, int(token), float(logprob))
+
+    def _decode(self) -> None:
+        active = [s for s in self._slots if s is not None]
+        token_kb, logprob_kb = self.runner.decode(
+            any_truncation=any(r.params.truncates for r in active),
+            any_random=any(not r.params.greedy for r in active))
+        token_kb, logprob_kb = jax.device_get((token_kb, logprob_kb))
+        self.stats["decode_calls"] += 1
+        for step in range(token_kb.shape[0]):
+            for slot, req in enumerate(self._slots):
+                if req is not None:
+                    self._append_token(slot, int(token_kb[step, slot]),
+                                       float(logprob_kb[step, slot]))
+
+    def _append_token(self, slot: int, token: int, logprob: float) -> None:
+        req = self._slots[slot]
+        assert req is not None
+        req.output_ids.append(token)
+        req.output_logprobs.append(logprob)
+        self.stats["generated_tokens"] += 1
+        n = len(req.output_ids)
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            self._finish(slot, {"type": "stop", "matched": token})
+        elif n >= p.max_new_tokens or req.prompt_len + n >= self.max_seq_len:
+            self._finish(slot, {"type": "length", "length": n})
+
+    def _finish(self, slot: int, reason: dict[str, Any]) -> None:
+        req = self._slots[slot]
+        assert req is not None
+        self._slots[slot] = None
+        self._release(req, reason)
+
+    def _release(self, req: EngineRequest, reason: dict[str, Any], error: str | None = None) -> None:
+        with self._lock:
+            self._inflight.pop(req.rid, None)
+        self.stats["finished_requests"] += 1
+        if reason["type"] == "abort":
+            self.stats["aborted_requests"] += 1
+        req.error = error
+        try:
+            req.finish(reason, self.weight_version)
+        except Exception:  # noqa: BLE001 - a caller's callback must not kill the loop
+            logger.exception("on_finish callback of request %s failed", req.rid)
+
+    def _abort_running(self, message: str) -> int:
+        count = 0
+        for slot, req in enumerate(self._slots):
+            if req is not None:
+                self._finish(slot, {"type": "abort", "message": message})
+                count += 1
+        return count
+
+    def _abort_matching(self, match: Callable[[EngineRequest], bool], message: str) -> int:
+        count = 0
+        with self._lock:
+            queued = [r for r in self._waiting if match(r)]
+            for r in queued:
+                self._waiting.remove(r)
+        for r in queued:
+            self._release(r, {"type": "abort", "message": message})
+            count += 1
+        for slot, req in enumerate(self._slots):
+            if req is not None and match(req):
+                self._finish(slot, {"type": "abort", "message": message})
+                count += 1
+        return count
+
+    def _fail_all(self, message: str) -> None:
+        for slot, req in enumerate(self._slots):
+            if req is not None:
+                self._slots[slot] = None
+                self._release(req, {"type": "abort", "message": message}, error=message)
+        with self._lock:
+            queued = list(self._waiting)
+            self._waiting.clear()
+            commands = list(self._commands)
+            self._commands.clear()
+        for req in queued:
+            self._release(req, {"type": "abort", "message": message}, error=message)
+        for command in commands:  # let waiting callers see the failure instead of hanging
+            try:
+                command()
+            except Exception:  # noqa: BLE001
+                pass
+        if self._pending_update is not None:
+            self._pending_update[2].set_result(
+                {"success": False, "message": message, "num_paused_requests": 0})
+            self._pending_update = None

@@ -1,0 +1,212 @@
+"""Device side of the engine: params, the slot KV cache, jitted prefill and decode.
+
+The cache holds one row per slot ([L, B_slots, S_max, K, Dh]). Besides the cache, the
+device keeps per-slot state (last token, its position, sampling parameters), so a decode
+step needs no host-to-device transfer at all and returns only the sampled tokens and
+their logprobs.
+
+Compiled shapes: one decode function (all slots, ``decode_steps`` tokens per call) and
+one prefill function per prompt-length bucket (``prefill_rows`` prompts at a time, padded
+with dummy rows). Weight swaps keep shapes, dtypes and shardings, so they never
+recompile. Every trace of a jitted function increments ``num_compilations``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.engine.sampling import sample_tokens
+from model_defs.model import KVCache, init_cache
+
+MIN_PREFILL_BUCKET = 16
+
+
+def prefill_buckets(max_seq_len: int, min_bucket: int = MIN_PREFILL_BUCKET) -> list[int]:
+    """Powers of two >= min_bucket, capped by (and always ending at) max_seq_len."""
+    buckets = []
+    size = min_bucket
+    while size < max_seq_len:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_seq_len)
+    return buckets
+
+
+def bucket_for(length: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if length <= b:
+            return b
+    raise ValueError(f"prompt of {length} tokens exceeds the largest bucket {buckets[-1]}")
+
+
+class ModelRunner:
+    """Owns the params, the slot cache and the compiled step functions."""
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        max_slots: int,
+        max_seq_len: int,
+        cache_dtype: Any = jnp.float32,
+        prefill_rows: int = 4,
+        decode_steps: int = 1,
+    ):
+        self.cfg = model.cfg
+        self.graphdef, self.state = nnx.split(model)
+        self.max_slots = max_slots
+        self.max_seq_len = max_seq_len
+        self.cache_dtype = jnp.dtype(cache_dtype)
+        self.prefill_rows = prefill_rows
+        self.decode_steps = decode_steps
+        self.buckets = prefill_buckets(max_seq_len)
+        self.num_compilations = 0
+        self.compiled: list[str] = []
+        self._prefill = jax.jit(self._counted("prefill", self._prefill_impl), donate_argnums=(1, 2))
+        self._decode = jax.jit(self._counted("decode", self._decode_impl), donate_argnums=(1, 2))
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Fresh (zero) cache and slot state."""
+        b = self.max_slots
+        self.cache = init_cache(self.cfg, b, self.max_seq_len, self.cache_dtype)
+        self.slots = {
+            "token": jnp.zeros((b,), jnp.int32),
+            "position": jnp.zeros((b,), jnp.int32),
+            "temperature": jnp.zeros((b,), jnp.float32),
+            "top_p": jnp.ones((b,), jnp.float32),
+            "top_k": jnp.full((b,), -1, jnp.int32),
+            "seed": jnp.zeros((b,), jnp.uint32),
+        }
+
+    def check_compatible(self, new_state: nnx.State) -> str | None:
+        """None if ``new_state`` can replace the params without recompiling, else why not."""
+        old_leaves = jax.tree_util.tree_leaves_with_path(self.state)
+        new_leaves = jax.tree_util.tree_leaves_with_path(new_state)
+        if jax.tree.structure(self.state) != jax.tree.structure(new_state):
+            old_keys = {jax.tree_util.keystr(p) for p, _ in old_leaves}
+            new_keys = {jax.tree_util.keystr(p) for p, _ in new_leaves}
+            missing = sorted(old_keys - new_keys)[:3]
+            extra = sorted(new_keys - old_keys)[:3]
+            return f"parameter tree differs (missing {missing}, unexpected {extra})"
+        for (path, old), (_, new) in zip(old_leaves, new_leaves, strict=True):
+            if old.shape != new.shape:
+                return (f"parameter {jax.tree_util.keystr(path)} has shape {tuple(new.shape)}, "
+                        f"the served model has {tuple(old.shape)}")
+        return None
+
+    def place_like_current(self, new_state: nnx.State) -> nnx.State:
+        """Casts/places new params exactly like the served ones (dtype and sharding)."""
+        return jax.tree.map(
+            lambda new, old: jax.device_put(jnp.asarray(new, old.dtype), old.sharding),
+            new_state, self.state,
+        )
+
+    def swap_params(self, new_state: nnx.State) -> None:
+        self.state = new_state
+
+    # ------------------------------------------------------------------ compiled fns
+    def _counted(self, name: str, fn: Callable) -> Callable:
+        def traced(*args, **kwargs):
+            self.num_compilations += 1
+            shapes = [tuple(a.shape) for a in args[3:4] if hasattr(a, "shape")]
+            self.compiled.append(f"{name}{shapes[0] if shapes else ''}")
+            return fn(*args, **kwargs)
+
+        return traced
+
+    def _prefill_impl(self, state, cache, slots, prompt_pt, prompt_len_p, slot_p, temperature_p,
+                      top_p_p, top_k_p, seed_p, any_truncation, any_random):
+        model = nnx.merge(self.graphdef, state)
+        rows, bucket = prompt_pt.shape
+        positions_pt = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (rows, bucket))
+        row_cache = init_cache(self.cfg, rows, bucket, self.cache_dtype)
+        hidden_ptd, row_cache = model.hidden_states(prompt_pt, positions=positions_pt,
+                                                    cache=row_cache)
+        last_hidden_pd = jnp.take_along_axis(hidden_ptd, (prompt_len_p - 1)[:, None, None],
+                                             axis=1)[:, 0]
+        logits_pv = model.logits_from_hidden(last_hidden_pd[:, None, :])[:, 0]
+        token_p, logprob_p = sample_tokens(logits_pv, temperature_p, top_p_p, top_k_p, seed_p,
+                                           prompt_len_p, any_truncation, any_random)
+        # Rows whose slot is out of range (dummy padding rows) are dropped by the scatter.
+        cache = KVCache(
+            k=cache.k.at[:, slot_p, :bucket].set(row_cache.k, mode="drop"),
+            v=cache.v.at[:, slot_p, :bucket].set(row_cache.v, mode="drop"),
+        )
+        updates = {"token": token_p, "position": prompt_len_p, "temperature": temperature_p,
+                   "top_p": top_p_p, "top_k": top_k_p, "seed": seed_p}
+        slots = {k: v.at[slot_p].set(updates[k].astype(v.dtype), mode="drop")
+                 for k, v in slots.items()}
+        return cache, slots, token_p, logprob_p
+
+    def _decode_impl(self, state, cache, slots, any_truncation, any_random):
+        model = nnx.merge(self.graphdef, state)
+        last_position = self.max_seq_len - 1
+
+        def one_step(carry, _):
+            cache, token_b, position_b = carry
+            logits_b1v, cache = model(token_b[:, None], positions=position_b[:, None], cache=cache)
+            next_position_b = jnp.minimum(position_b + 1, last_position)
+            new_token_b, logprob_b = sample_tokens(
+                logits_b1v[:, 0], slots["temperature"], slots["top_p"], slots["top_k"],
+                slots["seed"], position_b + 1, any_truncation, any_random)
+            return (cache, new_token_b, next_position_b), (new_token_b, logprob_b)
+
+        (cache, token_b, position_b), (token_kb, logprob_kb) = jax.lax.scan(
+            one_step, (cache, slots["token"], slots["position"]), None, length=self.decode_steps)
+        slots = {**slots, "token": token_b, "position": position_b}
+        return cache, slots, token_kb, logprob_kb
+
+    # ------------------------------------------------------------------ host API
+    def prefill(self, bucket: int, rows: list[dict[str, Any]], any_truncation: bool,
+                any_random: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Prefills up to ``prefill_rows`` prompts of one bucket into their slots.
+
+        Each row: {"input_ids", "slot", "temperature", "top_p", "top_k", "seed"}.
+        Returns the first sampled token and its logprob per row (host numpy arrays).
+        """
+        p = self.prefill_rows
+        if not 0 < len(rows) <= p:
+            raise ValueError(f"prefill takes 1..{p} rows, got {len(rows)}")
+        prompt_pt = np.zeros((p, bucket), np.int32)
+        prompt_len_p = np.ones((p,), np.int32)
+        slot_p = np.full((p,), self.max_slots, np.int32)  # out of range: dropped
+        temperature_p = np.zeros((p,), np.float32)
+        top_p_p = np.ones((p,), np.float32)
+        top_k_p = np.full((p,), -1, np.int32)
+        seed_p = np.zeros((p,), np.uint32)
+        for i, row in enumerate(rows):
+            ids = row["input_ids"]
+            prompt_pt[i, : len(ids)] = ids
+            prompt_len_p[i] = len(ids)
+            slot_p[i] = row["slot"]
+            temperature_p[i] = row["temperature"]
+            top_p_p[i] = row["top_p"]
+            top_k_p[i] = row["top_k"]
+            seed_p[i] = row["seed"]
+        self.cache, self.slots, token_p, logprob_p = self._prefill(
+            self.state, self.cache, self.slots, prompt_pt, prompt_len_p, slot_p, temperature_p,
+            top_p_p, top_k_p, seed_p, np.bool_(any_truncation), np.bool_(any_random))
+        token_p, logprob_p = jax.device_get((token_p, logprob_p))
+        return token_p[: len(rows)], logprob_p[: len(rows)]
+
+    def decode(self, any_truncation: bool, any_random: bool) -> tuple[jax.Array, jax.Array]:
+        """Dispatches ``decode_steps`` steps over all slots; returns device arrays [k, B]."""
+        self.cache, self.slots, token_kb, logprob_kb = self._decode(
+            self.state, self.cache, self.slots, np.bool_(any_truncation), np.bool_(any_random))
+        return token_kb, logprob_kb
+
+    def warmup(self) -> None:
+        """Compiles the decode function and every prefill bucket, then clears the cache."""
+        for bucket in self.buckets:
+            self.prefill(bucket, [{"input_ids": [0], "slot": 0, "temperature": 0.0,
+                                   "top_p": 1.0, "top_k": -1, "seed": 0}], False, False)
+        jax.block_until_ready(self.decode(False, False))
+        self.reset()
