@@ -87,3 +87,20 @@ def make_tiny_hf_checkpoint(
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out, safe_serialization=True, **kwargs)
     return out
+
+
+def hf_logits(model: Any, input_ids: Any, position_ids: Any = None) -> Any:
+    """Logits [B, T, V] (numpy fp32) of a transformers model or checkpoint directory."""
+    import numpy as np
+    import torch
+
+    if isinstance(model, (str, Path)):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long)
+    kwargs = {}
+    if position_ids is not None:
+        kwargs["position_ids"] = torch.as_tensor(np.asarray(position_ids), dtype=torch.long)
+    with torch.no_grad():
+        return model(ids, **kwargs).logits.float().numpy()

@@ -1,0 +1,172 @@
+"""Logits of load_hf(dir) vs transformers on tiny random checkpoints, and HF round trips."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hf_fixtures import hf_logits, make_hf_model, make_tiny_hf_checkpoint
+
+from model_defs import CausalLM, ModelConfig, load_hf, save_hf
+
+TOL = 1e-4  # max abs diff, fp32
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+# (arch, HF config overrides): several shapes per architecture.
+SHAPES = [
+    ("qwen2", {}),
+    ("qwen2", {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 1,
+               "rope_theta": 1e6}),
+    ("qwen2", {"num_key_value_heads": 4, "num_hidden_layers": 3, "vocab_size": 97}),
+    ("qwen3", {}),
+    ("qwen3", {"head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 1}),
+    ("qwen3", {"hidden_size": 64, "head_dim": 8, "num_attention_heads": 8,
+               "num_key_value_heads": 4, "rms_norm_eps": 1e-5}),
+    ("llama", {}),
+    ("llama", {"rope_scaling": LLAMA3_SCALING, "rope_theta": 500000.0}),
+    ("llama", {"hidden_size": 48, "head_dim": 16, "num_attention_heads": 6,
+               "num_key_value_heads": 2, "rms_norm_eps": 1e-5}),
+]
+
+
+def _ids(batch: int, length: int, vocab: int, seed: int = 0) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, vocab, (batch, length)).astype(np.int32)
+
+
+def _max_diff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("arch,overrides", SHAPES,
+                         ids=[f"{a}-{i}" for i, (a, _) in enumerate(SHAPES)])
+def test_logits_match_transformers(tmp_path, arch, overrides, tie):
+    path = make_tiny_hf_checkpoint(tmp_path, arch=arch, tie=tie, seed=3, **overrides)
+    model, cfg = load_hf(path)
+    assert cfg.tie_word_embeddings == tie
+    assert (model.lm_head_dv is None) == tie
+    ids = _ids(2, 40, cfg.vocab_size)
+    logits = model(jnp.asarray(ids))
+    assert logits.dtype == jnp.float32
+    assert logits.shape == (2, 40, cfg.vocab_size)
+    reference = hf_logits(path, ids)
+    assert _max_diff(logits, reference) <= TOL
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_explicit_positions_match_transformers(tmp_path, arch):
+    """Offset positions (past the llama3 original context) reach RoPE like position_ids do."""
+    path = make_tiny_hf_checkpoint(tmp_path, arch=arch, tie=False, seed=5,
+                                   rope_scaling=LLAMA3_SCALING if arch == "llama" else None)
+    model, cfg = load_hf(path)
+    ids = _ids(2, 24, cfg.vocab_size, seed=1)
+    positions = np.stack([np.arange(24) + 100, np.arange(24) + 7]).astype(np.int32)
+    logits = model(jnp.asarray(ids), positions=jnp.asarray(positions))
+    assert _max_diff(logits, hf_logits(path, ids, positions)) <= TOL
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_hf_to_ours_to_hf_round_trip(tmp_path, arch, tie):
+    """HF checkpoint -> load_hf -> save_hf -> transformers gives the original logits."""
+    src = make_tiny_hf_checkpoint(tmp_path, arch=arch, tie=tie, seed=7)
+    model, cfg = load_hf(src)
+    out = save_hf(model, cfg, tmp_path / "saved")
+    saved_config = json.loads((out / "config.json").read_text())
+    assert saved_config["architectures"] == [cfg.architecture]
+    ids = _ids(2, 16, cfg.vocab_size, seed=2)
+    assert _max_diff(hf_logits(out, ids), hf_logits(src, ids)) == 0.0
+    reloaded, cfg2 = load_hf(out)
+    assert cfg2 == cfg
+    assert _max_diff(reloaded(jnp.asarray(ids)), model(jnp.asarray(ids))) == 0.0
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_ours_to_hf_round_trip_sharded_files(tmp_path, arch):
+    """A randomly initialised CausalLM saved as several safetensors shards + index loads
+    in transformers and gives our logits."""
+    hf_cfg = make_hf_model(arch, tie=False).config.to_dict()
+    hf_cfg["architectures"] = [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                "llama": "LlamaForCausalLM"}[arch]]
+    cfg = ModelConfig.from_hf_dict(hf_cfg)
+    model = CausalLM(cfg, rngs=nnx.Rngs(11))
+    # Random (non-identity) norms and biases so a mix-up shows.
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if path[-1] in ("scale", "q_bias", "k_bias", "v_bias"):
+            key = jax.random.key(hash(path) % 2**31)
+            var.set_value(var.get_value() + 0.1 * jax.random.normal(key, var.get_value().shape))
+    out = save_hf(model, cfg, tmp_path / "ours", max_shard_bytes=20_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    ids = _ids(2, 16, cfg.vocab_size, seed=4)
+    ours = model(jnp.asarray(ids))
+    assert _max_diff(ours, hf_logits(out, ids)) <= TOL
+    reloaded, _ = load_hf(out)
+    assert _max_diff(reloaded(jnp.asarray(ids)), ours) == 0.0
+
+
+def test_load_sharded_hf_checkpoint(tmp_path):
+    """transformers' own sharded layout (several files + index) loads."""
+    path = make_tiny_hf_checkpoint(tmp_path, arch="qwen2", tie=False, max_shard_size="20KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    assert not (path / "model.safetensors").exists()
+    model, cfg = load_hf(path)
+    ids = _ids(1, 12, cfg.vocab_size)
+    assert _max_diff(model(jnp.asarray(ids)), hf_logits(path, ids)) <= TOL
+
+
+def test_bfloat16_params_compute_and_fp32_logits(tmp_path):
+    path = make_tiny_hf_checkpoint(tmp_path, arch="qwen3", tie=True)
+    model, cfg = load_hf(path, dtype="bfloat16")
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert all(p.dtype == jnp.bfloat16 for p in params)
+    ids = _ids(2, 16, cfg.vocab_size)
+    hidden = model.hidden_states(jnp.asarray(ids))
+    assert hidden.dtype == jnp.bfloat16
+    logits = model(jnp.asarray(ids))
+    assert logits.dtype == jnp.float32
+    reference = hf_logits(path, ids)
+    # bf16 rounding: close to the fp32 reference relative to the logit scale, not exact.
+    assert _max_diff(logits, reference) < 0.05 * np.abs(reference).max()
+    # The saved bf16 checkpoint loads in transformers.
+    out = save_hf(model, cfg, tmp_path / "bf16")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert np.isfinite(hf_logits(out, ids)).all()
+
+
+def test_hidden_states_and_unembed_give_logits(tmp_path):
+    path = make_tiny_hf_checkpoint(tmp_path, arch="llama", tie=False)
+    model, cfg = load_hf(path)
+    ids = jnp.asarray(_ids(2, 10, cfg.vocab_size))
+    hidden_btd = model.hidden_states(ids)
+    w_dv = model.unembed_dv()
+    assert hidden_btd.shape == (2, 10, cfg.hidden_size)
+    assert w_dv.shape == (cfg.hidden_size, cfg.vocab_size)
+    assert _max_diff(hidden_btd @ w_dv, model(ids)) <= 1e-5
+
+
+def test_remat_gives_same_logits_and_grads(tmp_path):
+    path = make_tiny_hf_checkpoint(tmp_path, arch="qwen2", tie=True)
+    model, cfg = load_hf(path)
+    remat_model = CausalLM(cfg, rngs=nnx.Rngs(0), remat=True)
+    nnx.update(remat_model, nnx.state(model, nnx.Param))
+    ids = jnp.asarray(_ids(2, 12, cfg.vocab_size))
+
+    def loss(m):
+        return jnp.mean(jax.nn.log_softmax(m(ids))[..., 0])
+
+    g_plain = nnx.grad(loss)(model)
+    g_remat = nnx.grad(loss)(remat_model)
+    diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), g_plain, g_remat)
+    assert max(jax.tree.leaves(diffs)) <= 1e-6
