@@ -1,0 +1,296 @@
+"""Serving weights: one complete HF model directory per weight version.
+
+``WeightPublisher.publish`` writes ``weights_dir/v{N}`` so that a rollout server can
+load it with ``/update_weights_from_disk``. A version directory is never half-visible:
+
+* local disk: files go to ``weights_dir/.v{N}.tmp-<pid>``, are fsynced, a ``COMMIT``
+  marker is written, and the directory is renamed to ``v{N}`` (atomic on POSIX);
+* object stores (``gs://``), which have no directory rename: files are written into
+  ``v{N}`` and the ``COMMIT`` marker last. Readers treat a ``v{N}`` without ``COMMIT`` as
+  absent (``latest()`` and ``path_for`` do).
+
+Only the newest ``keep`` versions stay on disk, plus any a caller pinned.
+
+``params_to_hf_dir`` is the one conversion from learner params to an HF directory; the
+publisher and ``scripts/convert.py orbax-to-hf`` both use it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+from flax import nnx
+
+from model_defs import CausalLM, ModelConfig, save_hf
+
+COMMIT_MARKER = "COMMIT"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+_TMP_DIR = re.compile(r"^\.v(\d+)\.(tmp|old)-(\d+)$")
+
+
+class PublishError(RuntimeError):
+    """Params that do not fit the model config, or a weights dir that cannot be written."""
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _as_model_config(model_cfg: ModelConfig | Mapping[str, Any]) -> ModelConfig:
+    if isinstance(model_cfg, ModelConfig):
+        return model_cfg
+    if isinstance(model_cfg, Mapping):
+        return ModelConfig.from_hf_dict(dict(model_cfg), source="model_config")
+    raise TypeError(f"model_cfg must be a ModelConfig or an HF config dict, got "
+                    f"{type(model_cfg).__name__}")
+
+
+def _gather_to_host(pure: Any) -> Any:
+    """Arrays spread over several hosts are all-gathered (a collective: every process calls)."""
+    leaves = jax.tree.leaves(pure)
+    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
+        return pure
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(pure, tiled=True)
+
+
+def params_to_model(params: Any, model_cfg: ModelConfig | Mapping[str, Any]) -> CausalLM:
+    """A ``CausalLM`` holding ``params`` (a model, an ``nnx.State`` or its pure dict).
+
+    Keys and shapes are checked against ``model_cfg``; the arrays are used as they are
+    (no copy), their dtype becomes the model's param dtype.
+    """
+    if isinstance(params, CausalLM):
+        return params
+    cfg = _as_model_config(model_cfg)
+    pure = params.to_pure_dict() if isinstance(params, nnx.State) else params
+    if not isinstance(pure, Mapping):
+        raise TypeError(f"params must be a CausalLM, nnx.State or dict, got {type(pure).__name__}")
+    leaves = jax.tree.leaves(pure)
+    if not leaves:
+        raise PublishError("params are empty")
+    dtype = np.dtype(leaves[0].dtype)
+    abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype,
+                                               param_dtype=dtype))
+    graphdef, state = nnx.split(abstract)
+    want = {tuple(str(k) for k in path): tuple(v.get_value().shape)
+            for path, v in nnx.to_flat_state(state)}
+    have = {tuple(str(getattr(k, "key", k)) for k in path): tuple(np.shape(x))
+            for path, x in jax.tree_util.tree_flatten_with_path(pure)[0]}
+    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    if missing or extra:
+        raise PublishError(
+            f"params do not match {cfg.architecture} (hidden_size={cfg.hidden_size}, "
+            f"layers={cfg.num_hidden_layers}, tie_word_embeddings={cfg.tie_word_embeddings}): "
+            f"missing {['.'.join(p) for p in missing[:5]]}, unexpected "
+            f"{['.'.join(p) for p in extra[:5]]}"
+        )
+    for key, shape in want.items():
+        if have[key] != shape:
+            raise PublishError(f"param {'.'.join(key)} has shape {have[key]}, but the model "
+                               f"config expects {shape}")
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
+def params_to_hf_dir(params: Any, model_cfg: ModelConfig | Mapping[str, Any],
+                     out_dir: str | os.PathLike, *, dtype: str | None = None,
+                     tokenizer_dir: str | os.PathLike | None = None) -> Path:
+    """Writes ``params`` as an HF model dir (config.json + safetensors [+ tokenizer]).
+
+    ``params``: a ``CausalLM``, an ``nnx.State`` of its ``nnx.Param`` or the pure dict of
+    one (e.g. restored from an Orbax checkpoint). ``dtype`` casts the saved tensors.
+    """
+    cfg = _as_model_config(model_cfg)
+    if not isinstance(params, CausalLM):
+        pure = params.to_pure_dict() if isinstance(params, nnx.State) else params
+        params = _gather_to_host(pure)
+    model = params_to_model(params, cfg)
+    out = save_hf(model, cfg, out_dir, dtype=dtype)
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, out)
+    return out
+
+
+def copy_tokenizer_files(tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
+    """Copies the tokenizer / chat-template files present in ``tokenizer_dir``."""
+    src = Path(tokenizer_dir)
+    if not src.is_dir():
+        raise PublishError(f"tokenizer_dir {src} does not exist")
+    copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    if not any(n in copied for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise PublishError(f"tokenizer_dir {src} has no tokenizer.json, tokenizer.model or "
+                           f"vocab.json")
+    for name in copied:
+        shutil.copyfile(src / name, Path(out_dir) / name)
+    return copied
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class WeightPublisher:
+    """Writes serving weights to ``weights_dir/v{version}`` and keeps the newest ``keep``."""
+
+    def __init__(self, weights_dir: str | os.PathLike, keep: int = 3, *, dtype: str | None = None):
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"WeightPublisher keep must be an int >= 1, got {keep!r}")
+        self.weights_dir = os.fspath(weights_dir)
+        self.keep = keep
+        self.dtype = dtype
+        self.use_rename = not _is_url(self.weights_dir)
+        self._pinned: set[int] = set()
+        if self.use_rename:
+            self.weights_dir = os.path.abspath(self.weights_dir)
+            if os.path.exists(self.weights_dir) and not os.path.isdir(self.weights_dir):
+                raise PublishError(f"weights dir {self.weights_dir} is a file")
+            os.makedirs(self.weights_dir, exist_ok=True)
+            self._remove_dead_tmp_dirs()
+        self._root = epath.Path(self.weights_dir)
+
+    # ---------------------------------------------------------------- queries
+    def versions(self) -> list[int]:
+        """Committed versions, oldest first."""
+        if not self._root.exists():
+            return []
+        found = []
+        for child in self._root.iterdir():
+            m = _VERSION_DIR.match(child.name)
+            if m and (child / COMMIT_MARKER).exists():
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def latest(self) -> int | None:
+        versions = self.versions()
+        return versions[-1] if versions else None
+
+    def path_for(self, version: int) -> str:
+        """The directory of committed ``version`` (raises if absent or incomplete)."""
+        path = self._root / f"v{int(version)}"
+        if not (path / COMMIT_MARKER).exists():
+            raise PublishError(f"weight version {version} is not published in "
+                               f"{self.weights_dir}; available: {self.versions()}")
+        return os.fspath(path)
+
+    def pin(self, version: int) -> None:
+        """Keeps ``version`` on disk regardless of ``keep`` until ``unpin``."""
+        self._pinned.add(int(version))
+
+    def unpin(self, version: int) -> None:
+        self._pinned.discard(int(version))
+
+    # ---------------------------------------------------------------- publish
+    def publish(self, model: Any, model_cfg: ModelConfig | Mapping[str, Any], version: int,
+                tokenizer_dir: str | os.PathLike | None = None) -> str:
+        """Writes version ``version`` (replacing an existing one) and returns its path.
+
+        ``model``: a ``CausalLM``, an ``nnx.State`` of its params, or that state's pure
+        dict. With several JAX processes every process must call this (params are
+        gathered); process 0 writes.
+        """
+        if not isinstance(version, int | np.integer) or version < 0:
+            raise ValueError(f"weight version must be an int >= 0, got {version!r}")
+        version = int(version)
+        cfg = _as_model_config(model_cfg)
+        if not isinstance(model, CausalLM):
+            model = _gather_to_host(model.to_pure_dict() if isinstance(model, nnx.State)
+                                    else model)
+        if jax.process_index() == 0:
+            if self.use_rename:
+                self._publish_by_rename(model, cfg, version, tokenizer_dir)
+            else:
+                self._publish_with_marker(model, cfg, version, tokenizer_dir)
+            self._garbage_collect(just_written=version)
+        return os.fspath(self._root / f"v{version}")
+
+    def _publish_by_rename(self, model: Any, cfg: ModelConfig, version: int,
+                           tokenizer_dir: str | os.PathLike | None) -> None:
+        root = Path(self.weights_dir)
+        tmp = root / f".v{version}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        try:
+            params_to_hf_dir(model, cfg, tmp, dtype=self.dtype, tokenizer_dir=tokenizer_dir)
+            (tmp / COMMIT_MARKER).write_text(f"{version}\n")
+            _fsync_tree(tmp)
+            final = root / f"v{version}"
+            if final.exists():
+                old = root / f".v{version}.old-{os.getpid()}"
+                os.rename(final, old)
+                os.rename(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
+            _fsync_dir(root)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def _publish_with_marker(self, model: Any, cfg: ModelConfig, version: int,
+                             tokenizer_dir: str | os.PathLike | None) -> None:
+        final = self._root / f"v{version}"
+        if final.exists():
+            if (final / COMMIT_MARKER).exists():
+                (final / COMMIT_MARKER).unlink()  # invisible first, then replaced
+            final.rmtree()
+        with tempfile.TemporaryDirectory(prefix=f"areal-weights-v{version}-") as local:
+            params_to_hf_dir(model, cfg, local, dtype=self.dtype, tokenizer_dir=tokenizer_dir)
+            final.mkdir(parents=True, exist_ok=True)
+            for name in sorted(os.listdir(local)):
+                (final / name).write_bytes(Path(local, name).read_bytes())
+        (final / COMMIT_MARKER).write_text(f"{version}\n")
+
+    # ------------------------------------------------------------ housekeeping
+    def _garbage_collect(self, just_written: int) -> None:
+        versions = self.versions()
+        keep = set(versions[-self.keep:]) | self._pinned | {just_written}
+        for v in versions:
+            if v not in keep:
+                path = self._root / f"v{v}"
+                (path / COMMIT_MARKER).unlink()  # readers stop seeing it before files go
+                path.rmtree()
+
+    def _remove_dead_tmp_dirs(self) -> None:
+        """Leftovers of a killed publish (their pid no longer runs)."""
+        for name in os.listdir(self.weights_dir):
+            m = _TMP_DIR.match(name)
+            if m and not _pid_alive(int(m.group(3))):
+                shutil.rmtree(os.path.join(self.weights_dir, name), ignore_errors=True)
