@@ -1,0 +1,113 @@
+"""Convert between HF model directories and areal-jax Orbax training checkpoints.
+
+    python scripts/convert.py hf-to-orbax --hf HF_DIR --out CKPT_DIR [--dtype float32]
+    python scripts/convert.py orbax-to-hf --ckpt CKPT_DIR [--step N] --out HF_DIR \\
+        [--tokenizer TOKENIZER_DIR] [--dtype bfloat16] [--config-from HF_DIR]
+
+``hf-to-orbax`` writes checkpoint step 0 holding the params only (no optimizer state:
+a run started from it creates a fresh one), with ``meta.model_config`` set to the HF
+config. ``orbax-to-hf`` rebuilds the model from ``meta.model_config`` (or from the
+config.json in ``--config-from`` for checkpoints that lack it) and writes config.json +
+safetensors through the same function the trainer uses to publish serving weights.
+Both directions run on the host CPU. CKPT_DIR may be local or gs://.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from areal_jax.checkpoint.orbax_ckpt import CheckpointError, TrainCheckpointer  # noqa: E402
+from areal_jax.checkpoint.publish import PublishError, params_to_hf_dir  # noqa: E402
+from model_defs import CheckpointError as HFCheckpointError  # noqa: E402
+from model_defs import ConfigError, ModelConfig, load_hf  # noqa: E402
+
+USER_ERRORS = (CheckpointError, PublishError, ConfigError, HFCheckpointError, FileNotFoundError,
+               FileExistsError, NotADirectoryError)
+
+
+def _require_empty_out(out: str) -> None:
+    if "://" in out:
+        return
+    if os.path.isfile(out):
+        raise FileExistsError(f"--out {out} is a file")
+    if os.path.isdir(out) and os.listdir(out):
+        raise FileExistsError(f"--out {out} is not empty; choose a new directory")
+
+
+def hf_to_orbax(hf_dir: str, out: str, dtype: str = "float32") -> int:
+    """Saves the HF model in ``hf_dir`` as params-only checkpoint step 0 in ``out``."""
+    _require_empty_out(out)
+    model, cfg = load_hf(hf_dir, dtype=dtype)
+    from flax import nnx
+
+    meta = {"step": 0, "version": 0, "model_config": cfg.to_hf_dict(dtype),
+            "source_hf_dir": os.path.abspath(hf_dir)}
+    with TrainCheckpointer(out, async_save=False) as ckpt:
+        ckpt.save(0, nnx.state(model, nnx.Param), None, meta)
+    return 0
+
+
+def orbax_to_hf(ckpt_dir: str, out: str, step: int | None = None,
+                tokenizer_dir: str | None = None, dtype: str | None = None,
+                config_from: str | None = None) -> int:
+    """Writes checkpoint ``step`` (default: latest) of ``ckpt_dir`` as an HF dir ``out``."""
+    _require_empty_out(out)
+    with TrainCheckpointer(ckpt_dir, read_only=True) as ckpt:
+        meta = ckpt.restore_meta(step)
+        where = f"{ckpt.directory}/{meta.get('step', step)}"
+        if config_from is not None:
+            model_cfg = ModelConfig.from_pretrained_dir(config_from)
+        elif meta.get("model_config"):
+            model_cfg = ModelConfig.from_hf_dict(meta["model_config"],
+                                                 source=f"{where} meta.model_config")
+        else:
+            raise CheckpointError(f"{where}: meta has no model_config; pass --config-from "
+                                  f"with an HF dir whose config.json describes this model")
+        params, _, _ = ckpt.restore(step)
+    params_to_hf_dir(params, model_cfg, out, dtype=dtype, tokenizer_dir=tokenizer_dir)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("hf-to-orbax", help="HF dir -> params-only Orbax checkpoint (step 0)")
+    p.add_argument("--hf", required=True, help="HF model dir (config.json + safetensors)")
+    p.add_argument("--out", required=True, help="new checkpoint directory (local or gs://)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p = sub.add_parser("orbax-to-hf", help="Orbax checkpoint -> HF dir")
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (local or gs://)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--out", required=True, help="new HF model directory")
+    p.add_argument("--tokenizer", default=None, help="copy tokenizer files from this dir")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="cast the saved tensors (default: as stored)")
+    p.add_argument("--config-from", default=None,
+                   help="HF dir whose config.json to use when the checkpoint has no model_config")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "hf-to-orbax":
+            rc = hf_to_orbax(args.hf, args.out, args.dtype)
+        else:
+            rc = orbax_to_hf(args.ckpt, args.out, args.step, args.tokenizer, args.dtype,
+                             args.config_from)
+    except USER_ERRORS as e:
+        print(f"convert.py {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
