@@ -1,0 +1,202 @@
+"""Start engine servers as subprocesses (tests, the trainer, benchmarks).
+
+    with launch_server("ckpt_dir", max_slots=16) as server:
+        client = RolloutClient([server.url])
+        ...
+
+Each server runs ``python -m areal_jax.engine.server`` in its own process group, so
+``terminate()`` / ``kill()`` reach every process it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+# A fake multi-device host (tests set it for mesh tests) would split one server's CPU.
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+class ServerStartError(RuntimeError):
+    """The server process exited or never became healthy; the message has its log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n_chars: int = 4000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return text[-n_chars:]
+
+
+class ServerHandle:
+    """A running engine server subprocess."""
+
+    def __init__(self, process: subprocess.Popen, url: str, log_path: Path,
+                 api_key: str | None = None):
+        self.process = process
+        self.url = url
+        self.log_path = log_path
+        self.api_key = api_key
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        return _tail(self.log_path, n_chars)
+
+    def _signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group at once (simulates a crashed server)."""
+        self._signal_group(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(10)
+
+    def terminate(self, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited after ``timeout`` seconds."""
+        if not self.alive():
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.terminate()
+
+    def __repr__(self) -> str:
+        return f"ServerHandle(url={self.url!r}, pid={self.pid}, alive={self.alive()})"
+
+
+def _child_env(jax_platforms: str | None, xla_cpu_threads: int | None,
+               extra_env: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+    if xla_cpu_threads is not None:
+        if xla_cpu_threads < 1:
+            raise ValueError(f"xla_cpu_threads must be >= 1, got {xla_cpu_threads}")
+        if xla_cpu_threads == 1:
+            flags.append("--xla_cpu_multi_thread_eigen=false")
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[var] = str(xla_cpu_threads)
+    env["XLA_FLAGS"] = " ".join(flags)
+    if jax_platforms is not None:
+        env["JAX_PLATFORMS"] = jax_platforms
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONUNBUFFERED"] = "1"
+    if extra_env:
+        env.update(extra_env)
+    return env
+
+
+def launch_server(
+    model_path: str | os.PathLike,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    max_slots: int = 16,
+    max_seq_len: int | None = None,
+    dtype: str = "float32",
+    api_key: str | None = None,
+    warmup: bool = False,
+    extra_args: Sequence[str] = (),
+    cpu_affinity: list[int] | None = None,
+    xla_cpu_threads: int | None = None,
+    jax_platforms: str | None = "cpu",
+    env: dict[str, str] | None = None,
+    log_path: str | os.PathLike | None = None,
+    startup_timeout: float = 180.0,
+) -> ServerHandle:
+    """Starts an engine server and waits until ``/health`` answers 200.
+
+    Args:
+      port: None picks a free port.
+      extra_args: more ``serve.py`` flags, e.g. ``["--decode-steps", "4"]``.
+      cpu_affinity: CPU ids the server may run on (``os.sched_setaffinity`` in the child);
+        XLA sizes its CPU thread pool from this set.
+      xla_cpu_threads: 1 turns off XLA's multi-threaded CPU kernels; any value also caps
+        OpenMP/MKL threads. Use ``cpu_affinity`` to bound XLA's pool to N cores.
+      jax_platforms: JAX_PLATFORMS for the child ("cpu" by default; None inherits).
+      log_path: where stdout/stderr go (default: a temp file).
+
+    Raises:
+      ServerStartError: the process exited during start-up or was not healthy in time
+        (the message includes the tail of its log).
+    """
+    model_path = Path(model_path)
+    chosen_port = port if port is not None else free_port(host)
+    if log_path is None:
+        import tempfile
+
+        fd, name = tempfile.mkstemp(prefix=f"areal-engine-{chosen_port}-", suffix=".log")
+        os.close(fd)
+        log_path = name
+    log_path = Path(log_path)
+    cmd = [sys.executable, "-m", "areal_jax.engine.server", "--model-path", str(model_path),
+           "--host", host, "--port", str(chosen_port), "--max-slots", str(max_slots),
+           "--dtype", dtype]
+    if max_seq_len is not None:
+        cmd += ["--max-seq-len", str(max_seq_len)]
+    if api_key is not None:
+        cmd += ["--api-key", api_key]
+    if warmup:
+        cmd.append("--warmup")
+    cmd += list(extra_args)
+
+    def set_affinity() -> None:  # runs in the child before exec
+        if cpu_affinity:
+            os.sched_setaffinity(0, cpu_affinity)
+
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=_child_env(jax_platforms, xla_cpu_threads, env), start_new_session=True,
+            preexec_fn=set_affinity if cpu_affinity else None,
+        )
+    url = f"http://{host}:{chosen_port}"
+    handle = ServerHandle(process, url, log_path, api_key)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + startup_timeout
+    with httpx.Client(timeout=5.0, headers=headers) as http:
+        while True:
+            if process.poll() is not None:
+                raise ServerStartError(
+                    f"engine server for {model_path} exited with code {process.returncode} "
+                    f"during start-up; log {log_path}:\n{_tail(log_path)}")
+            try:
+                if http.get(f"{url}/health").status_code == 200:
+                    return handle
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                handle.kill()
+                raise ServerStartError(
+                    f"engine server for {model_path} was not healthy after {startup_timeout}s; "
+                    f"log {log_path}:\n{_tail(log_path)}")
+            time.sleep(0.25)

@@ -1,0 +1,285 @@
+"""The SGLang-protocol subset: validating request bodies and building replies.
+
+Field names are SGLang's (``/generate`` takes ``input_ids``, ``sampling_params``,
+``return_logprob``, ``rid``; replies carry ``text``, ``output_ids`` and ``meta_info``).
+Every validation failure raises ``ProtocolError`` with a message that names the field
+and the offending value; the server turns it into HTTP 400 ``{"error": message}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from areal_jax.engine.request import EngineRequest, SamplingParams
+
+
+class ProtocolError(ValueError):
+    """A malformed request body (HTTP 400)."""
+
+
+# Top-level /generate fields we accept. Others SGLang knows are rejected with a reason.
+_GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid", "stream",
+                    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}
+_GENERATE_UNSUPPORTED = {
+    "text": "text prompts are not supported by this server; tokenize on the client and send input_ids",
+    "input_embeds": "input_embeds is not supported; send input_ids",
+    "image_data": "image_data is not supported (text-only models)",
+    "audio_data": "audio_data is not supported (text-only models)",
+    "lora_path": "LoRA adapters are not supported",
+}
+# Sampling params we accept, and SGLang ones accepted only at their no-op default.
+_SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
+                    "ignore_eos", "skip_special_tokens", "sampling_seed",
+                    "spaces_between_special_tokens", "no_stop_trim"}
+_SAMPLING_NOOP_DEFAULTS: dict[str, Any] = {
+    "n": 1, "min_new_tokens": 0, "min_p": 0.0, "frequency_penalty": 0.0,
+    "presence_penalty": 0.0, "repetition_penalty": 1.0, "stop": None, "json_schema": None,
+    "regex": None, "ebnf": None, "logit_bias": None, "custom_params": None,
+}
+DEFAULT_MAX_NEW_TOKENS = 128
+SUPPORTED_PAUSE_MODES = ("abort",)
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    input_ids: list[int]
+    params: SamplingParams
+    rid: str | None
+    return_logprob: bool
+    return_text_in_logprobs: bool
+
+
+def parse_json_body(raw: bytes, route: str, *, allow_empty: bool = False) -> dict[str, Any]:
+    """Parses a JSON object body; an empty body is {} when ``allow_empty``."""
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise ProtocolError(f"{route}: request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"{route}: request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(
+            f"{route}: request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, int | float)) and not isinstance(v, bool)
+
+
+def _get_bool(d: dict[str, Any], key: str, default: bool, where: str) -> bool:
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ProtocolError(f"{where}{key} must be true or false, got {v!r}")
+    return v
+
+
+def _get_str(d: dict[str, Any], key: str, where: str, *, required: bool = False) -> str | None:
+    v = d.get(key)
+    if v is None:
+        if required:
+            raise ProtocolError(f"{where}missing required field {key!r}")
+        return None
+    if not isinstance(v, str):
+        raise ProtocolError(f"{where}{key} must be a string, got {type(v).__name__} {v!r}")
+    return v
+
+
+def _reject_unknown(d: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ProtocolError(
+            f"{where}unknown field {unknown[0]!r}; supported fields: {', '.join(sorted(allowed))}")
+
+
+def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
+    where = "sampling_params."
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise ProtocolError(f"sampling_params must be a JSON object, got {type(sp).__name__}")
+    for key, default in _SAMPLING_NOOP_DEFAULTS.items():
+        if key in sp and sp[key] not in (default, None) and not (key == "stop" and sp[key] == []):
+            hint = "; use stop_token_ids" if key == "stop" else ""
+            raise ProtocolError(
+                f"{where}{key}={sp[key]!r} is not supported by this server (only {default!r}){hint}")
+    _reject_unknown(sp, _SAMPLING_FIELDS | set(_SAMPLING_NOOP_DEFAULTS), where)
+
+    max_new = sp.get("max_new_tokens")
+    if max_new is None:
+        max_new = DEFAULT_MAX_NEW_TOKENS
+    if not _is_int(max_new) or max_new <= 0:
+        raise ProtocolError(f"{where}max_new_tokens must be a positive integer, got {max_new!r}")
+
+    temperature = sp.get("temperature", 1.0)
+    if temperature is None:
+        temperature = 1.0
+    if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise ProtocolError(f"{where}temperature must be a finite number >= 0, got {temperature!r}")
+
+    top_p = sp.get("top_p", 1.0)
+    if top_p is None:
+        top_p = 1.0
+    if not _is_number(top_p) or not (0.0 < top_p <= 1.0):
+        raise ProtocolError(f"{where}top_p must be a number in (0, 1], got {top_p!r}")
+
+    top_k = sp.get("top_k", -1)
+    if top_k is None:
+        top_k = -1
+    if not _is_int(top_k) or (top_k != -1 and top_k < 1):
+        raise ProtocolError(f"{where}top_k must be -1 (disabled) or an integer >= 1, got {top_k!r}")
+
+    stop_ids = sp.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
+        raise ProtocolError(f"{where}stop_token_ids must be a list of integers, got {stop_ids!r}")
+    bad = [t for t in stop_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ProtocolError(
+            f"{where}stop_token_ids contains {bad[0]}, outside the vocabulary [0, {vocab_size})")
+
+    seed = sp.get("sampling_seed")
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        raise ProtocolError(f"{where}sampling_seed must be a non-negative integer, got {seed!r}")
+    for key in ("spaces_between_special_tokens", "no_stop_trim"):
+        _get_bool(sp, key, False, where)
+
+    return SamplingParams(
+        max_new_tokens=max_new,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=_get_bool(sp, "ignore_eos", False, where),
+        skip_special_tokens=_get_bool(sp, "skip_special_tokens", True, where),
+        seed=seed,
+    )
+
+
+def parse_generate(body: dict[str, Any], vocab_size: int, max_seq_len: int) -> GenerateCall:
+    """Validates a /generate body against the served model (vocabulary, context length)."""
+    for key, reason in _GENERATE_UNSUPPORTED.items():
+        if body.get(key) is not None:
+            raise ProtocolError(reason)
+    _reject_unknown(body, _GENERATE_FIELDS, "")
+    if "input_ids" not in body or body["input_ids"] is None:
+        raise ProtocolError("missing required field 'input_ids' (a list of token ids)")
+    ids = body["input_ids"]
+    if not isinstance(ids, list):
+        raise ProtocolError(f"input_ids must be a list of integers, got {type(ids).__name__}")
+    if ids and isinstance(ids[0], list):
+        raise ProtocolError("batched input_ids (a list of lists) is not supported; "
+                            "send one request per prompt")
+    if not ids:
+        raise ProtocolError("input_ids is empty; the prompt needs at least one token")
+    for i, t in enumerate(ids):
+        if not _is_int(t):
+            raise ProtocolError(f"input_ids[{i}] must be an integer, got {t!r}")
+        if not 0 <= t < vocab_size:
+            raise ProtocolError(
+                f"input_ids[{i}]={t} is outside the vocabulary [0, {vocab_size})")
+    if len(ids) >= max_seq_len:
+        raise ProtocolError(
+            f"prompt has {len(ids)} tokens but the context length is {max_seq_len}; "
+            f"prompts may have at most {max_seq_len - 1} tokens")
+    if body.get("stream"):
+        raise ProtocolError("stream=true is not supported by this server; omit it")
+    top_logprobs = body.get("top_logprobs_num")
+    if top_logprobs not in (None, 0):
+        raise ProtocolError(f"top_logprobs_num={top_logprobs!r} is not supported (only 0)")
+    start = body.get("logprob_start_len")
+    if start is not None and not _is_int(start):
+        raise ProtocolError(f"logprob_start_len must be an integer, got {start!r}")
+    rid = body.get("rid")
+    if rid is not None and (not isinstance(rid, str) or not rid):
+        raise ProtocolError(f"rid must be a non-empty string, got {rid!r}")
+    return GenerateCall(
+        input_ids=ids,
+        params=parse_sampling_params(body.get("sampling_params"), vocab_size),
+        rid=rid,
+        return_logprob=_get_bool(body, "return_logprob", False, ""),
+        return_text_in_logprobs=_get_bool(body, "return_text_in_logprobs", False, ""),
+    )
+
+
+def generate_reply(req: EngineRequest, call: GenerateCall, decode_text: Any) -> dict[str, Any]:
+    """SGLang's /generate reply for a finished request."""
+    p = req.params
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "finish_reason": req.finish_reason,
+        "prompt_tokens": req.prompt_len,
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": 0,
+        "weight_version": req.weight_version,
+        "e2e_latency": (req.finish_time or 0.0) - req.arrival_time,
+    }
+    if call.return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, tok, decode_text([tok], False) if call.return_text_in_logprobs else None]
+            for lp, tok in zip(req.output_logprobs, req.output_ids, strict=True)
+        ]
+    return {
+        "text": decode_text(req.output_ids, p.skip_special_tokens),
+        "output_ids": list(req.output_ids),
+        "meta_info": meta,
+    }
+
+
+def parse_pause(body: dict[str, Any]) -> str:
+    mode = body.get("mode", "abort")
+    if mode not in SUPPORTED_PAUSE_MODES:
+        raise ProtocolError(
+            f"/pause_generation: mode={mode!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_PAUSE_MODES)}")
+    _reject_unknown(body, {"mode"}, "/pause_generation: ")
+    return mode
+
+
+# SGLang's UpdateWeightFromDiskReqInput fields; the ones we do not act on are accepted.
+_UPDATE_FROM_DISK_FIELDS = {"model_path", "weight_version", "abort_all_requests", "flush_cache",
+                            "load_format", "is_async", "torch_empty_cache", "keep_pause",
+                            "recapture_cuda_graph", "token_step"}
+
+
+def parse_update_weights_from_disk(body: dict[str, Any]) -> tuple[str, str | None, bool]:
+    where = "/update_weights_from_disk: "
+    _reject_unknown(body, _UPDATE_FROM_DISK_FIELDS, where)
+    model_path = _get_str(body, "model_path", where, required=True)
+    if not model_path:
+        raise ProtocolError(f"{where}model_path is empty")
+    version = _get_str(body, "weight_version", where)
+    abort_all = _get_bool(body, "abort_all_requests", False, where)
+    _get_bool(body, "flush_cache", True, where)
+    load_format = body.get("load_format")
+    if load_format not in (None, "auto", "safetensors"):
+        raise ProtocolError(f"{where}load_format={load_format!r} is not supported (safetensors only)")
+    return model_path, version, abort_all
+
+
+def parse_update_weight_version(body: dict[str, Any]) -> tuple[str, bool]:
+    where = "/update_weight_version: "
+    _reject_unknown(body, {"new_version", "abort_all_requests"}, where)
+    version = _get_str(body, "new_version", where, required=True)
+    assert version is not None
+    return version, _get_bool(body, "abort_all_requests", False, where)
+
+
+def parse_abort(body: dict[str, Any]) -> tuple[str | None, bool]:
+    where = "/abort_request: "
+    _reject_unknown(body, {"rid", "abort_all", "abort_message"}, where)
+    rid = _get_str(body, "rid", where) or None
+    abort_all = _get_bool(body, "abort_all", False, where)
+    if rid is None and not abort_all:
+        raise ProtocolError(f"{where}give a rid to abort one request, or abort_all=true")
+    return rid, abort_all
