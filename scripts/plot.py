@@ -1,0 +1,201 @@
+"""Plot the training curves of a run directory as PNG files.
+
+    python scripts/plot.py RUN_DIR [--out DIR]
+
+Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per learner step) and writes into
+``DIR`` (default ``RUN_DIR/plots``):
+
+* ``reward_vs_version.png``  reward_mean / eval_accuracy against the weight version;
+* ``reward_vs_time.png``     the same against wall-clock time;
+* ``staleness.png``          staleness_* keys (versions behind) against the version;
+* ``clip_cap.png``           clip / cap fractions and logp_mismatch;
+* ``throughput.png``         *_per_s keys and step_time_s;
+* ``all_metrics.png``        every numeric key, one small panel each.
+
+A headline plot is skipped (and said so) when none of its keys is in the file. Lines
+that are not JSON objects (e.g. a half-written last line) are skipped with a warning.
+Wall time is the first present of ``wall_time_s``, ``elapsed_s``, ``time_s``,
+``timestamp``/``time`` (made relative to the first row); failing those, the running sum
+of ``step_time_s`` (learner time only, labelled so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+METRICS_FILE = "metrics.jsonl"
+X_KEYS = ("version", "step")
+TIME_KEYS = ("wall_time_s", "elapsed_s", "time_s", "timestamp", "time")
+REWARD_KEYS = ("reward_mean", "eval_accuracy", "reward", "accuracy")
+
+
+class PlotError(RuntimeError):
+    """A run dir or metrics file that cannot be plotted."""
+
+
+def load_metrics(path: Path) -> tuple[list[dict[str, float]], list[str]]:
+    """Numeric fields of each valid row, and one warning per skipped line."""
+    rows: list[dict[str, float]] = []
+    warnings: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                warnings.append(f"{path}:{lineno}: not valid JSON ({e.msg}); skipped")
+                continue
+            if not isinstance(obj, dict):
+                warnings.append(f"{path}:{lineno}: a JSON {type(obj).__name__}, not an object; "
+                                f"skipped")
+                continue
+            rows.append({k: float(v) for k, v in obj.items()
+                         if isinstance(v, int | float) and not isinstance(v, bool)})
+    return rows, warnings
+
+
+def _series(rows: list[dict[str, float]], x: list[float], key: str) -> tuple[list, list]:
+    xs, ys = [], []
+    for xv, row in zip(x, rows, strict=True):
+        y = row.get(key)
+        if y is not None and math.isfinite(y) and math.isfinite(xv):
+            xs.append(xv)
+            ys.append(y)
+    return xs, ys
+
+
+def _x_axis(rows: list[dict[str, float]]) -> tuple[str, list[float]]:
+    for key in X_KEYS:
+        if all(key in r for r in rows):
+            return key, [r[key] for r in rows]
+    return "row", [float(i) for i in range(len(rows))]
+
+
+def _time_axis(rows: list[dict[str, float]]) -> tuple[str, list[float]] | None:
+    for key in TIME_KEYS:
+        if all(key in r for r in rows):
+            t0 = rows[0][key] if key in ("timestamp", "time") else 0.0
+            return f"{key} (s)", [r[key] - t0 for r in rows]
+    if all("step_time_s" in r for r in rows):
+        total, out = 0.0, []
+        for r in rows:
+            total += r["step_time_s"]
+            out.append(total)
+        return "cumulative step_time_s (learner only, s)", out
+    return None
+
+
+def _line_plot(path: Path, title: str, xlabel: str, x: list[float], rows: list[dict[str, float]],
+               keys: list[str]) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in keys:
+        xs, ys = _series(rows, x, key)
+        sparse = len(xs) < 0.5 * len(rows)  # e.g. eval every N versions: show the points
+        ax.plot(xs, ys, marker="o" if sparse else None, markersize=3, label=key)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _grid_plot(path: Path, xlabel: str, x: list[float], rows: list[dict[str, float]],
+               keys: list[str]) -> Path:
+    ncols = min(4, len(keys))
+    nrows = math.ceil(len(keys) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 2.4 * nrows), squeeze=False)
+    for ax, key in zip(axes.flat, keys, strict=False):
+        xs, ys = _series(rows, x, key)
+        ax.plot(xs, ys, marker="o" if len(xs) < 0.5 * len(rows) else None, markersize=2)
+        ax.set_title(key, fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.supxlabel(xlabel, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None,
+             log: Any = print) -> list[Path]:
+    """Writes the PNGs for ``run_dir`` and returns their paths."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise PlotError(f"run dir {run_dir} does not exist")
+    metrics_path = run_dir / METRICS_FILE
+    if not metrics_path.is_file():
+        raise PlotError(f"run dir {run_dir} has no {METRICS_FILE}")
+    rows, warnings = load_metrics(metrics_path)
+    for w in warnings:
+        log(f"warning: {w}")
+    if not rows:
+        raise PlotError(f"{metrics_path} has no valid rows")
+    out = Path(out_dir) if out_dir is not None else run_dir / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+
+    present = sorted({k for r in rows for k in r})
+    xlabel, x = _x_axis(rows)
+    written: list[Path] = []
+
+    def headline(name: str, title: str, keys: list[str], axis: tuple[str, list[float]] | None = None):
+        label, xs = axis or (xlabel, x)
+        if keys:
+            written.append(_line_plot(out / name, title, label, xs, rows, keys))
+        else:
+            log(f"skipped {name}: no matching keys in {metrics_path}")
+
+    reward_keys = [k for k in REWARD_KEYS if k in present]
+    headline("reward_vs_version.png", "Reward / accuracy", reward_keys)
+    time_axis = _time_axis(rows)
+    if time_axis is None:
+        log(f"skipped reward_vs_time.png: no time key ({', '.join(TIME_KEYS)}, step_time_s)")
+    else:
+        headline("reward_vs_time.png", "Reward / accuracy vs wall time", reward_keys, time_axis)
+    headline("staleness.png", "Staleness (versions behind)",
+             [k for k in present if k.startswith("staleness")])
+    headline("clip_cap.png", "Clip / cap fractions, logp mismatch",
+             [k for k in present if (("clip" in k or "cap" in k) and k.endswith("frac"))
+              or k.startswith("logp_mismatch")])
+    headline("throughput.png", "Throughput",
+             [k for k in present if k.endswith("_per_s") or k == "step_time_s"])
+    grid_keys = [k for k in present if k not in X_KEYS]
+    if grid_keys:
+        written.append(_grid_plot(out / "all_metrics.png", xlabel, x, rows, grid_keys))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", help="run directory holding metrics.jsonl")
+    parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/plots)")
+    args = parser.parse_args(argv)
+    try:
+        paths = plot_run(args.run_dir, args.out, log=lambda m: print(m, file=sys.stderr))
+    except (PlotError, OSError) as e:
+        print(f"plot.py: error: {e}", file=sys.stderr)
+        return 2
+    for p in paths:
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
