@@ -7,8 +7,9 @@
 
 Every item is the original row plus five normalised keys:
 
-- ``prompt_id``: stable id of the row (the ``id_key`` column, else the row's index
-  counted over all files in order);
+- ``prompt_id``: stable id of the row: the ``id_key`` column; by default the
+  ``prompt_id`` column when every row has one, else the row's index counted over all
+  files in order;
 - ``prompt``: the ``prompt_key`` column (a string, or a list of chat messages);
 - ``answer``: the ``answer_key`` column (absent when ``answer_key`` is None);
 - ``epoch``: which pass over this shard the item comes from;
@@ -85,6 +86,8 @@ def _normalise_rows(rows_by_file: list[tuple[str, list[dict]]], prompt_key: str,
                     answer_key: str | None, id_key: str | None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     seen_ids: set[str] = set()
+    if id_key is None and all("prompt_id" in row for _, rows in rows_by_file for row in rows):
+        id_key = "prompt_id"
     for path, rows in rows_by_file:
         for i, row in enumerate(rows):
             for key, role in ((prompt_key, "prompt_key"), (answer_key, "answer_key"),
@@ -175,7 +178,8 @@ def load_prompt_dataset(
 
     Args:
         paths: one or more ``.jsonl``/``.json``/``.parquet`` files, local or ``gs://``.
-        prompt_key, answer_key, id_key: column names (see the module docstring).
+        prompt_key, answer_key: column names of the prompt and the reference answer.
+        id_key: column holding a unique id; None uses ``prompt_id`` if present, else row index.
         seed, shuffle: the shuffle seed; each epoch gets its own permutation.
         num_epochs: passes over the data; None repeats forever.
         shard_index, shard_count: this process's shard; default

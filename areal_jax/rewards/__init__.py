@@ -7,3 +7,20 @@
 
 Submodules are imported on demand so reward workers stay light.
 """
+
+# Short names accepted by configs (``reward.fn: math``) and the "module:function" they mean.
+REWARD_FUNCTIONS: dict[str, str] = {
+    "math": "areal_jax.rewards.math:math_reward",
+    "code": "areal_jax.rewards.code:code_reward",
+    "builtin": "areal_jax.rewards.builtin:builtin_reward",
+}
+
+
+def reward_fn_spec(name: str) -> str:
+    """``"math"`` -> ``"areal_jax.rewards.math:math_reward"``; a "module:function" passes through."""
+    if name in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[name]
+    if ":" in name:
+        return name
+    raise ValueError(f"reward fn {name!r} is unknown; use one of {sorted(REWARD_FUNCTIONS)} "
+                     "or a 'module:function' string")

@@ -56,9 +56,21 @@ def math_equal(predicted: str, reference: str) -> bool:
     return predicted.strip() == reference.strip()
 
 
+def reference_answer(answer: str | float | int) -> str:
+    """The reference as a bare answer: GSM8K's ``"...reasoning #### 42"`` becomes ``"42"``."""
+    text = str(answer)
+    if "####" in text:
+        text = text.rsplit("####", 1)[1]
+    return text.strip().replace(",", "") if _NUMBER_RE.fullmatch(text.strip()) else text.strip()
+
+
 def math_reward(completion: str, answer: str | float | int) -> float:
-    """1.0 if the completion's extracted answer equals ``answer`` (math-verify), else 0.0."""
+    """1.0 if the completion's extracted answer equals ``answer`` (math-verify), else 0.0.
+
+    ``answer`` may be a bare answer (``"42"``, ``"\\frac{1}{2}"``) or GSM8K-style text ending
+    in ``#### 42``.
+    """
     predicted = extract_answer(completion)
     if predicted is None:
         return 0.0
-    return 1.0 if math_equal(predicted, str(answer)) else 0.0
+    return 1.0 if math_equal(predicted, reference_answer(answer)) else 0.0

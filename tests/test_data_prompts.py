@@ -1,0 +1,156 @@
+"""Prompt datasets: JSONL/JSON/Parquet, seeded shuffles over epochs, sharding, iterator state."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from areal_jax.data.prompts import load_prompt_dataset, prompt_items_from_list, read_records
+
+ROWS = [{"question": f"q{i}", "answer": str(i * i), "level": i % 3} for i in range(23)]
+
+
+@pytest.fixture
+def jsonl_path(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def parquet_path(tmp_path):
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), path)
+    return str(path)
+
+
+def take(ds, n=None):
+    it = iter(ds)
+    out = []
+    for item in it:
+        out.append(item)
+        if n is not None and len(out) == n:
+            break
+    return out
+
+
+def test_jsonl_and_parquet_give_the_same_stream(jsonl_path, parquet_path):
+    a = take(load_prompt_dataset(jsonl_path, seed=3, shard_index=0, shard_count=1))
+    b = take(load_prompt_dataset(parquet_path, seed=3, shard_index=0, shard_count=1))
+    assert [x["prompt_id"] for x in a] == [x["prompt_id"] for x in b]
+    assert a == b
+    item = a[0]
+    row = ROWS[int(item["prompt_id"])]
+    assert item["prompt"] == row["question"] and item["answer"] == row["answer"]
+    assert item["level"] == row["level"]  # other columns come along
+
+
+def test_one_epoch_is_a_seeded_permutation(jsonl_path):
+    ids = [x["prompt_id"] for x in take(load_prompt_dataset(jsonl_path, seed=1, shard_index=0,
+                                                            shard_count=1))]
+    assert sorted(ids, key=int) == [str(i) for i in range(len(ROWS))]
+    assert ids != [str(i) for i in range(len(ROWS))]  # shuffled
+    again = [x["prompt_id"] for x in take(load_prompt_dataset(jsonl_path, seed=1, shard_index=0,
+                                                              shard_count=1))]
+    other = [x["prompt_id"] for x in take(load_prompt_dataset(jsonl_path, seed=2, shard_index=0,
+                                                              shard_count=1))]
+    assert again == ids and other != ids
+    plain = take(load_prompt_dataset(jsonl_path, shuffle=False, shard_index=0, shard_count=1))
+    assert [x["prompt_id"] for x in plain] == [str(i) for i in range(len(ROWS))]
+
+
+def test_epochs_each_cover_everything_in_a_new_order(jsonl_path):
+    items = take(load_prompt_dataset(jsonl_path, seed=5, num_epochs=3, shard_index=0,
+                                     shard_count=1))
+    n = len(ROWS)
+    assert len(items) == 3 * n
+    epochs = [[x["prompt_id"] for x in items[e * n:(e + 1) * n]] for e in range(3)]
+    for e, ids in enumerate(epochs):
+        assert sorted(ids, key=int) == [str(i) for i in range(n)]
+        assert {x["epoch"] for x in items[e * n:(e + 1) * n]} == {e}
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert [x["stream_index"] for x in items] == list(range(3 * n))
+    forever = take(load_prompt_dataset(jsonl_path, seed=5, num_epochs=None, shard_index=0,
+                                       shard_count=1), 5 * n)
+    assert [x["prompt_id"] for x in forever[:3 * n]] == [x["prompt_id"] for x in items]
+
+
+def test_shards_partition_the_rows(jsonl_path):
+    shards = [take(load_prompt_dataset(jsonl_path, seed=0, shard_index=s, shard_count=4))
+              for s in range(4)]
+    ids = [set(x["prompt_id"] for x in shard) for shard in shards]
+    assert all(ids)
+    assert set().union(*ids) == {str(i) for i in range(len(ROWS))}
+    assert sum(len(s) for s in ids) == len(ROWS)  # disjoint
+
+
+def test_iterator_state_round_trip_resumes_exactly(jsonl_path):
+    ds = load_prompt_dataset(jsonl_path, seed=7, num_epochs=2, shard_index=0, shard_count=1)
+    full = [x["prompt_id"] for x in take(ds)]
+    it = iter(ds)
+    head = [next(it)["prompt_id"] for _ in range(30)]  # crosses the epoch boundary
+    state = json.loads(json.dumps(it.get_state()))
+    fresh = iter(load_prompt_dataset(jsonl_path, seed=7, num_epochs=2, shard_index=0,
+                                     shard_count=1))
+    fresh.set_state(state)
+    tail = [x["prompt_id"] for x in fresh]
+    assert head + tail == full
+
+
+def test_id_key_and_prompt_id_column(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"uid": f"u{i}", "prompt_id": f"p{i}", "text": "x", "answer": 1}
+                                for i in range(4)]))
+    items = take(load_prompt_dataset(str(path), prompt_key="text", shuffle=False,
+                                     shard_index=0, shard_count=1))
+    assert [x["prompt_id"] for x in items] == ["p0", "p1", "p2", "p3"]
+    items = take(load_prompt_dataset(str(path), prompt_key="text", id_key="uid", shuffle=False,
+                                     shard_index=0, shard_count=1))
+    assert [x["prompt_id"] for x in items] == ["u0", "u1", "u2", "u3"]
+
+
+def test_builtin_task_split_loads(tmp_path):
+    from areal_jax.data import builtin_task
+
+    path = builtin_task.write_split(tmp_path / "eval.jsonl", "eval", n=16)
+    items = take(load_prompt_dataset(str(path), shuffle=False, shard_index=0, shard_count=1))
+    assert [x["prompt_id"] for x in items] == [f"eval-{i}" for i in range(16)]
+    assert items[0]["prompt"].startswith("Q:")
+
+
+def test_in_memory_items():
+    items = [{"prompt_id": str(i), "prompt": "p"} for i in range(5)]
+    out = take(prompt_items_from_list(items, num_epochs=2))
+    assert [x["prompt_id"] for x in out] == [str(i) for i in range(5)] * 2
+    with pytest.raises(KeyError, match="prompt item 0 has no 'prompt_id'"):
+        prompt_items_from_list([{"prompt": "p"}])
+
+
+def test_errors_name_the_problem(tmp_path, jsonl_path):
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        load_prompt_dataset(str(tmp_path / "missing.jsonl"))
+    bad_ext = tmp_path / "data.csv"
+    bad_ext.write_text("a,b\n")
+    with pytest.raises(ValueError, match=r"data\.csv.*unsupported extension.*\.parquet"):
+        load_prompt_dataset(str(bad_ext))
+    with pytest.raises(KeyError, match=r"row 0 has no key 'prompt'.*available keys: \['answer', "
+                                       r"'level', 'question'\]"):
+        load_prompt_dataset(jsonl_path, prompt_key="prompt", shard_index=0, shard_count=1)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"question": "a", "answer": "1"}\n{not json\n')
+    with pytest.raises(ValueError, match=r"broken\.jsonl:2: invalid JSON"):
+        read_records(str(broken))
+    with pytest.raises(ValueError, match="shard_index=4 is outside"):
+        load_prompt_dataset(jsonl_path, shard_index=4, shard_count=4)
+    with pytest.raises(ValueError, match="give both shard_index and shard_count"):
+        load_prompt_dataset(jsonl_path, shard_index=0)
+    with pytest.raises(ValueError, match="num_epochs"):
+        load_prompt_dataset(jsonl_path, num_epochs=0, shard_index=0, shard_count=1)
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"question": "a", "answer": 1, "prompt_id": "x"}\n'
+                   '{"question": "b", "answer": 2, "prompt_id": "x"}\n')
+    with pytest.raises(ValueError, match="repeats prompt id 'x'"):
+        load_prompt_dataset(str(dup), shard_index=0, shard_count=1)

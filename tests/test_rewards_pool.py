@@ -1,0 +1,151 @@
+"""The reward pool: results, and exceptions, timeouts, hangs and crashes that never propagate."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from areal_jax.rewards.pool import RewardPool
+
+# Reward functions for the workers: module level, so they pickle by reference.
+
+
+def square(x: float) -> float:
+    return x * x
+
+
+def raises(x: float) -> float:
+    raise ValueError(f"bad sample {x}")
+
+
+def hangs(x: float) -> float:
+    time.sleep(3600)
+    return x
+
+
+def crashes(x: float) -> float:
+    os._exit(7)
+
+
+def not_a_number(x: float) -> str:
+    return "n/a"
+
+
+def worker_pid() -> float:
+    return float(os.getpid())
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); check its state
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool(num_workers=2, timeout_s=2.0) as p:
+        yield p
+
+
+def test_scores_many_concurrent_calls_in_order(pool):
+    async def main():
+        return await asyncio.gather(*(pool.score(square, float(i)) for i in range(40)))
+
+    assert asyncio.run(main()) == [float(i * i) for i in range(40)]
+    # usable again from a different event loop
+    assert pool.score_sync("test_rewards_pool:square", 3.0) == 9.0
+
+
+def test_failures_give_none_and_are_counted(pool):
+    before = pool.metrics()
+
+    async def main():
+        return await asyncio.gather(
+            pool.score(raises, 1.0), pool.score(square, 2.0), pool.score(crashes, 1.0),
+            pool.score(not_a_number, 1.0), pool.score("no_such_module_xyz:fn", 1.0),
+            pool.score(square, 3.0))
+
+    t0 = time.monotonic()
+    assert asyncio.run(main()) == [None, 4.0, None, None, None, 9.0]
+    assert time.monotonic() - t0 < 60  # nothing waited for a timeout
+    after = pool.metrics()
+    assert after["errors"] - before["errors"] == 3  # raise, not a number, bad import
+    assert after["crashes"] - before["crashes"] == 1
+    assert after["ok"] - before["ok"] == 2
+    assert any("bad sample 1.0" in e for e in pool.last_errors)
+
+
+def test_hung_call_times_out_and_its_worker_is_killed_and_replaced():
+    with RewardPool(num_workers=1, timeout_s=1.5) as pool:
+        async def main():
+            pid = int(await pool.score(worker_pid))
+            t0 = time.monotonic()
+            hung = await pool.score(hangs, 1.0)
+            waited = time.monotonic() - t0
+            new_pid = int(await pool.score(worker_pid))
+            return pid, hung, waited, new_pid
+
+        pid, hung, waited, new_pid = asyncio.run(main())
+        assert hung is None
+        assert waited >= 1.5
+        assert not pid_alive(pid)
+        assert new_pid != pid and pid_alive(new_pid)
+        m = pool.metrics()
+        assert m["timeouts"] == 1 and m["workers_replaced"] == 1
+    assert not pid_alive(new_pid)  # close() stops the workers
+
+
+def test_hangs_do_not_block_other_calls():
+    with RewardPool(num_workers=2, timeout_s=2.0) as pool:
+        async def main():
+            return await asyncio.gather(pool.score(hangs, 1.0), *(pool.score(square, float(i))
+                                                                  for i in range(10)))
+
+        results = asyncio.run(main())
+        assert results[0] is None and results[1:] == [float(i * i) for i in range(10)]
+
+
+def test_unusable_functions_raise_clear_errors(pool):
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pool.score_sync(lambda x: x, 1.0)
+    with pytest.raises(ValueError, match="num_workers must be >= 1"):
+        RewardPool(num_workers=0)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        RewardPool(timeout_s=0)
+
+
+def test_workers_die_with_their_parent(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        from areal_jax.rewards.pool import RewardPool
+        pool = RewardPool(num_workers=1, timeout_s=30)
+        print(int(pool.score_sync("os:getpid")), flush=True)
+        time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(proc.stdout.readline())
+        assert pid_alive(pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pid_alive(pid)
+    finally:
+        proc.kill()
