@@ -135,6 +135,42 @@ def test_restore_onto_sharded_target(tmp_path):
     assert {s.data.shape for s in kernel.addressable_shards} == {(4, 8)}
 
 
+def test_learner_layout_nested_states_and_donated_buffers(tmp_path):
+    """The learner keeps params as an nnx.State and tx.init(params) nests States in the
+    optax state; the next train step donates both right after save() returns."""
+    mesh = Mesh(np.array(jax.devices()).reshape(8), ("fsdp",))
+    _, params, _ = nnx.split(TinyNet(nnx.Rngs(2)), nnx.Param, ...)
+    shard = NamedSharding(mesh, P("fsdp", None))
+    params = jax.tree.map(lambda x: jax.device_put(x, shard if x.ndim == 2 else NamedSharding(
+        mesh, P())), params)
+    tx = optax.adamw(1e-2)
+    opt_state = tx.init(params)
+    _, opt_state = tx.update(jax.tree.map(jnp.sin, params), opt_state, params)
+    want_params = jax.tree.map(np.asarray, params)
+    want_opt = jax.tree.map(np.asarray, opt_state)
+    abstract_params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+    abstract_opt = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), opt_state)
+    with TrainCheckpointer(tmp_path / "ckpt", async_save=True) as ckpt:
+        ckpt.save(3, params, opt_state, {"version": 3})
+        for x in jax.tree.leaves(params) + jax.tree.leaves(opt_state):
+            x.delete()  # what buffer donation does to them
+        ckpt.wait()
+        got_params, got_opt, _ = ckpt.restore(params_target=abstract_params,
+                                              opt_state_target=abstract_opt)
+        assert isinstance(got_opt[0].mu, nnx.State)
+        _assert_trees_equal(got_params, want_params)
+        _assert_trees_equal(got_opt, want_opt)
+        for got, tgt in zip(jax.tree.leaves(got_opt), jax.tree.leaves(abstract_opt), strict=True):
+            assert got.sharding == tgt.sharding
+        # On disk the nested States are plain dicts (no NNX Variable internals).
+        _, pure_opt, _ = ckpt.restore()
+        assert set(pure_opt[0]["mu"]["layers"]["0"]) == {"bias", "kernel"}
+        np.testing.assert_array_equal(pure_opt[0]["nu"]["layers"]["0"]["kernel"],
+                                      want_opt[0].nu["layers"][0]["kernel"][...])
+
+
 def test_keep_k_and_missing_step(tmp_path):
     params, opt_state = _params_and_opt()
     with TrainCheckpointer(tmp_path / "ckpt", keep=2, async_save=False) as ckpt:

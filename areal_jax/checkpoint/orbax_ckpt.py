@@ -3,7 +3,8 @@
 One checkpoint is one step directory ``DIR/<step>/`` with three items:
 
 * ``params``    a PyTree of arrays (an ``nnx.State`` is saved as its pure dict);
-* ``opt_state`` a PyTree of arrays (an optax state, or an ``nnx.State`` of one);
+* ``opt_state`` a PyTree of arrays (an optax state; ``nnx.State``s inside it are saved
+  as pure dicts too);
 * ``meta``      a JSON dict: step, version, rng, executor accounting, grain iterator
   state, the HF ``model_config`` and anything else JSON-serialisable.
 
@@ -49,9 +50,17 @@ def _item_handlers() -> dict[str, ocp.CheckpointHandler]:
     }
 
 
+def _is_state(x: Any) -> bool:
+    return isinstance(x, nnx.State)
+
+
 def _to_pure(tree: Any) -> Any:
-    """An ``nnx.State`` as its pure nested dict; anything else unchanged."""
-    return tree.to_pure_dict() if isinstance(tree, nnx.State) else tree
+    """Every ``nnx.State`` in ``tree`` (also inside an optax state) as its pure dict.
+
+    Checkpoints then hold plain nested dicts, independent of NNX's Variable classes.
+    """
+    return jax.tree.map(lambda x: x.to_pure_dict() if _is_state(x) else x, tree,
+                        is_leaf=_is_state)
 
 
 def _abstract(tree: Any) -> Any:
@@ -229,8 +238,9 @@ class TrainCheckpointer:
         """Returns ``(params, opt_state, meta)`` of checkpoint ``step`` (default: latest).
 
         A target (PyTree of arrays or ``jax.ShapeDtypeStruct`` with shardings, or an
-        ``nnx.State``) fixes the structure, dtypes and device placement of the result;
-        an ``nnx.State`` target comes back as an ``nnx.State``. Without a target the
+        ``nnx.State``, or an optax state holding ``nnx.State``s) fixes the structure,
+        dtypes and device placement of the result, which comes back in the target's own
+        container types. Without a target the
         result is a pure PyTree on the default device. ``opt_state`` is None for a
         params-only checkpoint.
         """
@@ -276,10 +286,17 @@ class TrainCheckpointer:
         self.close()
 
 
-def _back_to_target(pure_tree: Any, target: Any) -> Any:
-    """Restored pure tree -> the target's type (a fresh ``nnx.State`` if it was one)."""
-    if isinstance(target, nnx.State):
-        state = jax.tree.map(lambda x: x, target)  # new State and Variables, same structure
-        nnx.replace_by_pure_dict(state, pure_tree)
-        return state
-    return pure_tree
+def _back_to_target(restored_pure: Any, target: Any) -> Any:
+    """The restored arrays in the target's own containers (nnx.State, optax tuples...).
+
+    ``restored_pure`` has the structure of ``_to_pure(target)``, whose leaves come in the
+    same order as the target's.
+    """
+    if target is None:
+        return restored_pure
+    leaves = jax.tree.leaves(restored_pure)
+    structure = jax.tree.structure(target)
+    if structure.num_leaves != len(leaves):
+        raise CheckpointError(f"internal: restored {len(leaves)} arrays for a target with "
+                              f"{structure.num_leaves}")
+    return jax.tree.unflatten(structure, leaves)
