@@ -1,0 +1,422 @@
+"""Async client for a fleet of SGLang-protocol servers (the embedded engine or real SGLang).
+
+    client = RolloutClient(["http://127.0.0.1:30000", "http://127.0.0.1:30001"])
+    resp = await client.agenerate(GenerateRequest(input_ids=[...], max_new_tokens=256))
+    await client.pause(); await client.update_weights_from_disk("ckpt/v3", 3)
+    await client.continue_()
+
+What it does beyond one HTTP call:
+
+* **Scheduling.** Each request goes to the up server with the fewest of this client's
+  requests in flight (``least_loaded``) or to the next up server (``round_robin``).
+* **Interruption.** A reply with ``finish_reason.type == "abort"`` (the server was paused
+  or its weights were swapped) is resubmitted to the same server with the partial output
+  appended to the prompt and ``max_new_tokens`` reduced, until the request ends in
+  ``stop`` or ``length``. Each output token carries the ``weight_version`` (parsed as an
+  int) of the reply that delivered it.
+* **Failover.** A connection error, timeout or 5xx marks a server down; the request is
+  retried elsewhere, keeping the tokens already received. Down servers are re-probed on
+  ``/health`` every ``health_check_interval`` seconds; one that comes back is brought to
+  the fleet's latest weights (and paused, if the fleet is) before it gets requests again.
+
+Only SGLang's documented fields are used: ``/generate`` with ``input_ids``,
+``sampling_params``, ``return_logprob``, ``rid``; tokens and logprobs are read from
+``meta_info.output_token_logprobs`` (entries ``[logprob, token_id, text_or_null]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from areal_jax.rollout.types import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerateRequest,
+    GenerateResponse,
+)
+
+logger = logging.getLogger(__name__)
+
+SCHEDULES = ("least_loaded", "round_robin")
+
+
+class RolloutError(RuntimeError):
+    """A request or fleet operation that could not be completed."""
+
+
+class RolloutRequestError(RolloutError):
+    """A server rejected the request itself (HTTP 4xx); retrying elsewhere would not help."""
+
+
+class NoServerAvailableError(RolloutError):
+    """Every server is down (and stayed down for ``no_server_timeout`` seconds)."""
+
+
+@dataclass
+class ServerState:
+    url: str
+    up: bool = True
+    inflight: int = 0
+    down_since: float = 0.0
+    last_probe: float = 0.0
+    last_error: str = ""
+    completed: int = 0
+
+
+def _normalize_address(address: str) -> str:
+    if not isinstance(address, str) or not address.strip():
+        raise ValueError(f"server address must be a non-empty string, got {address!r}")
+    address = address.strip().rstrip("/")
+    if "://" not in address:
+        address = f"http://{address}"
+    return address
+
+
+def _error_message(resp: httpx.Response) -> str:
+    """The message of an error reply, in our shape ({"error": msg}) or SGLang's."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:500] or resp.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        for key in ("error", "message", "detail"):
+            if body.get(key):
+                return str(body[key])
+    return str(body)[:500]
+
+
+def _finish_type(finish_reason: Any) -> str | None:
+    if isinstance(finish_reason, dict):
+        return finish_reason.get("type")
+    if isinstance(finish_reason, str):
+        return finish_reason
+    return None
+
+
+class RolloutClient:
+    """Async client over several SGLang-protocol servers. Use from one event loop."""
+
+    def __init__(
+        self,
+        addresses: list[str],
+        *,
+        schedule: str = "least_loaded",
+        request_timeout: float = 3600.0,
+        connect_timeout: float = 10.0,
+        control_timeout: float = 600.0,
+        max_retries: int = 3,
+        api_key: str | None = None,
+        health_check_interval: float = 5.0,
+        no_server_timeout: float = 60.0,
+        max_interruptions: int = 10_000,
+    ):
+        if isinstance(addresses, str):
+            addresses = [addresses]
+        if not addresses:
+            raise ValueError("RolloutClient needs at least one server address")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        urls = [_normalize_address(a) for a in addresses]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"duplicate server addresses in {urls}")
+        self.servers = [ServerState(u) for u in urls]
+        self.schedule = schedule
+        self.max_retries = max_retries
+        self.health_check_interval = health_check_interval
+        self.no_server_timeout = no_server_timeout
+        self.max_interruptions = max_interruptions
+        self.control_timeout = control_timeout
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(request_timeout, connect=connect_timeout),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            headers=headers,
+        )
+        self._rr = itertools.count()
+        self._paused = False
+        self._latest_weights: tuple[str, int] | None = None
+        self._warned_versions: set[str] = set()
+        self._probing: set[str] = set()
+        self._background: set[asyncio.Task] = set()
+
+    # ================================================================== generation
+    async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
+        """Generates one sample, resuming across interruptions and failing over servers."""
+        t0 = time.monotonic()
+        base_rid = req.rid or uuid.uuid4().hex
+        out_ids: list[int] = []
+        out_logprobs: list[float] = []
+        out_versions: list[int] = []
+        n_interruptions = 0
+        failures = 0
+        attempt = 0
+        server: ServerState | None = None
+        while True:
+            remaining = req.max_new_tokens - len(out_ids)
+            if remaining <= 0:
+                finish = FINISH_LENGTH
+                break
+            if server is None or not server.up:
+                server = await self._choose_server()
+            payload = {
+                "input_ids": list(req.input_ids) + out_ids,
+                "sampling_params": req.sampling_params(max_new_tokens=remaining),
+                "return_logprob": True,
+                "rid": base_rid if attempt == 0 else f"{base_rid}#{attempt}",
+            }
+            attempt += 1
+            server.inflight += 1
+            try:
+                resp = await self._http.post(f"{server.url}/generate", json=payload)
+            except httpx.TransportError as e:
+                self._mark_down(server, f"{type(e).__name__}: {e}")
+                resp = None
+            finally:
+                server.inflight -= 1
+            if resp is not None and resp.status_code >= 500:
+                self._mark_down(server, f"HTTP {resp.status_code}: {_error_message(resp)}")
+                resp = None
+            if resp is None:
+                failures += 1
+                if failures > self.max_retries:
+                    raise RolloutError(
+                        f"request {base_rid} failed {failures} times; last server "
+                        f"{server.url}: {server.last_error}")
+                server = None
+                continue
+            if resp.status_code >= 400:
+                raise RolloutRequestError(
+                    f"{server.url} rejected request {base_rid} (HTTP {resp.status_code}): "
+                    f"{_error_message(resp)}")
+            failures = 0
+            tokens, logprobs, version, finish_reason = self._parse_reply(resp, server)
+            out_ids += tokens
+            out_logprobs += logprobs
+            out_versions += [version] * len(tokens)
+            kind = _finish_type(finish_reason)
+            if kind == FINISH_ABORT:
+                status = finish_reason.get("status_code") if isinstance(finish_reason, dict) else None
+                if isinstance(status, int) and 400 <= status < 500:
+                    raise RolloutRequestError(
+                        f"{server.url} aborted request {base_rid}: {finish_reason.get('message')}")
+                n_interruptions += 1
+                if n_interruptions > self.max_interruptions:
+                    raise RolloutError(f"request {base_rid} was interrupted {n_interruptions} times")
+                continue  # resubmit to the same server (its cache holds the prefix)
+            if kind in (FINISH_STOP, FINISH_LENGTH):
+                finish = kind
+                server.completed += 1
+                break
+            raise RolloutError(f"{server.url} replied with unknown finish_reason {finish_reason!r}")
+        return GenerateResponse(
+            input_ids=list(req.input_ids),
+            output_ids=out_ids,
+            output_logprobs=out_logprobs,
+            output_versions=out_versions,
+            finish_reason=finish,
+            n_interruptions=n_interruptions,
+            server=server.url if server is not None else None,
+            latency_s=time.monotonic() - t0,
+            rid=base_rid,
+        )
+
+    def _parse_reply(self, resp: httpx.Response, server: ServerState
+                     ) -> tuple[list[int], list[float], int, Any]:
+        try:
+            data = resp.json()
+            meta = data["meta_info"]
+            entries = meta["output_token_logprobs"]
+            tokens = [int(e[1]) for e in entries]
+            logprobs = [float(e[0]) for e in entries]
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise RolloutError(
+                f"{server.url} sent a /generate reply without meta_info.output_token_logprobs "
+                f"([logprob, token_id, text] entries): {type(e).__name__}: {e}") from None
+        output_ids = data.get("output_ids")
+        if isinstance(output_ids, list) and [int(t) for t in output_ids] != tokens:
+            raise RolloutError(
+                f"{server.url}: output_ids and output_token_logprobs disagree "
+                f"({len(output_ids)} vs {len(tokens)} tokens)")
+        return tokens, logprobs, self._parse_version(meta.get("weight_version")), meta.get(
+            "finish_reason")
+
+    def _parse_version(self, version: Any) -> int:
+        """SGLang's weight_version is a string; ours are decimal integers."""
+        try:
+            return int(version)
+        except (TypeError, ValueError):
+            fallback = self._latest_weights[1] if self._latest_weights else 0
+            if str(version) not in self._warned_versions:
+                self._warned_versions.add(str(version))
+                logger.warning("server weight_version %r is not an integer; recording %d "
+                               "(launch SGLang with --weight-version 0)", version, fallback)
+            return fallback
+
+    # ================================================================== scheduling
+    async def _choose_server(self) -> ServerState:
+        self._schedule_probes()
+        deadline = time.monotonic() + self.no_server_timeout
+        while True:
+            up = [s for s in self.servers if s.up]
+            if up:
+                if self.schedule == "round_robin":
+                    return up[next(self._rr) % len(up)]
+                start = next(self._rr) % len(up)
+                rotated = up[start:] + up[:start]
+                return min(rotated, key=lambda s: s.inflight)
+            if time.monotonic() > deadline:
+                detail = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
+                raise NoServerAvailableError(
+                    f"no rollout server is up after {self.no_server_timeout}s ({detail})")
+            await asyncio.gather(*(self._probe(s) for s in self.servers if not s.up))
+            if not any(s.up for s in self.servers):
+                await asyncio.sleep(min(1.0, self.health_check_interval))
+
+    def _mark_down(self, server: ServerState, reason: str) -> None:
+        if server.up:
+            logger.warning("marking rollout server %s down: %s", server.url, reason)
+            server.down_since = time.monotonic()
+        server.up = False
+        server.last_error = reason
+        server.last_probe = time.monotonic()
+
+    def _schedule_probes(self) -> None:
+        now = time.monotonic()
+        for s in self.servers:
+            if (not s.up and s.url not in self._probing
+                    and now - s.last_probe >= self.health_check_interval):
+                task = asyncio.get_running_loop().create_task(self._probe(s))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def _probe(self, server: ServerState) -> None:
+        """Brings a down server back if /health answers and it can be synced to the fleet."""
+        if server.up or server.url in self._probing:
+            return
+        self._probing.add(server.url)
+        try:
+            server.last_probe = time.monotonic()
+            try:
+                r = await self._http.get(f"{server.url}/health", timeout=5.0)
+                if r.status_code != 200:
+                    server.last_error = f"/health answered {r.status_code}"
+                    return
+                if self._latest_weights is not None:
+                    info = (await self._http.get(f"{server.url}/get_server_info", timeout=10.0)).json()
+                    path, version = self._latest_weights
+                    if str(info.get("weight_version")) != str(version):
+                        r = await self._post(server, "/update_weights_from_disk",
+                                             {"model_path": path, "weight_version": str(version),
+                                              "abort_all_requests": True})
+                        if r.status_code != 200:
+                            server.last_error = f"weight sync failed: {_error_message(r)}"
+                            return
+                if self._paused:
+                    await self._post(server, "/pause_generation", {"mode": "abort"})
+            except (httpx.HTTPError, ValueError) as e:
+                server.last_error = f"{type(e).__name__}: {e}"
+                return
+            logger.info("rollout server %s is back up", server.url)
+            server.up = True
+        finally:
+            self._probing.discard(server.url)
+
+    # ================================================================== fleet control
+    async def _post(self, server: ServerState, route: str, body: dict[str, Any] | None = None
+                    ) -> httpx.Response:
+        return await self._http.post(f"{server.url}{route}", json=body or {},
+                                     timeout=self.control_timeout)
+
+    async def _broadcast(self, route: str, body: dict[str, Any] | None = None
+                         ) -> list[dict[str, Any]]:
+        """POSTs to every up server; unreachable ones are marked down (synced on revival)."""
+        up = [s for s in self.servers if s.up]
+        if not up:
+            raise NoServerAvailableError(f"{route}: no rollout server is up")
+
+        async def one(s: ServerState) -> dict[str, Any] | None:
+            try:
+                r = await self._post(s, route, body)
+            except httpx.TransportError as e:
+                self._mark_down(s, f"{route}: {type(e).__name__}: {e}")
+                return None
+            try:
+                reply = r.json()
+            except ValueError:
+                reply = {"message": r.text}
+            if not isinstance(reply, dict):
+                reply = {"reply": reply}
+            reply["url"] = s.url
+            if r.status_code >= 400 or reply.get("success") is False:
+                reply["success"] = False
+                reply.setdefault("message", _error_message(r))
+            return reply
+
+        replies = [r for r in await asyncio.gather(*(one(s) for s in up)) if r is not None]
+        if not replies:
+            raise NoServerAvailableError(f"{route}: every rollout server failed")
+        failed = [r for r in replies if r.get("success") is False]
+        if failed:
+            detail = "; ".join(f"{r['url']}: {r.get('message')}" for r in failed)
+            raise RolloutError(f"{route} failed on {len(failed)} server(s): {detail}")
+        return replies
+
+    async def pause(self) -> list[dict[str, Any]]:
+        """Pauses every server: running requests return as ``abort`` with partial output
+        (this client resubmits them, where they wait until ``continue_``)."""
+        self._paused = True
+        return await self._broadcast("/pause_generation", {"mode": "abort"})
+
+    async def continue_(self) -> list[dict[str, Any]]:
+        self._paused = False
+        return await self._broadcast("/continue_generation", {})
+
+    async def update_weights_from_disk(self, path: str, version: int,
+                                       abort_all_requests: bool = False) -> list[dict[str, Any]]:
+        """Loads an HF checkpoint directory on every server and sets ``weight_version``."""
+        body = {"model_path": str(path), "weight_version": str(version),
+                "abort_all_requests": abort_all_requests, "flush_cache": True}
+        replies = await self._broadcast("/update_weights_from_disk", body)
+        self._latest_weights = (str(path), int(version))
+        return replies
+
+    async def server_infos(self) -> list[dict[str, Any]]:
+        """``/get_server_info`` of every server (``{"url", "up": False, ...}`` if down)."""
+
+        async def one(s: ServerState) -> dict[str, Any]:
+            if not s.up:
+                return {"url": s.url, "up": False, "last_error": s.last_error}
+            try:
+                r = await self._http.get(f"{s.url}/get_server_info", timeout=self.control_timeout)
+                info = r.json() if r.status_code == 200 else {"error": _error_message(r)}
+            except (httpx.HTTPError, ValueError) as e:
+                self._mark_down(s, f"/get_server_info: {type(e).__name__}: {e}")
+                return {"url": s.url, "up": False, "last_error": s.last_error}
+            return {**info, "url": s.url, "up": True, "client_inflight": s.inflight}
+
+        return list(await asyncio.gather(*(one(s) for s in self.servers)))
+
+    async def aclose(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await self._http.aclose()
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
