@@ -1,0 +1,582 @@
+"""The rollout executor: workflows on a background asyncio loop, behind a staleness gate.
+
+    executor = RolloutExecutor(client, RLVRWorkflow(...), iter(prompt_ds), batch_size=B,
+                               max_concurrent=64, max_staleness=2)
+    executor.start()
+    for v in range(n_versions):
+        groups = executor.prepare_batch(B)      # the B oldest accepted groups
+        ...train...
+        executor.pause(); <pause servers, update weights>; executor.set_version(v + 1)
+        <continue servers>; executor.resume()
+
+Units: B counts prompts (groups). One workflow run handles one prompt and returns a
+group (list[Trajectory]) or None (rejected).
+
+**The gate.** A new run is submitted only while
+``capacity = min(max_concurrent - running, (eta + (v - v0) + 1) * B - (accepted + running)) > 0``,
+where ``accepted`` counts every group ever accepted (consumed or not), ``running`` the runs
+in flight, ``v`` the version set with :meth:`set_version`, and ``v0`` the version at which
+this executor's accounting began (0 for a fresh run). ``eta = max_staleness``; None
+means unbounded (only ``max_concurrent`` limits). Rejected and failed runs free their
+capacity.
+
+**The guarantee.** A batch returned by ``prepare_batch`` at version v (the learner will
+train on it to produce v + 1) holds no group with ``start_version < v - eta``, where
+``start_version`` is the version when the group's run was submitted. To make this hold
+whatever the generation times, ``prepare_batch`` returns groups oldest first, by
+(start_version, submission order), and waits until no run that started at or before
+``v - eta`` is still in flight (the gate guarantees at most B such groups exist when the
+learner consumes B groups per version). A group that nonetheless became too stale
+(e.g. the learner consumed fewer than B per version) is never returned: its prompt is
+regenerated (counted as ``stale_requeued``). With eta = 0 this is synchronous RL: batch v
+is generated entirely at version v, and nothing is generated while the learner trains.
+
+**Failures.** A workflow exception never stops the loop: the attempt counts in
+``attempt_errors`` and the prompt is retried (a fresh run, new start version) up to
+``max_retries`` times, then dropped and counted in ``failed`` (logged with its prompt id).
+Every prompt taken from the iterator ends up exactly once as consumed, rejected or
+failed, or is still accepted/in flight/queued.
+
+**Checkpoints.** :meth:`state_dict` is JSON-serialisable: the counters, the prompt
+iterator's state, the accepted-but-unconsumed groups (as data), and the prompt items of
+every run in flight or queued for retry. :meth:`load_state_dict` restores all of it into a
+fresh executor; accepted groups come back as they were, and in-flight prompts are
+*replayed*: submitted again from scratch (their partial generations are discarded), before
+any new prompt. So a resumed run neither loses a prompt nor counts one twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Coroutine, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from areal_jax.rewards.pool import RewardPool
+from areal_jax.rollout.types import Trajectory
+from areal_jax.rollout.workflows import WorkflowContext, as_workflow_fn
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+_MAX_LOGGED_TRACEBACKS = 5
+
+
+class PromptsExhausted(RuntimeError):
+    """The prompt iterator ended and fewer groups than requested can still be produced."""
+
+
+@dataclass
+class _Run:
+    seq: int  # submission order, unique over the executor's (restored) lifetime
+    item: dict[str, Any]
+    attempt: int
+    start_version: int
+    task: asyncio.Task | None = None
+
+
+@dataclass
+class _Accepted:
+    seq: int
+    start_version: int
+    item: dict[str, Any]
+    group: list[Trajectory]
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.start_version, self.seq)
+
+
+class RolloutExecutor:
+    """Runs workflows asynchronously under the staleness gate described in the module doc."""
+
+    def __init__(self, client: Any, workflow: Any, prompts: Iterable[dict] | None = None, *,
+                 batch_size: int, max_concurrent: int = 64, max_staleness: int | None = 0,
+                 seed: int = 0, max_retries: int = 2, reward_pool: RewardPool | None = None,
+                 tokenizer: Any = None, reward_timeout_s: float = 30.0) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None (unbounded), got {max_staleness}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.client = client
+        self.workflow = workflow
+        self._workflow_fn = as_workflow_fn(workflow)
+        self._prompts: Iterator[dict] | None = iter(prompts) if prompts is not None else None
+        self._prompts_source = prompts
+        self.batch_size = batch_size
+        self.max_concurrent = max_concurrent
+        self.max_staleness = max_staleness
+        self.seed = seed
+        self.max_retries = max_retries
+        self.reward_pool = reward_pool
+        self.tokenizer = tokenizer
+        self.reward_timeout_s = reward_timeout_s
+
+        self._cond = threading.Condition()
+        self._version = 0
+        self._base_version = 0
+        self._gate_accepted = 0  # groups accepted ever (the gate's "accepted")
+        self._next_seq = 0
+        self._running: dict[int, _Run] = {}
+        self._pending: deque[tuple[dict[str, Any], int]] = deque()  # (item, attempt)
+        self._accepted: list[_Accepted] = []
+        self._exhausted = prompts is None  # without prompts only rollout_batch works
+        self._paused = False
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._counts: Counter[str] = Counter()
+        self._staleness_hist: Counter[int] = Counter()
+        self.last_errors: deque[str] = deque(maxlen=20)
+
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._wakeup: asyncio.Event | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def start(self) -> RolloutExecutor:
+        """Starts the background loop thread (idempotent)."""
+        if self._thread is not None:
+            return self
+        with self._cond:  # runs cancelled by an earlier stop() are replayed first
+            for run in sorted(self._running.values(), key=lambda r: r.seq, reverse=True):
+                self._pending.appendleft((run.item, run.attempt))
+            self._running.clear()
+            self._stopping = False
+        self._loop = asyncio.new_event_loop()
+        self._wakeup = asyncio.Event()
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._thread_main, args=(ready,),
+                                        name="rollout-executor", daemon=True)
+        self._thread.start()
+        ready.wait()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancels in-flight runs (they stay recorded, so a later state_dict replays them)."""
+        if self._thread is None:
+            return
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._wake()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("rollout executor thread did not stop within %ss", timeout)
+        self._thread = None
+
+    def __enter__(self) -> RolloutExecutor:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _thread_main(self, ready: threading.Event) -> None:
+        assert self._loop is not None
+        asyncio.set_event_loop(self._loop)
+        ready.set()
+        try:
+            self._loop.run_until_complete(self._main())
+        finally:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+
+    async def _main(self) -> None:
+        assert self._wakeup is not None
+        try:
+            while not self._stopping:
+                self._submit_ready()
+                await self._wakeup.wait()
+                self._wakeup.clear()
+        except BaseException as e:  # noqa: BLE001 - surface loop bugs to the trainer
+            logger.exception("rollout executor loop died")
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+        tasks = [r.task for r in self._running.values() if r.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _wake(self) -> None:
+        loop, event = self._loop, self._wakeup
+        if loop is None or event is None or loop.is_closed():
+            return
+        if threading.current_thread() is self._thread:
+            event.set()
+        else:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # loop closed meanwhile
+                pass
+
+    def run_coroutine(self, coro: Coroutine, timeout: float | None = None) -> Any:
+        """Runs ``coro`` on the executor's loop and waits (e.g. ``client.pause()``).
+
+        Async clients hold connections bound to one loop; use this for every call the
+        trainer makes on the client while the executor runs.
+        """
+        return self.submit_coroutine(coro).result(timeout)
+
+    def submit_coroutine(self, coro: Coroutine) -> concurrent.futures.Future:
+        self.start()
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # --- the gate -----------------------------------------------------------------------
+    def _capacity_locked(self) -> int:
+        cap = self.max_concurrent - len(self._running)
+        if self.max_staleness is not None:
+            allowed = (self.max_staleness + self._version - self._base_version + 1) * self.batch_size
+            cap = min(cap, allowed - (self._gate_accepted + len(self._running)))
+        return cap
+
+    def capacity(self) -> int:
+        with self._cond:
+            return self._capacity_locked()
+
+    def _next_item_locked(self) -> tuple[dict[str, Any], int] | None:
+        if self._pending:
+            return self._pending.popleft()
+        if self._prompts is None or self._exhausted:
+            return None
+        try:
+            item = next(self._prompts)
+        except StopIteration:
+            self._exhausted = True
+            self._cond.notify_all()
+            return None
+        if not isinstance(item, dict) or "prompt_id" not in item:
+            raise TypeError(f"prompt items must be dicts with a 'prompt_id' key, got {item!r:.200}")
+        self._counts["prompts_taken"] += 1
+        return item, 0
+
+    def _submit_ready(self) -> None:
+        with self._cond:
+            while not self._paused and not self._stopping and self._capacity_locked() > 0:
+                nxt = self._next_item_locked()
+                if nxt is None:
+                    break
+                item, attempt = nxt
+                run = _Run(self._next_seq, item, attempt, self._version)
+                self._next_seq += 1
+                self._running[run.seq] = run
+                self._counts["submitted"] += 1
+                run.task = asyncio.get_running_loop().create_task(self._execute(run))
+
+    def _context(self, run: _Run) -> WorkflowContext:
+        return WorkflowContext(
+            start_version=run.start_version, seed=(self.seed * 1_000_003 + run.seq * 7919) % 2**31,
+            group_id=f"{run.item['prompt_id']}#{run.seq}", attempt=run.attempt,
+            reward_pool=self.reward_pool, tokenizer=self.tokenizer,
+            reward_timeout_s=self.reward_timeout_s, _count=self._count)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._cond:
+            self._counts[name] += n
+
+    async def _execute(self, run: _Run) -> None:
+        try:
+            result = await self._workflow_fn(self.client, run.item, self._context(run))
+            group = _validate_group(result, self.workflow)
+        except asyncio.CancelledError:
+            raise  # stop(): the run stays in _running and is replayed after a restore
+        except Exception as e:  # noqa: BLE001 - workflow errors never stop the executor
+            self._on_failure(run, e)
+        else:
+            self._on_result(run, group)
+        self._wake()
+
+    def _on_result(self, run: _Run, group: list[Trajectory] | None) -> None:
+        with self._cond:
+            self._running.pop(run.seq, None)
+            if group is None:
+                self._counts["rejected"] += 1
+            else:
+                _stamp_group(group, run)
+                self._accepted.append(_Accepted(run.seq, run.start_version, run.item, group))
+                self._gate_accepted += 1
+                self._counts["accepted"] += 1
+            self._cond.notify_all()
+
+    def _record_failure(self, run: _Run, error: Exception) -> bool:
+        """Counts and logs a failed attempt; True when the prompt gets another attempt."""
+        prompt_id = run.item.get("prompt_id")
+        message = f"prompt {prompt_id!r} attempt {run.attempt}: {type(error).__name__}: {error}"
+        with self._cond:
+            self._counts["attempt_errors"] += 1
+            self.last_errors.append(message)
+            retry = run.attempt < self.max_retries
+            self._counts["retried" if retry else "failed"] += 1
+            show_traceback = self._counts["attempt_errors"] <= _MAX_LOGGED_TRACEBACKS
+        outcome = "retrying" if retry else f"dropped after {run.attempt + 1} attempts"
+        logger.warning("workflow failed, %s: %s", outcome, message,
+                       exc_info=error if show_traceback else None)
+        return retry
+
+    def _on_failure(self, run: _Run, error: Exception) -> None:
+        retry = self._record_failure(run, error)
+        with self._cond:
+            self._running.pop(run.seq, None)
+            if retry:
+                self._pending.appendleft((run.item, run.attempt + 1))
+            self._cond.notify_all()
+
+    # --- the trainer's side -------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        """The learner's current version (new runs record it as their start version)."""
+        with self._cond:
+            if version < self._version:
+                raise ValueError(f"set_version({version}) would go back from version {self._version}")
+            if self._counts["submitted"] == 0 and self._gate_accepted == 0:
+                self._base_version = version  # a fresh executor joining a run at version v0
+            self._version = version
+            self._cond.notify_all()
+        self._wake()
+
+    def pause(self) -> None:
+        """Stops submitting new runs; runs in flight continue (pause the servers separately)."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+        self._wake()
+
+    def _requeue_stale_locked(self) -> None:
+        if self.max_staleness is None:
+            return
+        oldest_allowed = self._version - self.max_staleness
+        stale = [a for a in self._accepted if a.start_version < oldest_allowed]
+        if not stale:
+            return
+        self._accepted = [a for a in self._accepted if a.start_version >= oldest_allowed]
+        for a in sorted(stale, key=lambda a: a.order):
+            self._pending.append((a.item, 0))
+        self._gate_accepted -= len(stale)
+        self._counts["stale_requeued"] += len(stale)
+        logger.warning("%d accepted groups became older than max_staleness=%d at version %d; "
+                       "their prompts are regenerated", len(stale), self.max_staleness, self._version)
+        self._wake()
+
+    def _old_runs_in_flight_locked(self) -> bool:
+        if self.max_staleness is None:
+            return False
+        oldest_allowed = self._version - self.max_staleness
+        return any(r.start_version <= oldest_allowed for r in self._running.values())
+
+    def _raise_if_dead_locked(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the rollout executor loop died: {type(self._error).__name__}: "
+                               f"{self._error}") from self._error
+
+    def prepare_batch(self, batch_size: int | None = None, timeout: float | None = None,
+                      allow_partial: bool = False) -> list[list[Trajectory]]:
+        """The ``batch_size`` oldest accepted groups (default B); generation goes on meanwhile.
+
+        Blocks until they are ready (see the guarantee in the module doc). Raises
+        TimeoutError after ``timeout`` seconds, and :class:`PromptsExhausted` when the prompt
+        iterator has ended and too few groups remain (with ``allow_partial``, returns the
+        remainder instead while there is one).
+        """
+        n = self.batch_size if batch_size is None else batch_size
+        if n < 1:
+            raise ValueError(f"prepare_batch needs batch_size >= 1, got {n}")
+        self.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._raise_if_dead_locked()
+                self._requeue_stale_locked()
+                if len(self._accepted) >= n and not self._old_runs_in_flight_locked():
+                    break
+                if (self._exhausted and not self._running and not self._pending):
+                    if allow_partial and self._accepted:
+                        n = len(self._accepted)
+                        break
+                    raise PromptsExhausted(
+                        f"the prompt iterator is exhausted: {len(self._accepted)} accepted groups "
+                        f"remain, {n} requested")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"prepare_batch({n}) timed out after {timeout}s: {len(self._accepted)} "
+                        f"accepted, {len(self._running)} running, paused={self._paused}, "
+                        f"capacity={self._capacity_locked()}")
+                self._cond.wait(remaining if remaining is not None else 1.0)
+            self._accepted.sort(key=lambda a: a.order)
+            batch, self._accepted = self._accepted[:n], self._accepted[n:]
+            self._counts["consumed"] += len(batch)
+            for a in batch:
+                self._staleness_hist[self._version - a.start_version] += 1
+        self._wake()
+        return [a.group for a in batch]
+
+    def rollout_batch(self, items: list[dict[str, Any]],
+                      timeout: float | None = None) -> list[list[Trajectory]]:
+        """Synchronous mode: runs exactly these prompts now and waits for all of them.
+
+        Returns the accepted groups in input order; rejected and failed prompts are left
+        out and counted. Runs respect ``max_concurrent`` but not the staleness gate (do
+        not mix with ``prepare_batch`` in one run).
+        """
+        for i, item in enumerate(items):
+            if not isinstance(item, dict) or "prompt_id" not in item:
+                raise TypeError(f"rollout_batch item {i} must be a dict with a 'prompt_id' key")
+        groups = self.run_coroutine(self._rollout_batch(items), timeout)
+        return [g for g in groups if g is not None]
+
+    async def _rollout_batch(self, items: list[dict[str, Any]]) -> list[list[Trajectory] | None]:
+        limit = asyncio.Semaphore(self.max_concurrent)
+
+        async def one(item: dict[str, Any]) -> list[Trajectory] | None:
+            for attempt in range(self.max_retries + 1):
+                with self._cond:
+                    run = _Run(self._next_seq, item, attempt, self._version)
+                    self._next_seq += 1
+                    self._counts["submitted"] += 1
+                try:
+                    async with limit:
+                        result = await self._workflow_fn(self.client, item, self._context(run))
+                    group = _validate_group(result, self.workflow)
+                except Exception as e:  # noqa: BLE001 - counted, retried, never raised
+                    if self._record_failure(run, e):
+                        continue
+                    return None
+                with self._cond:
+                    if group is None:
+                        self._counts["rejected"] += 1
+                        return None
+                    _stamp_group(group, run)
+                    self._counts["accepted"] += 1
+                    self._counts["consumed"] += 1
+                    self._staleness_hist[self._version - run.start_version] += 1
+                return group
+            return None
+
+        return list(await asyncio.gather(*(one(item) for item in items)))
+
+    # --- metrics and checkpoints --------------------------------------------------------
+    def metrics(self) -> dict[str, Any]:
+        with self._cond:
+            out: dict[str, Any] = {
+                "version": self._version, "running": len(self._running),
+                "pending": len(self._pending), "accepted_unconsumed": len(self._accepted),
+                "capacity": self._capacity_locked(), "paused": self._paused,
+                "prompts_exhausted": self._exhausted,
+            }
+            for name in ("prompts_taken", "submitted", "accepted", "rejected", "failed",
+                         "attempt_errors", "retried", "stale_requeued", "consumed"):
+                out[name] = self._counts.get(name, 0)
+            out.update({k: v for k, v in self._counts.items() if k not in out})
+            hist = dict(sorted(self._staleness_hist.items()))
+        total = sum(hist.values())
+        out["staleness_hist"] = hist
+        out["staleness_max"] = max(hist) if hist else 0
+        out["staleness_mean"] = sum(k * v for k, v in hist.items()) / total if total else 0.0
+        if self.reward_pool is not None:
+            out.update({f"reward_pool/{k}": v for k, v in self.reward_pool.metrics().items()})
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable snapshot (see "Checkpoints" in the module doc)."""
+        with self._cond:
+            iterator_state = None
+            if self._prompts is not None:
+                get_state = getattr(self._prompts, "get_state", None)
+                if get_state is None:
+                    raise TypeError("the prompt iterator has no get_state(); use a grain "
+                                    "DatasetIterator (iter(load_prompt_dataset(...)))")
+                iterator_state = get_state()
+            in_flight = [{"item": r.item, "attempt": r.attempt}
+                         for r in sorted(self._running.values(), key=lambda r: r.seq)]
+            in_flight += [{"item": item, "attempt": attempt} for item, attempt in self._pending]
+            state = {
+                "format": STATE_FORMAT,
+                "version": self._version,
+                "base_version": self._base_version,
+                "next_seq": self._next_seq,
+                "gate_accepted": self._gate_accepted,
+                "counts": dict(self._counts),
+                "staleness_hist": {str(k): v for k, v in self._staleness_hist.items()},
+                "prompt_iterator": iterator_state,
+                "prompts_exhausted": self._exhausted,
+                "accepted": [{"seq": a.seq, "start_version": a.start_version, "item": a.item,
+                              "group": [t.to_dict() for t in a.group]}
+                             for a in sorted(self._accepted, key=lambda a: a.order)],
+                "in_flight": in_flight,
+            }
+        try:
+            json.dumps(state)
+        except TypeError as e:
+            raise TypeError(f"executor state is not JSON-serialisable ({e}); prompt items and "
+                            "Trajectory.info must hold only JSON types") from e
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores a :meth:`state_dict` snapshot into this (not yet started) executor."""
+        if self._thread is not None:
+            raise RuntimeError("load_state_dict must be called before start()")
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"executor state has format {state.get('format')!r}, "
+                             f"this version reads {STATE_FORMAT}")
+        missing = {"version", "base_version", "next_seq", "counts", "prompt_iterator",
+                   "accepted", "in_flight"} - set(state)
+        if missing:
+            raise KeyError(f"executor state lacks keys {sorted(missing)}")
+        if state["prompt_iterator"] is not None:
+            set_state = getattr(self._prompts, "set_state", None)
+            if set_state is None:
+                raise TypeError("the executor state holds a prompt-iterator state, but this "
+                                "executor's prompt iterator has no set_state()")
+            set_state(state["prompt_iterator"])
+        with self._cond:
+            self._version = int(state["version"])
+            self._base_version = int(state["base_version"])
+            self._next_seq = int(state["next_seq"])
+            self._counts = Counter(state["counts"])
+            self._staleness_hist = Counter({int(k): v for k, v in
+                                            state.get("staleness_hist", {}).items()})
+            self._exhausted = bool(state.get("prompts_exhausted", False))
+            self._accepted = [_Accepted(a["seq"], a["start_version"], a["item"],
+                                        [Trajectory.from_dict(t) for t in a["group"]])
+                              for a in state["accepted"]]
+            self._pending = deque((f["item"], int(f["attempt"])) for f in state["in_flight"])
+            self._running = {}
+            self._gate_accepted = int(state.get("gate_accepted", self._counts.get("consumed", 0)
+                                                + len(self._accepted)))
+            self._counts["replayed"] += len(self._pending)
+
+
+def _stamp_group(group: list[Trajectory], run: _Run) -> None:
+    """Records where each trajectory came from (the executor owns these fields)."""
+    for traj in group:
+        traj.start_version = run.start_version
+        traj.prompt_id = str(run.item["prompt_id"])
+        traj.group_id = traj.group_id or f"{run.item['prompt_id']}#{run.seq}"
+        for key in ("epoch", "stream_index"):
+            if key in run.item:
+                traj.info.setdefault(key, run.item[key])
+
+
+def _validate_group(result: Any, workflow: Any) -> list[Trajectory] | None:
+    if result is None:
+        return None
+    if not isinstance(result, list) or not all(isinstance(t, Trajectory) for t in result):
+        raise TypeError(f"workflow {workflow!r} returned {type(result).__name__}; expected "
+                        "list[Trajectory] or None")
+    return result or None

@@ -1,0 +1,294 @@
+"""Workflows: how one prompt becomes a group of trajectories.
+
+A workflow is either a plain coroutine function or an object with an ``arun`` method::
+
+    async def my_workflow(client, item, ctx) -> list[Trajectory] | None: ...
+
+    class MyWorkflow:
+        async def arun(self, client, item, ctx) -> list[Trajectory] | None: ...
+
+- ``client`` has ``await client.agenerate(GenerateRequest) -> GenerateResponse``; it
+  handles interruption (weight updates) and server failover itself.
+- ``item`` is one prompt dict from the prompt dataset (``prompt_id``, ``prompt``,
+  ``answer``, ...), or from ``RolloutExecutor.rollout_batch``.
+- ``ctx`` is a :class:`WorkflowContext`: the start version, a per-run seed, the group id,
+  the reward pool, the tokenizer, and ``ctx.count(name)`` for your own metrics.
+
+Return the group (one Trajectory per sample; all samples of a prompt, since group
+advantages need a fixed group size), or None to reject the prompt (it frees its
+capacity and counts as ``rejected``). An exception counts as a failed attempt; the
+executor retries the prompt, then drops it and counts it as ``failed``.
+
+Built-ins: :class:`RLVRWorkflow` (n samples, a verifier reward) and
+:class:`MultiTurnWorkflow` (model and environment take turns, token-in/token-out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from areal_jax.rewards.pool import RewardFn, RewardPool, resolve_reward_fn
+from areal_jax.rollout.types import GenerateRequest, GenerateResponse, Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling parameters of every request a workflow sends (SGLang names)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"SamplingConfig.max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+
+    def request(self, input_ids: Sequence[int], *, seed: int | None = None, rid: str | None = None,
+                max_new_tokens: int | None = None) -> GenerateRequest:
+        return GenerateRequest(
+            input_ids=list(input_ids),
+            max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+            rid=rid, seed=seed,
+        )
+
+
+@dataclass
+class WorkflowContext:
+    """What the executor hands to each workflow run."""
+
+    start_version: int  # learner version when this run was submitted
+    seed: int  # per-run seed; sample i may use seed + i
+    group_id: str  # unique per run: "<prompt_id>#<submission seq>"
+    attempt: int = 0  # 0 on the first try, 1.. on retries after a failure
+    reward_pool: RewardPool | None = None
+    tokenizer: Any = None  # a ChatTokenizer (areal_jax.data.tokenizer) or None
+    reward_timeout_s: float = 30.0  # used only without a reward pool
+    _count: Callable[[str, int], None] | None = field(default=None, repr=False)
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Adds ``n`` to the executor metric ``name``."""
+        if self._count is not None:
+            self._count(name, n)
+
+
+async def compute_reward(ctx: WorkflowContext, reward_fn: RewardFn, *args: Any,
+                         **kwargs: Any) -> float | None:
+    """A reward via the context's pool; None (and counted) when it raises or times out.
+
+    Without a pool the function runs in a thread with ``ctx.reward_timeout_s``: the loop
+    stays free, but a hung call keeps its thread.
+    """
+    if ctx.reward_pool is not None:
+        return await ctx.reward_pool.score(reward_fn, *args, **kwargs)
+    fn = resolve_reward_fn(reward_fn)
+    try:
+        value = await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), ctx.reward_timeout_s)
+        return float(value)
+    except TimeoutError:
+        ctx.count("reward_timeouts")
+    except Exception as e:  # noqa: BLE001 - a bad sample must not kill the run
+        logger.warning("reward %s raised %s: %s", reward_fn, type(e).__name__, e)
+        ctx.count("reward_errors")
+    return None
+
+
+def prompt_token_ids(item: dict[str, Any], tokenizer: Any) -> list[int]:
+    """``item["input_ids"]`` if given, else the tokenizer's chat-templated ``item["prompt"]``."""
+    if "input_ids" in item:
+        return [int(t) for t in item["input_ids"]]
+    if "prompt" not in item:
+        raise KeyError(f"prompt item {item.get('prompt_id', '?')!r} has neither 'input_ids' nor "
+                       f"'prompt'; keys: {sorted(item)}")
+    if tokenizer is None:
+        raise ValueError("the workflow needs a tokenizer to encode item['prompt'] "
+                         "(pass tokenizer=... to the workflow or the executor)")
+    return tokenizer.encode_prompt(item["prompt"])
+
+
+def trajectory_from_response(resp: GenerateResponse, reward: float, **fields: Any) -> Trajectory:
+    """Prompt tokens (mask 0, version -1) followed by the generated tokens (mask 1)."""
+    n_prompt, n_out = len(resp.input_ids), len(resp.output_ids)
+    if len(resp.output_logprobs) != n_out or len(resp.output_versions) != n_out:
+        raise ValueError(f"response {resp.rid}: {n_out} output ids but "
+                         f"{len(resp.output_logprobs)} logprobs, {len(resp.output_versions)} versions")
+    info = {"n_interruptions": resp.n_interruptions, "server": resp.server,
+            "latency_s": resp.latency_s, **fields.pop("info", {})}
+    return Trajectory(
+        input_ids=list(resp.input_ids) + list(resp.output_ids),
+        loss_mask=[0] * n_prompt + [1] * n_out,
+        behav_logp=[0.0] * n_prompt + list(resp.output_logprobs),
+        versions=[-1] * n_prompt + list(resp.output_versions),
+        reward=float(reward), finish_reason=resp.finish_reason, info=info, **fields,
+    )
+
+
+class RLVRWorkflow:
+    """Single-turn RL with a verifiable reward: n samples per prompt, one group.
+
+    The n samples go out as n concurrent requests (seeds ``ctx.seed + i``). Each
+    completion is decoded (special tokens skipped) and scored with
+    ``reward_fn(completion_text, item[answer_key], **reward_kwargs)`` in the reward pool.
+    If any sample's reward fails or times out the whole group is rejected (counted as
+    ``reward_failed_groups``): group advantages need a fixed group size. ``group_filter``
+    may reject a finished group too, e.g. ``lambda g: len({t.reward for t in g}) > 1``
+    drops groups whose samples all got the same reward (counted as ``filtered_groups``).
+    """
+
+    def __init__(self, reward_fn: RewardFn, *, n_samples: int = 1,
+                 gconfig: SamplingConfig | None = None, tokenizer: Any = None,
+                 answer_key: str = "answer", reward_kwargs: dict[str, Any] | None = None,
+                 group_filter: Callable[[list[Trajectory]], bool] | None = None) -> None:
+        if n_samples < 1:
+            raise ValueError(f"RLVRWorkflow n_samples must be >= 1, got {n_samples}")
+        if isinstance(reward_fn, str):
+            resolve_reward_fn(reward_fn)  # fail now on a bad "module:function"
+        elif not callable(reward_fn):
+            raise TypeError(f"reward_fn must be callable or 'module:function', got {reward_fn!r}")
+        self.reward_fn = reward_fn
+        self.n_samples = n_samples
+        self.gconfig = gconfig or SamplingConfig()
+        self.tokenizer = tokenizer
+        self.answer_key = answer_key
+        self.reward_kwargs = dict(reward_kwargs or {})
+        self.group_filter = group_filter
+        if tokenizer is not None and not self.gconfig.stop_token_ids:
+            self.gconfig = replace(self.gconfig, stop_token_ids=tuple(tokenizer.stop_token_ids))
+
+    async def arun(self, client: Any, item: dict[str, Any],
+                   ctx: WorkflowContext) -> list[Trajectory] | None:
+        tokenizer = self.tokenizer or ctx.tokenizer
+        if tokenizer is None:
+            raise ValueError("RLVRWorkflow needs a tokenizer to decode completions for the reward")
+        if self.answer_key not in item:
+            raise KeyError(f"prompt item {item.get('prompt_id', '?')!r} has no {self.answer_key!r} "
+                           f"key for the reward; keys: {sorted(item)}")
+        prompt_ids = prompt_token_ids(item, tokenizer)
+        requests = [self.gconfig.request(prompt_ids, seed=ctx.seed + i, rid=f"{ctx.group_id}/{i}")
+                    for i in range(self.n_samples)]
+        responses = await asyncio.gather(*(client.agenerate(r) for r in requests))
+        texts = [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in responses]
+        rewards = await asyncio.gather(*(
+            compute_reward(ctx, self.reward_fn, text, item[self.answer_key], **self.reward_kwargs)
+            for text in texts))
+        if any(r is None for r in rewards):
+            ctx.count("reward_failed_groups")
+            return None
+        group = [trajectory_from_response(resp, reward, info={"sample_index": i})
+                 for i, (resp, reward) in enumerate(zip(responses, rewards, strict=True))]
+        if self.group_filter is not None and not self.group_filter(group):
+            ctx.count("filtered_groups")
+            return None
+        return group
+
+
+class Environment(Protocol):
+    """The environment side of a multi-turn episode (``step`` may be sync or async)."""
+
+    def step(self, action_ids: list[int], action_text: str
+             ) -> tuple[list[int], float, bool] | Awaitable[tuple[list[int], float, bool]]:
+        """Takes the model's turn; returns (observation token ids, reward, done)."""
+        ...
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+class MultiTurnWorkflow:
+    """Model and environment take turns on one growing token list (token-in/token-out).
+
+    Each model turn sends the whole token list so far as ``input_ids`` and appends the
+    returned ``output_ids`` unchanged (loss_mask 1, their logprobs and versions); the
+    environment's observation ids are appended with loss_mask 0, behav_logp 0 and
+    version -1. Earlier turns are never decoded and re-encoded. The episode ends when
+    the environment says done, after ``max_turns`` model turns, or when the token list
+    reaches ``max_total_tokens``. The trajectory's reward is the sum of the step rewards.
+
+    ``env_factory(item)`` makes a fresh environment per sample (it may be async).
+    """
+
+    def __init__(self, env_factory: Callable[[dict[str, Any]], Any], *, n_samples: int = 1,
+                 gconfig: SamplingConfig | None = None, tokenizer: Any = None,
+                 max_turns: int = 4, max_total_tokens: int = 1024) -> None:
+        if n_samples < 1 or max_turns < 1 or max_total_tokens < 1:
+            raise ValueError(f"MultiTurnWorkflow needs n_samples, max_turns, max_total_tokens >= 1, "
+                             f"got {n_samples}, {max_turns}, {max_total_tokens}")
+        self.env_factory = env_factory
+        self.n_samples = n_samples
+        self.gconfig = gconfig or SamplingConfig()
+        self.tokenizer = tokenizer
+        self.max_turns = max_turns
+        self.max_total_tokens = max_total_tokens
+        if tokenizer is not None and not self.gconfig.stop_token_ids:
+            self.gconfig = replace(self.gconfig, stop_token_ids=tuple(tokenizer.stop_token_ids))
+
+    async def _episode(self, client: Any, item: dict[str, Any], ctx: WorkflowContext,
+                       sample: int) -> Trajectory:
+        tokenizer = self.tokenizer or ctx.tokenizer
+        ids = prompt_token_ids(item, tokenizer)
+        mask, logp, versions = [0] * len(ids), [0.0] * len(ids), [-1] * len(ids)
+        env = await _maybe_await(self.env_factory(item))
+        total_reward, turns, finish, n_interruptions = 0.0, 0, "length", 0
+        while turns < self.max_turns and len(ids) < self.max_total_tokens:
+            budget = min(self.gconfig.max_new_tokens, self.max_total_tokens - len(ids))
+            resp = await client.agenerate(self.gconfig.request(
+                ids, seed=ctx.seed + 1000 * sample + turns, rid=f"{ctx.group_id}/{sample}.{turns}",
+                max_new_tokens=budget))
+            turns += 1
+            n_interruptions += resp.n_interruptions
+            finish = resp.finish_reason
+            out = list(resp.output_ids)
+            ids += out
+            mask += [1] * len(out)
+            logp += list(resp.output_logprobs)
+            versions += list(resp.output_versions)
+            text = tokenizer.decode(out, skip_special_tokens=True) if tokenizer is not None else ""
+            obs_ids, reward, done = await _maybe_await(env.step(out, text))
+            total_reward += float(reward)
+            if done:
+                break
+            obs_ids = [int(t) for t in obs_ids][: self.max_total_tokens - len(ids)]
+            ids += obs_ids
+            mask += [0] * len(obs_ids)
+            logp += [0.0] * len(obs_ids)
+            versions += [-1] * len(obs_ids)
+        close = getattr(env, "aclose", None) or getattr(env, "close", None)
+        if close is not None:
+            await _maybe_await(close())
+        return Trajectory(input_ids=ids, loss_mask=mask, behav_logp=logp, versions=versions,
+                          reward=total_reward, finish_reason=finish,
+                          info={"turns": turns, "sample_index": sample,
+                                "n_interruptions": n_interruptions})
+
+    async def arun(self, client: Any, item: dict[str, Any],
+                   ctx: WorkflowContext) -> list[Trajectory] | None:
+        return list(await asyncio.gather(*(self._episode(client, item, ctx, i)
+                                           for i in range(self.n_samples))))
+
+
+WorkflowFn = Callable[[Any, dict[str, Any], WorkflowContext], Awaitable[list[Trajectory] | None]]
+
+
+def as_workflow_fn(workflow: Any) -> WorkflowFn:
+    """The coroutine function behind a workflow object or function (TypeError otherwise)."""
+    fn = getattr(workflow, "arun", workflow)
+    if not callable(fn):
+        raise TypeError(f"workflow {workflow!r} must be an async function (client, item, ctx) or "
+                        "an object with an async arun(client, item, ctx) method")
+    return fn
