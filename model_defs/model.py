@@ -45,8 +45,12 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = jnp
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
-def _write_cache(cache_lbskd: Array, layer: int, new_btkd: Array, positions_bt: Array) -> Array:
-    batch_idx_bt = jnp.broadcast_to(jnp.arange(new_btkd.shape[0])[:, None], positions_bt.shape)
+def _write_cache(
+    cache_lbskd: Array, layer: int, new_btkd: Array, positions_bt: Array, rows_b: Array | None
+) -> Array:
+    if rows_b is None:
+        rows_b = jnp.arange(new_btkd.shape[0])
+    batch_idx_bt = jnp.broadcast_to(rows_b[:, None], positions_bt.shape)
     return cache_lbskd.at[layer, batch_idx_bt, positions_bt].set(
         new_btkd.astype(cache_lbskd.dtype), mode="drop"
     )
@@ -140,6 +144,7 @@ class Attention(nnx.Module):
         mask_bts: Array,
         positions_bt: Array,
         cache: KVCache | None,
+        cache_rows_b: Array | None,
         layer_idx: int,
     ) -> tuple[Array, KVCache | None]:
         b, t, _ = x_btd.shape
@@ -156,11 +161,14 @@ class Attention(nnx.Module):
 
         if cache is not None:
             cache = KVCache(
-                k=_write_cache(cache.k, layer_idx, k_btkd, positions_bt),
-                v=_write_cache(cache.v, layer_idx, v_btkd, positions_bt),
+                k=_write_cache(cache.k, layer_idx, k_btkd, positions_bt, cache_rows_b),
+                v=_write_cache(cache.v, layer_idx, v_btkd, positions_bt, cache_rows_b),
             )
-            keys_bskd = cache.k[layer_idx].astype(self.dtype)
-            values_bskd = cache.v[layer_idx].astype(self.dtype)
+            keys_bskd, values_bskd = cache.k[layer_idx], cache.v[layer_idx]
+            if cache_rows_b is not None:
+                keys_bskd, values_bskd = keys_bskd[cache_rows_b], values_bskd[cache_rows_b]
+            keys_bskd = keys_bskd.astype(self.dtype)
+            values_bskd = values_bskd.astype(self.dtype)
         else:
             keys_bskd, values_bskd = k_btkd, v_btkd
 
@@ -201,17 +209,17 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, rngs=rngs, **kw)
 
-    def __call__(self, x_btd, cos_sin, mask_bts, positions_bt, cache, layer_idx):
+    def __call__(self, x_btd, cos_sin, mask_bts, positions_bt, cache, cache_rows_b, layer_idx):
         attn_btd, cache = self.attn(
-            self.input_norm(x_btd), cos_sin, mask_bts, positions_bt, cache, layer_idx
+            self.input_norm(x_btd), cos_sin, mask_bts, positions_bt, cache, cache_rows_b, layer_idx
         )
         x_btd = shard(x_btd + attn_btd, ("batch", "seq", "act_embed"))
         x_btd = x_btd + self.mlp(self.post_attn_norm(x_btd))
         return shard(x_btd, ("batch", "seq", "act_embed")), cache
 
 
-def _run_layer(layer, x_btd, cos_sin, mask_bts, positions_bt, cache, layer_idx):
-    return layer(x_btd, cos_sin, mask_bts, positions_bt, cache, layer_idx)
+def _run_layer(layer, x_btd, cos_sin, mask_bts, positions_bt, cache, cache_rows_b, layer_idx):
+    return layer(x_btd, cos_sin, mask_bts, positions_bt, cache, cache_rows_b, layer_idx)
 
 
 # --------------------------------------------------------------------------- model
@@ -257,8 +265,13 @@ class CausalLM(nnx.Module):
         positions: Array | None = None,
         segment_ids: Array | None = None,
         cache: KVCache | None = None,
+        cache_rows: Array | None = None,
     ) -> Any:
-        """Hidden states after the final norm, [B, T, D] (and the cache when given)."""
+        """Hidden states after the final norm, [B, T, D] (and the cache when given).
+
+        ``cache_rows`` [B] int (optional): input row b reads/writes cache row
+        ``cache_rows[b]`` instead of row b, e.g. to prefill one slot of a batch cache.
+        """
         input_ids_bt = jnp.asarray(input_ids_bt)
         if input_ids_bt.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {input_ids_bt.shape}")
@@ -269,6 +282,17 @@ class CausalLM(nnx.Module):
             positions_bt = jnp.asarray(positions, jnp.int32)
             if positions_bt.shape != (b, t):
                 raise ValueError(f"positions has shape {positions_bt.shape}, expected {(b, t)}")
+        if cache_rows is not None:
+            if cache is None:
+                raise ValueError("cache_rows needs a cache")
+            cache_rows = jnp.asarray(cache_rows, jnp.int32)
+            if cache_rows.shape != (b,):
+                raise ValueError(f"cache_rows has shape {cache_rows.shape}, expected {(b,)}")
+        elif cache is not None and cache.k.shape[1] != b:
+            raise ValueError(
+                f"cache has {cache.k.shape[1]} rows but input_ids has batch {b}; "
+                "pass cache_rows to address a subset of cache rows"
+            )
         if cache is not None:
             # A query at position p sees cache indices j <= p of its own row.
             key_idx_s = jnp.arange(cache.max_len, dtype=jnp.int32)
@@ -285,9 +309,9 @@ class CausalLM(nnx.Module):
         x_btd = jnp.take(self.embed_vd[...], input_ids_bt, axis=0).astype(self.dtype)
         x_btd = shard(x_btd, ("batch", "seq", "act_embed"))
         cos_sin = rope_cos_sin(rope_inv_freq(self.cfg), positions_bt, self.dtype)
-        run = nnx.remat(_run_layer, static_argnums=(6,)) if self.remat else _run_layer
+        run = nnx.remat(_run_layer, static_argnums=(7,)) if self.remat else _run_layer
         for i, layer in enumerate(self.layers):
-            x_btd, cache = run(layer, x_btd, cos_sin, mask_bts, positions_bt, cache, i)
+            x_btd, cache = run(layer, x_btd, cos_sin, mask_bts, positions_bt, cache, cache_rows, i)
         hidden_btd = self.final_norm(x_btd)
         return hidden_btd if cache is None else (hidden_btd, cache)
 
@@ -309,13 +333,14 @@ class CausalLM(nnx.Module):
         positions: Array | None = None,
         segment_ids: Array | None = None,
         cache: KVCache | None = None,
+        cache_rows: Array | None = None,
     ) -> Any:
         """fp32 logits [B, T, V]; with ``cache`` returns (logits, updated cache).
 
         ``segment_ids`` [B, T]: tokens attend only to earlier tokens of the same segment
         (0 marks padding). Ignored when a cache is given.
         """
-        out = self.hidden_states(input_ids_bt, positions, segment_ids, cache)
+        out = self.hidden_states(input_ids_bt, positions, segment_ids, cache, cache_rows)
         if cache is None:
             return self.logits_from_hidden(out)
         hidden_btd, cache = out
