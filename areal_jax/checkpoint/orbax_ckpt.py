@@ -166,7 +166,8 @@ class TrainCheckpointer:
                 raise CheckpointError(f"checkpoint directory {directory} is a file")
         self.directory = directory
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
+            max_to_keep=None if read_only else keep,
+            save_interval_steps=0 if read_only else 1,
             enable_async_checkpointing=async_save,
             create=not read_only,
             read_only=read_only,
