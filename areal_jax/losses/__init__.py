@@ -1,0 +1,49 @@
+"""areal_jax.losses: the decoupled PPO objective, advantage estimators, KL and entropy.
+
+Pure JAX: this package imports only jax, numpy and the standard library, so other JAX
+projects can use it without the rest of areal_jax. Every function takes bf16 or fp32
+arrays, computes in fp32, and works under ``jax.jit`` and ``jax.grad``.
+"""
+
+from areal_jax.losses.advantages import (
+    gae,
+    group_advantages,
+    normalize_advantages,
+    overlong_penalty,
+    shape_rewards,
+)
+from areal_jax.losses.critic import ppo_value_loss
+from areal_jax.losses.kl import token_kl
+from areal_jax.losses.logprobs import (
+    entropy_from_logits,
+    logprobs_from_hidden,
+    logprobs_from_logits,
+)
+from areal_jax.losses.ppo import (
+    PPOLossTerms,
+    combine_ppo_terms,
+    decoupled_ppo_loss,
+    decoupled_ppo_loss_terms,
+    ppo_stats_from_terms,
+)
+from areal_jax.losses.segments import AGG_MODES, loss_denominator
+
+__all__ = [
+    "AGG_MODES",
+    "PPOLossTerms",
+    "combine_ppo_terms",
+    "decoupled_ppo_loss",
+    "decoupled_ppo_loss_terms",
+    "entropy_from_logits",
+    "gae",
+    "group_advantages",
+    "logprobs_from_hidden",
+    "logprobs_from_logits",
+    "loss_denominator",
+    "normalize_advantages",
+    "overlong_penalty",
+    "ppo_stats_from_terms",
+    "ppo_value_loss",
+    "shape_rewards",
+    "token_kl",
+]

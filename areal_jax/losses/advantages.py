@@ -1,0 +1,201 @@
+"""Advantage estimators and reward shaping.
+
+- :func:`group_advantages`: GRPO (group mean and std), RLOO (leave-one-out mean) and
+  Dr.GRPO (mean only) advantages of one scalar reward per sample.
+- :func:`gae`: generalised advantage estimation over tokens (actor-critic), via ``lax.scan``.
+- :func:`normalize_advantages`: masked whole-batch normalisation.
+- :func:`shape_rewards`: bias, scale, then clip.
+- :func:`overlong_penalty`: DAPO's soft overlong punishment, counted in tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from areal_jax.losses import _checks
+
+GROUP_MODES = {
+    "grpo": (False, True),  # (mean_leave_one_out, std_normalize)
+    "rloo": (True, False),
+    "drgrpo": (False, False),
+}
+
+
+def _numeric_input(fn: str, name: str, x: Any) -> jax.Array:
+    arr = _checks.as_array(fn, name, x)
+    if not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)
+            or arr.dtype == jnp.bool_):
+        raise TypeError(f"{fn}: {name} has dtype {arr.dtype}; expected numbers")
+    return arr.astype(jnp.float32)
+
+
+def group_advantages(
+    rewards: Any,
+    group_size: int,
+    mean_leave_one_out: bool = False,
+    std_normalize: bool = True,
+    eps: float = 1e-5,
+    *,
+    mode: str | None = None,
+) -> jax.Array:
+    """Per-sample advantages from rewards ordered group by group.
+
+    Args:
+        rewards: [N] one reward per sample; samples ``[g*G, (g+1)*G)`` form group g,
+            G = ``group_size``. N must be a multiple of G.
+        group_size: samples per prompt (G >= 1; G >= 2 for leave-one-out).
+        mean_leave_one_out: baseline is the mean of the *other* G-1 rewards of the group
+            (RLOO) instead of the group mean.
+        std_normalize: divide by (unbiased group std of the rewards + eps), as AReaL's
+            GRPO. A group of one has std 0.
+        eps: added to the std.
+        mode: shortcut that sets both flags: "grpo" (mean, std), "rloo" (leave-one-out
+            mean, no std), "drgrpo" (mean only). Overrides the two flags when given.
+
+    Returns:
+        fp32 [N] advantages.
+    """
+    fn = "group_advantages"
+    if mode is not None:
+        _checks.choice(fn, "mode", mode, tuple(GROUP_MODES))
+        mean_leave_one_out, std_normalize = GROUP_MODES[mode]
+    rewards_n = _numeric_input(fn, "rewards", rewards)
+    _checks.ndim(fn, "rewards", rewards_n, 1, "[N], ordered group by group")
+    if isinstance(group_size, bool) or not isinstance(group_size, int | np.integer) or group_size < 1:
+        raise ValueError(f"{fn}: group_size={group_size!r}; expected an int >= 1")
+    group_size = int(group_size)
+    n = rewards_n.shape[0]
+    if n % group_size:
+        raise ValueError(
+            f"{fn}: {n} rewards do not split into groups of group_size={group_size}; "
+            "N must be a multiple of group_size"
+        )
+    if mean_leave_one_out and group_size < 2:
+        raise ValueError(f"{fn}: mean_leave_one_out needs group_size >= 2, got {group_size}")
+    _checks.in_range(fn, "eps", eps, 0.0, float("inf"))
+
+    rewards_gk = rewards_n.reshape(n // group_size, group_size)
+    group_sum_g1 = rewards_gk.sum(axis=1, keepdims=True)
+    group_mean_g1 = group_sum_g1 / group_size
+    if mean_leave_one_out:
+        baseline_gk = (group_sum_g1 - rewards_gk) / (group_size - 1)
+    else:
+        baseline_gk = group_mean_g1
+    adv_gk = rewards_gk - baseline_gk
+    if std_normalize:
+        if group_size > 1:
+            var_g1 = jnp.sum((rewards_gk - group_mean_g1) ** 2, axis=1, keepdims=True) / (group_size - 1)
+            std_g1 = jnp.sqrt(var_g1)
+        else:
+            std_g1 = jnp.zeros_like(group_mean_g1)
+        adv_gk = adv_gk / (std_g1 + eps)
+    return adv_gk.reshape(n)
+
+
+def gae(
+    rewards: Any, values: Any, mask: Any, gamma: float, lam: float
+) -> tuple[jax.Array, jax.Array]:
+    """Generalised advantage estimation over tokens, by a reverse ``lax.scan`` over T.
+
+    For valid tokens (``mask != 0``), walking backwards:
+    ``delta_t = r_t + gamma * V_next - V_t``, ``A_t = delta_t + gamma * lam * A_next``,
+    where ``V_next`` / ``A_next`` are those of the next *valid* token of the row (0 after
+    the last one: the episode ends there). Masked tokens (padding, prompt, environment
+    turns) are skipped as if absent; their rewards and values are ignored.
+
+    Args:
+        rewards, values, mask: [B, T]. Put each sequence's reward on a valid token
+            (usually the last generated one).
+        gamma, lam: discount and GAE lambda in [0, 1].
+
+    Returns:
+        ``(advantages, returns)``, fp32 [B, T], 0 on masked tokens; returns = A + V.
+    """
+    fn = "gae"
+    rewards_bt = _checks.float_input(fn, "rewards", rewards)
+    _checks.ndim(fn, "rewards", rewards_bt, 2, "[B, T]")
+    values_bt = _checks.float_input(fn, "values", values)
+    mask_bt = _checks.mask_input(fn, "mask", mask)
+    _checks.same_shape(fn, "rewards", rewards_bt, values=values_bt, mask=mask_bt)
+    _checks.in_range(fn, "gamma", gamma, 0.0, 1.0)
+    _checks.in_range(fn, "lam", lam, 0.0, 1.0)
+
+    def step(carry, xs):
+        next_value_b, next_adv_b = carry
+        reward_b, value_b, valid_b = xs
+        delta_b = reward_b + gamma * next_value_b - value_b
+        adv_b = delta_b + gamma * lam * next_adv_b
+        carry = (jnp.where(valid_b, value_b, next_value_b), jnp.where(valid_b, adv_b, next_adv_b))
+        return carry, jnp.where(valid_b, adv_b, 0.0)
+
+    batch = rewards_bt.shape[0]
+    init = (jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.float32))
+    _, adv_tb = jax.lax.scan(step, init, (rewards_bt.T, values_bt.T, mask_bt.T), reverse=True)
+    advantages_bt = adv_tb.T
+    returns_bt = jnp.where(mask_bt, advantages_bt + values_bt, 0.0)
+    return advantages_bt, returns_bt
+
+
+def normalize_advantages(
+    advantages: Any, mask: Any, *, eps: float = 1e-5, center: bool = True, unbiased: bool = False
+) -> jax.Array:
+    """Whole-batch normalisation over valid tokens: (A - mean) / (std + eps).
+
+    ``center=False`` only divides by the std (no mean shift). ``unbiased`` uses n - 1.
+    Masked tokens come out 0. Inside a jit over sharded arrays the mean and std are
+    global. Returns fp32 with the input's shape.
+    """
+    fn = "normalize_advantages"
+    adv = _checks.float_input(fn, "advantages", advantages)
+    mask_b = _checks.mask_input(fn, "mask", mask)
+    _checks.same_shape(fn, "advantages", adv, mask=mask_b)
+    _checks.in_range(fn, "eps", eps, 0.0, float("inf"))
+    count = jnp.sum(mask_b).astype(jnp.float32)
+    mean = jnp.sum(jnp.where(mask_b, adv, 0.0)) / jnp.maximum(count, 1.0)
+    sq_dev = jnp.where(mask_b, (adv - mean) ** 2, 0.0)
+    dof = jnp.maximum(count - 1.0, 1.0) if unbiased else jnp.maximum(count, 1.0)
+    std = jnp.sqrt(jnp.sum(sq_dev) / dof)
+    shifted = adv - mean if center else adv
+    return jnp.where(mask_b, shifted / (std + eps), 0.0)
+
+
+def shape_rewards(
+    rewards: Any, *, scale: float = 1.0, bias: float = 0.0, clip: float | None = None
+) -> jax.Array:
+    """``clip((rewards + bias) * scale, -clip, clip)`` (AReaL's order), fp32."""
+    fn = "shape_rewards"
+    rewards_n = _numeric_input(fn, "rewards", rewards)
+    _checks.in_range(fn, "scale", scale, -float("inf"), float("inf"))
+    _checks.in_range(fn, "bias", bias, -float("inf"), float("inf"))
+    _checks.positive(fn, "clip", clip, allow_none=True)
+    shaped = (rewards_n + bias) * scale
+    if clip is not None:
+        shaped = jnp.clip(shaped, -clip, clip)
+    return shaped
+
+
+def overlong_penalty(
+    response_lengths: Any,
+    *,
+    max_response_length: int,
+    overlong_tokens: int,
+    penalty_factor: float = 1.0,
+) -> jax.Array:
+    """DAPO's soft overlong punishment, to add to the rewards (fp32, <= 0).
+
+    With L_max = ``max_response_length`` and L_cache = ``overlong_tokens``:
+    0 for lengths <= L_max - L_cache, then falling linearly to -penalty_factor at
+    L_max, and -penalty_factor beyond. Lengths count generated tokens, e.g.
+    ``loss_mask.sum(-1)``.
+    """
+    fn = "overlong_penalty"
+    lengths = _numeric_input(fn, "response_lengths", response_lengths)
+    _checks.positive(fn, "max_response_length", max_response_length)
+    _checks.in_range(fn, "overlong_tokens", overlong_tokens, 0, max_response_length, lo_open=True)
+    _checks.in_range(fn, "penalty_factor", penalty_factor, 0.0, float("inf"))
+    excess = lengths - (max_response_length - overlong_tokens)
+    return jnp.clip(-excess / overlong_tokens * penalty_factor, -penalty_factor, 0.0)

@@ -1,0 +1,277 @@
+"""Token log-probs and entropy of softmax(logits / temperature), chunked over the vocabulary.
+
+A pass over vocabulary chunks keeps an online logsumexp (running max m, sum of
+exp(z - m), and sum of exp(z - m) * z), so only [N, chunk] fp32 arrays ever exist:
+
+    lse = m + log(s),   entropy = lse - t / s,   logp = z[label] - lse.
+
+The backward pass (a ``jax.custom_vjp``) recomputes each chunk and uses
+``d logp / dz = onehot - p`` and ``d entropy / dz = -p * (log p + entropy)``.
+
+- :func:`logprobs_from_hidden` takes final hidden states and the unembedding matrix,
+  so the [N, V] logits are never materialised, in the forward or the backward pass.
+- :func:`logprobs_from_logits` / :func:`entropy_from_logits` take existing logits (any
+  float dtype) and never hold a second [N, V] fp32 copy of them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from areal_jax.losses import _checks
+
+DEFAULT_CHUNK_SIZE = 4096
+
+ChunkFn = Callable[[Any, int], jax.Array]  # (start, size) -> z [N, size] fp32
+
+
+def _for_each_chunk(vocab: int, chunk_size: int, body: Callable, carry: Any) -> Any:
+    """``carry = body(carry, start, size)`` over [0, vocab) in chunks; the last may be short."""
+    n_full, remainder = divmod(vocab, chunk_size)
+    if n_full == 1:
+        carry = body(carry, 0, chunk_size)
+    elif n_full > 1:
+        carry = jax.lax.fori_loop(
+            0, n_full, lambda i, c: body(c, i * chunk_size, chunk_size), carry
+        )
+    if remainder:
+        carry = body(carry, n_full * chunk_size, remainder)
+    return carry
+
+
+def _online_forward(
+    chunk_logits: ChunkFn, labels_n: jax.Array, n: int, vocab: int, chunk_size: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """-> (logp [N], entropy [N], lse [N]), all fp32."""
+
+    def body(carry, start, size):
+        m_n, s_n, t_n, zlabel_n = carry
+        z_nc = chunk_logits(start, size)
+        m_new = jnp.maximum(m_n, jnp.max(z_nc, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        e_nc = jnp.exp(z_nc - m_safe[:, None])
+        rescale = jnp.exp(m_n - m_safe)
+        s_n = s_n * rescale + jnp.sum(e_nc, axis=-1)
+        t_n = t_n * rescale + jnp.sum(jnp.where(e_nc > 0, e_nc * z_nc, 0.0), axis=-1)
+        offset_n = labels_n - start
+        inside_n = (offset_n >= 0) & (offset_n < size)
+        picked_n = jnp.take_along_axis(z_nc, jnp.clip(offset_n, 0, size - 1)[:, None], axis=-1)[:, 0]
+        zlabel_n = jnp.where(inside_n, picked_n, zlabel_n)
+        return m_new, s_n, t_n, zlabel_n
+
+    zeros = jnp.zeros((n,), jnp.float32)
+    init = (jnp.full((n,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
+    m_n, s_n, t_n, zlabel_n = _for_each_chunk(vocab, chunk_size, body, init)
+    lse_n = m_n + jnp.log(s_n)
+    entropy_n = lse_n - t_n / s_n
+    return zlabel_n - lse_n, entropy_n, lse_n
+
+
+def _grad_chunk_logits(z_nc, start, size, labels_n, lse_n, entropy_n, g_logp_n, g_ent_n):
+    """Cotangent of z = logits / temperature for one chunk, fp32 [N, size]."""
+    log_p_nc = z_nc - lse_n[:, None]
+    p_nc = jnp.exp(log_p_nc)
+    onehot_nc = (labels_n[:, None] - start) == jnp.arange(size)[None, :]
+    g_z = g_logp_n[:, None] * (onehot_nc.astype(jnp.float32) - p_nc)
+    g_z = g_z - g_ent_n[:, None] * p_nc * (log_p_nc + entropy_n[:, None])
+    return jnp.where(p_nc > 0, g_z, g_logp_n[:, None] * onehot_nc)
+
+
+# ----------------------------------------------------------------------------- from logits
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _logits_kernel(logits_nv, labels_n, temperature, chunk_size):
+    out, _ = _logits_kernel_fwd(logits_nv, labels_n, temperature, chunk_size)
+    return out
+
+
+def _logits_chunk_fn(logits_nv, temperature) -> ChunkFn:
+    def chunk(start, size):
+        raw = jax.lax.dynamic_slice_in_dim(logits_nv, start, size, axis=1)
+        return raw.astype(jnp.float32) / temperature
+
+    return chunk
+
+
+def _logits_kernel_fwd(logits_nv, labels_n, temperature, chunk_size):
+    n, vocab = logits_nv.shape
+    chunk = _logits_chunk_fn(logits_nv, temperature)
+    logp_n, entropy_n, lse_n = _online_forward(chunk, labels_n, n, vocab, chunk_size)
+    return (logp_n, entropy_n), (logits_nv, labels_n, lse_n, entropy_n)
+
+
+def _logits_kernel_bwd(temperature, chunk_size, residuals, cotangents):
+    logits_nv, labels_n, lse_n, entropy_n = residuals
+    g_logp_n, g_ent_n = cotangents
+    n, vocab = logits_nv.shape
+    chunk = _logits_chunk_fn(logits_nv, temperature)
+
+    def body(g_logits_nv, start, size):
+        g_z = _grad_chunk_logits(chunk(start, size), start, size, labels_n, lse_n, entropy_n,
+                                 g_logp_n, g_ent_n)
+        g_chunk = (g_z / temperature).astype(logits_nv.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(g_logits_nv, g_chunk, start, axis=1)
+
+    g_logits_nv = _for_each_chunk(vocab, chunk_size, body, jnp.zeros_like(logits_nv))
+    return g_logits_nv, None
+
+
+_logits_kernel.defvjp(_logits_kernel_fwd, _logits_kernel_bwd)
+
+
+# ----------------------------------------------------------------------------- from hidden
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _hidden_kernel(hidden_nd, w_dv, labels_n, temperature, chunk_size):
+    out, _ = _hidden_kernel_fwd(hidden_nd, w_dv, labels_n, temperature, chunk_size)
+    return out
+
+
+def _hidden_chunk_fn(hidden_nd, w_dv, temperature) -> ChunkFn:
+    def chunk(start, size):
+        w_dc = jax.lax.dynamic_slice_in_dim(w_dv, start, size, axis=1)
+        logits_nc = jnp.einsum("nd,dc->nc", hidden_nd, w_dc, preferred_element_type=jnp.float32)
+        return logits_nc / temperature
+
+    return chunk
+
+
+def _hidden_kernel_fwd(hidden_nd, w_dv, labels_n, temperature, chunk_size):
+    n = hidden_nd.shape[0]
+    chunk = _hidden_chunk_fn(hidden_nd, w_dv, temperature)
+    logp_n, entropy_n, lse_n = _online_forward(chunk, labels_n, n, w_dv.shape[1], chunk_size)
+    return (logp_n, entropy_n), (hidden_nd, w_dv, labels_n, lse_n, entropy_n)
+
+
+def _hidden_kernel_bwd(temperature, chunk_size, residuals, cotangents):
+    hidden_nd, w_dv, labels_n, lse_n, entropy_n = residuals
+    g_logp_n, g_ent_n = cotangents
+    chunk = _hidden_chunk_fn(hidden_nd, w_dv, temperature)
+
+    def body(carry, start, size):
+        g_hidden_nd, g_w_dv = carry
+        g_logits_nc = _grad_chunk_logits(chunk(start, size), start, size, labels_n, lse_n,
+                                          entropy_n, g_logp_n, g_ent_n) / temperature
+        w_dc = jax.lax.dynamic_slice_in_dim(w_dv, start, size, axis=1)
+        g_hidden_nd = g_hidden_nd + jnp.einsum(
+            "nc,dc->nd", g_logits_nc, w_dc, preferred_element_type=jnp.float32)
+        g_w_dc = jnp.einsum("nd,nc->dc", hidden_nd, g_logits_nc,
+                            preferred_element_type=jnp.float32).astype(w_dv.dtype)
+        return g_hidden_nd, jax.lax.dynamic_update_slice_in_dim(g_w_dv, g_w_dc, start, axis=1)
+
+    init = (jnp.zeros(hidden_nd.shape, jnp.float32), jnp.zeros_like(w_dv))
+    g_hidden_nd, g_w_dv = _for_each_chunk(w_dv.shape[1], chunk_size, body, init)
+    return g_hidden_nd.astype(hidden_nd.dtype), g_w_dv, None
+
+
+_hidden_kernel.defvjp(_hidden_kernel_fwd, _hidden_kernel_bwd)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _static_options(fn: str, temperature: Any, chunk_size: Any) -> tuple[float, int]:
+    if isinstance(temperature, jax.core.Tracer):
+        raise TypeError(f"{fn}: temperature must be a Python float (static), not a traced value")
+    _checks.positive(fn, "temperature", temperature)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{fn}: chunk_size={chunk_size!r}; expected an int >= 1")
+    return float(temperature), chunk_size
+
+
+def _labels(fn: str, labels: Any, lead_shape: tuple[int, ...], what: str) -> jax.Array:
+    labels_arr = _checks.int_input(fn, "labels", labels)
+    if labels_arr.shape != lead_shape:
+        raise ValueError(
+            f"{fn}: labels has shape {tuple(labels_arr.shape)}; expected {lead_shape} "
+            f"(the leading dims of {what})"
+        )
+    return labels_arr.reshape(-1).astype(jnp.int32)
+
+
+def logprobs_from_logits(
+    logits: Any, labels: Any, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> tuple[jax.Array, jax.Array]:
+    """Log-prob of ``labels`` and entropy under softmax(logits / temperature).
+
+    Args:
+        logits: [..., V] any float dtype (e.g. [B, T, V] bf16), read chunk by chunk.
+        labels: int [...] token ids. Ids outside [0, V) give logp = -logsumexp (mask them).
+        temperature: static Python float > 0.
+        chunk_size: vocabulary chunk (static).
+
+    Returns:
+        ``(logp, entropy)``, fp32 [...]. Differentiable in ``logits``.
+    """
+    fn = "logprobs_from_logits"
+    temperature, chunk_size = _static_options(fn, temperature, chunk_size)
+    logits_arr = _checks.as_array(fn, "logits", logits)
+    if not jnp.issubdtype(logits_arr.dtype, jnp.floating) or logits_arr.ndim < 1:
+        raise TypeError(f"{fn}: logits has dtype {logits_arr.dtype} and shape "
+                        f"{tuple(logits_arr.shape)}; expected a float array [..., V]")
+    lead, vocab = logits_arr.shape[:-1], logits_arr.shape[-1]
+    labels_n = _labels(fn, labels, lead, "logits")
+    logp_n, entropy_n = _logits_kernel(logits_arr.reshape(-1, vocab), labels_n, temperature,
+                                       chunk_size)
+    return logp_n.reshape(lead), entropy_n.reshape(lead)
+
+
+def entropy_from_logits(
+    logits: Any, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> jax.Array:
+    """Entropy of softmax(logits / temperature), fp32 [...] for logits [..., V]."""
+    logits_arr = _checks.as_array("entropy_from_logits", "logits", logits)
+    labels = jnp.zeros(logits_arr.shape[:-1], jnp.int32) if logits_arr.ndim >= 1 else 0
+    try:
+        return logprobs_from_logits(logits_arr, labels, temperature, chunk_size)[1]
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("logprobs_from_logits", "entropy_from_logits")) from None
+
+
+def logprobs_from_hidden(
+    hidden: Any,
+    w_dv: Any,
+    labels: Any,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[jax.Array, jax.Array]:
+    """Log-prob of ``labels`` and entropy under softmax(hidden @ w_dv / temperature).
+
+    The [N, V] logits are never materialised: each vocabulary chunk's logits are computed
+    (matmul accumulated in fp32), folded into an online logsumexp and dropped, and the
+    backward pass recomputes them chunk by chunk.
+
+    Args:
+        hidden: [..., D] final hidden states (after the final norm), e.g. [B, T, D].
+        w_dv: [D, V] unembedding matrix (for tied embeddings pass ``embedding.T``).
+        labels: int [...] the token whose log-prob is wanted at each position.
+        temperature: static Python float > 0.
+        chunk_size: vocabulary chunk (static).
+
+    Returns:
+        ``(logp, entropy)``, fp32 [...]. Differentiable in ``hidden`` and ``w_dv``.
+    """
+    fn = "logprobs_from_hidden"
+    temperature, chunk_size = _static_options(fn, temperature, chunk_size)
+    hidden_arr = _checks.as_array(fn, "hidden", hidden)
+    w_arr = _checks.as_array(fn, "w_dv", w_dv)
+    for name, arr in (("hidden", hidden_arr), ("w_dv", w_arr)):
+        if not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise TypeError(f"{fn}: {name} has dtype {arr.dtype}; expected a float dtype")
+    if hidden_arr.ndim < 1 or w_arr.ndim != 2 or hidden_arr.shape[-1] != w_arr.shape[0]:
+        raise ValueError(
+            f"{fn}: hidden has shape {tuple(hidden_arr.shape)} and w_dv has shape "
+            f"{tuple(w_arr.shape)}; expected hidden [..., D] and w_dv [D, V] with the same D"
+        )
+    lead, dim = hidden_arr.shape[:-1], hidden_arr.shape[-1]
+    labels_n = _labels(fn, labels, lead, "hidden")
+    logp_n, entropy_n = _hidden_kernel(hidden_arr.reshape(-1, dim), w_arr, labels_n,
+                                       temperature, chunk_size)
+    return logp_n.reshape(lead), entropy_n.reshape(lead)

@@ -1,0 +1,315 @@
+"""The decoupled PPO objective (AReaL, arXiv 2505.24298), per token t with mask m_t:
+
+    w_t = exp(prox_logp - behav_logp)             behaviour importance weight, a constant
+    r_t = exp(logp - prox_logp)                   trust-region ratio
+    l_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_clip, 1 + eps_clip_higher))
+    l_t = min(l_t, c_clip |A_t|)  where A_t < 0   dual clip, if c_clip is set
+    m'_t = m_t and w_t <= behav_imp_weight_cap     cap, if set: heavier tokens are dropped
+    loss = sum_t m'_t w_t l_t / sum_t m_t         ("token-mean"; other modes below)
+
+With prox_logp == behav_logp this is standard clipped PPO.
+
+Aggregation (``agg_mode``), sequences being rows or packed segments (see ``segments``):
+
+- ``token-mean``: sum_t m'_t w_t l_t / sum_t m_t (the global valid-token count).
+- ``seq-mean-token-mean``: mean over sequences of (sum_{t in s} m' w l / sum_{t in s} m);
+  sequences without valid tokens are not counted.
+- ``seq-mean-token-sum``: mean over sequences of (sum_{t in s} m' w l / L) with a constant
+  L = ``seq_token_sum_normalizer`` (Dr.GRPO: e.g. the max generation length).
+
+``ratio_level="sequence"`` (GSPO): r_t is replaced, for every token of a sequence, by the
+geometric mean of the per-token ratios of its non-dropped valid tokens,
+exp(mean_{t in s} (logp_t - prox_logp_t)); gradients flow through that mean.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from areal_jax.losses import _checks
+from areal_jax.losses.segments import (
+    AGG_MODES,
+    sequence_count,
+    sequence_layout,
+    sequence_sum,
+    to_tokens,
+)
+
+RATIO_LEVELS = ("token", "sequence")
+
+_FN = "decoupled_ppo_loss"
+
+
+class PPOLossTerms(NamedTuple):
+    """Sums and counts of the decoupled PPO loss for one micro-batch (all fp32 scalars).
+
+    The loss of the whole minibatch is ``sum(loss_sum) / sum(denominator)`` where both
+    sums run over every micro-batch and data shard. ``loss_sum`` carries the gradient.
+
+    Attributes:
+        loss_sum: the numerator: sum_t m'_t w_t l_t (token-mean), sum over sequences of
+            the per-sequence token mean (seq-mean-token-mean), or sum_t m'_t w_t l_t / L
+            (seq-mean-token-sum).
+        denominator: the valid-token count (token-mean) or the number of sequences with
+            at least one valid token (seq-mean-*). Never clamped here.
+        token_count: the valid-token count, the denominator of every token statistic.
+        stat_sums: sums over valid tokens: ``clipped``, ``dual_clipped``, ``cap_dropped``
+            (0/1 flags), ``behav_imp_weight``, ``approx_kl`` and, with versions,
+            ``staleness``. Combine across micro-batches by adding.
+        stat_maxes: ``behav_imp_weight_max`` and, with versions, ``staleness_max`` (0 when
+            there are no valid tokens). Combine by taking the maximum.
+    """
+
+    loss_sum: jax.Array
+    denominator: jax.Array
+    token_count: jax.Array
+    stat_sums: dict[str, jax.Array]
+    stat_maxes: dict[str, jax.Array]
+
+
+def decoupled_ppo_loss_terms(
+    logp: Any,
+    prox_logp: Any,
+    behav_logp: Any,
+    advantages: Any,
+    loss_mask: Any,
+    *,
+    eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
+    c_clip: float | None = None,
+    behav_imp_weight_cap: float | None = None,
+    versions: Any = None,
+    current_version: Any = None,
+    agg_mode: str = "token-mean",
+    seq_token_sum_normalizer: float | None = None,
+    ratio_level: str = "token",
+    segment_ids: Any = None,
+    max_segments: int | None = None,
+) -> PPOLossTerms:
+    """The "sum and count" form of :func:`decoupled_ppo_loss`.
+
+    Use it when one loss is spread over micro-batches or data shards: the minibatch
+    loss is ``sum(terms.loss_sum) / sum(terms.denominator)``. Because the denominator
+    does not depend on the parameters, compute it first (``loss_denominator``, summed
+    over micro-batches and shards) and differentiate ``terms.loss_sum / global_denominator``
+    per micro-batch; the accumulated gradients are those of the whole minibatch.
+    Aggregate statistics with :func:`combine_ppo_terms` and :func:`ppo_stats_from_terms`.
+
+    Arguments are as in :func:`decoupled_ppo_loss`.
+    """
+    fn = _FN
+    logp_bt = _checks.float_input(fn, "logp", logp)
+    _checks.ndim(fn, "logp", logp_bt, 2, "[B, T]")
+    behav_bt = _checks.float_input(fn, "behav_logp", behav_logp)
+    prox_bt = behav_bt if prox_logp is None else _checks.float_input(fn, "prox_logp", prox_logp)
+    adv_bt = _checks.float_input(fn, "advantages", advantages)
+    mask_bt = _checks.mask_input(fn, "loss_mask", loss_mask)
+    version_bt = None if versions is None else _checks.int_input(fn, "versions", versions)
+    _checks.same_shape(fn, "logp", logp_bt, prox_logp=prox_bt, behav_logp=behav_bt,
+                       advantages=adv_bt, loss_mask=mask_bt, versions=version_bt)
+    _check_hparams(eps_clip, eps_clip_higher, c_clip, behav_imp_weight_cap, agg_mode,
+                   seq_token_sum_normalizer, ratio_level)
+    if version_bt is not None and current_version is None:
+        raise ValueError(f"{fn}: versions given without current_version (the learner's version)")
+    needs_sequences = (agg_mode != "token-mean" or ratio_level == "sequence"
+                       or segment_ids is not None)
+    layout = (sequence_layout(logp_bt.shape, segment_ids, max_segments, fn=fn)
+              if needs_sequences else None)
+    if segment_ids is not None:
+        mask_bt = mask_bt & layout.in_sequence_bt  # padding (segment id 0) is never valid
+
+    # Behaviour weight (a constant) and the cap. Log differences are masked before exp
+    # so garbage on invalid tokens can never produce inf or NaN (not even in gradients).
+    behav_log_w = jax.lax.stop_gradient(jnp.where(mask_bt, prox_bt - behav_bt, 0.0))
+    behav_w = jnp.exp(behav_log_w)
+    keep_bt = mask_bt
+    if behav_imp_weight_cap is not None:
+        keep_bt = mask_bt & (behav_w <= behav_imp_weight_cap)
+    cap_dropped = mask_bt & ~keep_bt
+
+    log_ratio = jnp.where(keep_bt, logp_bt - prox_bt, 0.0)
+    if ratio_level == "sequence":
+        kept_s = sequence_sum(keep_bt.astype(jnp.float32), layout)
+        mean_log_ratio_s = sequence_sum(log_ratio, layout) / jnp.maximum(kept_s, 1.0)
+        log_ratio = jnp.where(keep_bt, to_tokens(mean_log_ratio_s, layout), 0.0)
+    ratio = jnp.exp(log_ratio)
+
+    high = eps_clip if eps_clip_higher is None else eps_clip_higher
+    loss_unclipped = -adv_bt * ratio
+    loss_clipped = -adv_bt * jnp.clip(ratio, 1.0 - eps_clip, 1.0 + high)
+    token_loss = jnp.maximum(loss_unclipped, loss_clipped)
+    clipped = keep_bt & (loss_clipped > loss_unclipped)
+    if c_clip is not None:
+        dual_bound = c_clip * jnp.abs(adv_bt)
+        dual_clipped = keep_bt & (adv_bt < 0) & (token_loss > dual_bound)
+        token_loss = jnp.where(adv_bt < 0, jnp.minimum(token_loss, dual_bound), token_loss)
+    else:
+        dual_clipped = jnp.zeros_like(keep_bt)
+    weighted_loss = jnp.where(keep_bt, behav_w * token_loss, 0.0)
+
+    token_count = jnp.sum(mask_bt).astype(jnp.float32)
+    if agg_mode == "token-mean":
+        loss_sum = jnp.sum(weighted_loss)
+        denominator = token_count
+    elif agg_mode == "seq-mean-token-mean":
+        tokens_s = sequence_sum(mask_bt.astype(jnp.float32), layout)
+        loss_sum = jnp.sum(sequence_sum(weighted_loss, layout) / jnp.maximum(tokens_s, 1.0))
+        denominator = sequence_count(mask_bt, layout)
+    else:  # seq-mean-token-sum
+        loss_sum = jnp.sum(weighted_loss) / jnp.float32(seq_token_sum_normalizer)
+        denominator = sequence_count(mask_bt, layout)
+
+    # Statistics (no gradient): sums over valid tokens, maxima.
+    stat_log_ratio = jax.lax.stop_gradient(jnp.where(mask_bt, logp_bt - prox_bt, 0.0))
+    approx_kl = jnp.expm1(stat_log_ratio) - stat_log_ratio  # k3 estimate of KL(prox || pi)
+    valid_w = jnp.where(mask_bt, behav_w, 0.0)
+    stat_sums = {
+        "clipped": jnp.sum(clipped).astype(jnp.float32),
+        "dual_clipped": jnp.sum(dual_clipped).astype(jnp.float32),
+        "cap_dropped": jnp.sum(cap_dropped).astype(jnp.float32),
+        "behav_imp_weight": jnp.sum(valid_w),
+        "approx_kl": jnp.sum(jnp.where(mask_bt, approx_kl, 0.0)),
+    }
+    stat_maxes = {"behav_imp_weight_max": jnp.max(valid_w, initial=0.0)}
+    if version_bt is not None:
+        staleness = jnp.asarray(current_version, jnp.float32) - version_bt.astype(jnp.float32)
+        staleness = jnp.where(mask_bt, staleness, 0.0)
+        stat_sums["staleness"] = jnp.sum(staleness)
+        stat_maxes["staleness_max"] = jnp.max(staleness, initial=0.0)
+    return PPOLossTerms(loss_sum, denominator, token_count, stat_sums, stat_maxes)
+
+
+def combine_ppo_terms(a: PPOLossTerms, b: PPOLossTerms) -> PPOLossTerms:
+    """Merge the terms of two micro-batches: sums and counts add, maxima take the max."""
+    return PPOLossTerms(
+        a.loss_sum + b.loss_sum,
+        a.denominator + b.denominator,
+        a.token_count + b.token_count,
+        {k: a.stat_sums[k] + b.stat_sums[k] for k in a.stat_sums},
+        {k: jnp.maximum(a.stat_maxes[k], b.stat_maxes[k]) for k in a.stat_maxes},
+    )
+
+
+def ppo_stats_from_terms(terms: PPOLossTerms) -> dict[str, jax.Array]:
+    """Turn (possibly combined) terms into the statistics dict of :func:`decoupled_ppo_loss`."""
+    count = jnp.maximum(terms.token_count, 1.0)
+    sums = jax.lax.stop_gradient(terms.stat_sums)
+    stats = {
+        "clip_frac": sums["clipped"] / count,
+        "dual_clip_frac": sums["dual_clipped"] / count,
+        "cap_drop_frac": sums["cap_dropped"] / count,
+        "behav_imp_weight_mean": sums["behav_imp_weight"] / count,
+        "behav_imp_weight_max": jax.lax.stop_gradient(terms.stat_maxes["behav_imp_weight_max"]),
+        "approx_kl": sums["approx_kl"] / count,
+    }
+    if "staleness" in sums:
+        stats["staleness_mean"] = sums["staleness"] / count
+        stats["staleness_max"] = jax.lax.stop_gradient(terms.stat_maxes["staleness_max"])
+    return stats
+
+
+def decoupled_ppo_loss(
+    logp: Any,
+    prox_logp: Any,
+    behav_logp: Any,
+    advantages: Any,
+    loss_mask: Any,
+    *,
+    eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
+    c_clip: float | None = None,
+    behav_imp_weight_cap: float | None = None,
+    versions: Any = None,
+    current_version: Any = None,
+    agg_mode: str = "token-mean",
+    seq_token_sum_normalizer: float | None = None,
+    ratio_level: str = "token",
+    segment_ids: Any = None,
+    max_segments: int | None = None,
+    normalizer: Any = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Decoupled PPO loss (formula in the module docstring) and its statistics.
+
+    Args:
+        logp: [B, T] log-probs of the taken tokens under the parameters being trained.
+        prox_logp: [B, T] proximal-policy log-probs (recomputed by the learner before the
+            update, no gradient). None means prox = behav (standard PPO, w = 1).
+        behav_logp: [B, T] behaviour-policy log-probs recorded at generation time.
+        advantages: [B, T] per-token advantages.
+        loss_mask: [B, T] 1 on tokens to train on (bool, int or float 0/1).
+        eps_clip: lower (and default upper) clip range, > 0.
+        eps_clip_higher: upper clip range (DAPO "clip-higher"); None = eps_clip.
+        c_clip: dual-clip constant c > 1 (only affects A < 0); None disables.
+        behav_imp_weight_cap: drop tokens whose behaviour weight w exceeds it; None keeps all.
+        versions: optional int [B, T], the weight version that generated each token.
+        current_version: the learner's version; required with ``versions``.
+        agg_mode: "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum".
+        seq_token_sum_normalizer: the constant L of "seq-mean-token-sum" (required there).
+        ratio_level: "token" (PPO) or "sequence" (GSPO geometric-mean ratio).
+        segment_ids: optional int [B, T] for packed rows (0 = padding, 1.. = sequence
+            number within the row). Padding tokens are treated as masked.
+        max_segments: static bound on ``segment_ids``; required under jit with segment_ids.
+        normalizer: the count to divide by instead of the local one: the global count of
+            a minibatch split into micro-batches and data shards (see ``loss_denominator``).
+            Like the local count it is clamped to >= 1.
+
+    All per-token inputs may be bf16 or fp32; everything is computed in fp32.
+
+    Returns:
+        ``(loss, stats)``: ``loss`` is an fp32 scalar (0 when nothing is valid); ``stats``
+        maps names to fp32 scalars, all without gradient, all over valid tokens
+        (``loss_mask != 0``):
+
+        - ``clip_frac``: fraction of valid tokens whose clipped branch is active (their
+          ratio gradient is cut by eps_clip / eps_clip_higher);
+        - ``dual_clip_frac``: fraction of valid tokens capped by the dual clip;
+        - ``cap_drop_frac``: fraction of valid tokens dropped because w > cap (dropped
+          tokens count as neither clipped nor dual-clipped);
+        - ``behav_imp_weight_mean`` / ``behav_imp_weight_max``: w over valid tokens,
+          including dropped ones;
+        - ``approx_kl``: mean of the k3 estimator (r - 1) - log r, r = exp(logp - prox_logp),
+          an estimate of KL(prox || pi); >= 0 and 0 when logp == prox_logp;
+        - with ``versions``: ``staleness_mean`` / ``staleness_max`` of
+          ``current_version - versions`` over valid tokens (0 when none are valid).
+    """
+    terms = decoupled_ppo_loss_terms(
+        logp, prox_logp, behav_logp, advantages, loss_mask,
+        eps_clip=eps_clip, eps_clip_higher=eps_clip_higher, c_clip=c_clip,
+        behav_imp_weight_cap=behav_imp_weight_cap, versions=versions,
+        current_version=current_version, agg_mode=agg_mode,
+        seq_token_sum_normalizer=seq_token_sum_normalizer, ratio_level=ratio_level,
+        segment_ids=segment_ids, max_segments=max_segments,
+    )
+    if normalizer is None:
+        denominator = jnp.maximum(terms.denominator, 1.0)
+    else:
+        _checks.in_range(_FN, "normalizer", normalizer, 0.0, float("inf"))
+        # A count: max(., 1) turns an all-masked minibatch into loss 0 instead of 0/0.
+        denominator = jnp.maximum(jnp.asarray(normalizer, jnp.float32), 1.0)
+    return terms.loss_sum / denominator, ppo_stats_from_terms(terms)
+
+
+def _check_hparams(eps_clip, eps_clip_higher, c_clip, cap, agg_mode, seq_norm, ratio_level):
+    fn = _FN
+    _checks.in_range(fn, "eps_clip", eps_clip, 0.0, 1.0, lo_open=True, hi_open=True)
+    _checks.positive(fn, "eps_clip_higher", eps_clip_higher, allow_none=True)
+    _checks.in_range(fn, "c_clip", c_clip, 1.0, float("inf"), lo_open=True, allow_none=True)
+    _checks.positive(fn, "behav_imp_weight_cap", cap, allow_none=True)
+    _checks.choice(fn, "agg_mode", agg_mode, AGG_MODES)
+    _checks.choice(fn, "ratio_level", ratio_level, RATIO_LEVELS)
+    if agg_mode == "seq-mean-token-sum":
+        if seq_norm is None:
+            raise ValueError(
+                f"{fn}: agg_mode='seq-mean-token-sum' needs seq_token_sum_normalizer, the "
+                "constant token count each sequence sum is divided by (Dr.GRPO uses the max "
+                "generation length)"
+            )
+        _checks.positive(fn, "seq_token_sum_normalizer", seq_norm)
+    elif seq_norm is not None:
+        raise ValueError(
+            f"{fn}: seq_token_sum_normalizer={seq_norm!r} is only used with "
+            f"agg_mode='seq-mean-token-sum', not {agg_mode!r}"
+        )

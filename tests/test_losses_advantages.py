@@ -1,0 +1,260 @@
+"""Advantage estimators, reward shaping, KL estimators and the value loss against NumPy loops."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax.losses import (
+    gae,
+    group_advantages,
+    normalize_advantages,
+    overlong_penalty,
+    ppo_value_loss,
+    shape_rewards,
+    token_kl,
+)
+
+# ----------------------------------------------------------------------------- group advantages
+
+
+def reference_group_advantages(rewards, group_size, leave_one_out, std_normalize, eps):
+    out = []
+    for start in range(0, len(rewards), group_size):
+        group = [float(r) for r in rewards[start:start + group_size]]
+        mean = sum(group) / len(group)
+        if len(group) > 1:
+            std = math.sqrt(sum((r - mean) ** 2 for r in group) / (len(group) - 1))
+        else:
+            std = 0.0
+        for i, r in enumerate(group):
+            if leave_one_out:
+                others = group[:i] + group[i + 1:]
+                baseline = sum(others) / len(others)
+            else:
+                baseline = mean
+            a = r - baseline
+            out.append(a / (std + eps) if std_normalize else a)
+    return np.array(out)
+
+
+GROUP_CASES = [(mode, loo, std, g)
+               for mode, loo, std in [("grpo", False, True), ("rloo", True, False),
+                                      ("drgrpo", False, False), (None, True, True)]
+               for g in (1, 2, 5) if not (loo and g == 1)]  # leave-one-out needs G >= 2
+
+
+@pytest.mark.parametrize("mode, loo, std, group_size", GROUP_CASES)
+def test_group_advantages_match_reference(mode, loo, std, group_size):
+    rng = np.random.default_rng(group_size)
+    rewards = rng.choice([0.0, 1.0, 0.5], size=4 * group_size).astype(np.float32)
+    rewards[:group_size] = 1.0  # an all-equal group: std 0
+    if mode is None:
+        adv = group_advantages(rewards, group_size, mean_leave_one_out=loo, std_normalize=std)
+    else:
+        adv = group_advantages(rewards, group_size, mode=mode)
+    expected = reference_group_advantages(rewards, group_size, loo, std, 1e-5)
+    assert adv.dtype == jnp.float32 and adv.shape == rewards.shape
+    np.testing.assert_allclose(np.asarray(adv), expected, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(adv[:group_size]) == 0.0)
+
+
+def test_group_advantages_default_is_grpo_and_jits():
+    rewards = jnp.asarray([1.0, 0.0, 0.0, 1.0, 1.0, 1.0], jnp.bfloat16)
+    adv = jax.jit(group_advantages, static_argnums=1)(rewards, 3)
+    expected = reference_group_advantages(np.asarray(rewards, np.float32), 3, False, True, 1e-5)
+    np.testing.assert_allclose(np.asarray(adv), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(rewards=np.zeros(7), group_size=2), r"7 rewards do not split into groups of group_size=2"),
+    (dict(rewards=np.zeros(4), group_size=0), r"group_size=0"),
+    (dict(rewards=np.zeros((2, 2)), group_size=2), r"rewards has shape \(2, 2\)"),
+    (dict(rewards=np.zeros(4), group_size=1, mean_leave_one_out=True), r"needs group_size >= 2"),
+    (dict(rewards=np.zeros(4), group_size=2, mode="ppo"), r"mode='ppo'; expected one of 'grpo'"),
+])
+def test_group_advantages_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        group_advantages(**kwargs)
+
+
+# ----------------------------------------------------------------------------- GAE
+
+
+def reference_gae(rewards, values, mask, gamma, lam):
+    rows, cols = rewards.shape
+    adv = np.zeros((rows, cols))
+    ret = np.zeros((rows, cols))
+    for b in range(rows):
+        valid = [t for t in range(cols) if mask[b, t]]
+        next_value, next_adv = 0.0, 0.0
+        for t in reversed(valid):
+            delta = rewards[b, t] + gamma * next_value - values[b, t]
+            next_adv = delta + gamma * lam * next_adv
+            next_value = values[b, t]
+            adv[b, t] = next_adv
+            ret[b, t] = next_adv + values[b, t]
+    return adv, ret
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
+def test_gae_matches_reference(gamma, lam):
+    rng = np.random.default_rng(3)
+    rewards = rng.normal(size=(3, 9)).astype(np.float32)
+    values = rng.normal(size=(3, 9)).astype(np.float32)
+    mask = np.ones((3, 9), np.int32)
+    mask[0, :2] = 0       # prompt
+    mask[1, 4:6] = 0      # an environment turn in the middle
+    mask[2, 6:] = 0       # padding
+    adv, ret = jax.jit(gae)(rewards, values, mask, gamma, lam)
+    ref_adv, ref_ret = reference_gae(rewards, values, mask, gamma, lam)
+    np.testing.assert_allclose(np.asarray(adv), ref_adv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ret), ref_ret, rtol=1e-5, atol=1e-5)
+
+
+def test_gae_with_terminal_reward_and_lambda_one_is_reward_to_go_minus_value():
+    values = jnp.asarray([[0.5, 0.2, 0.1, 0.0]], jnp.bfloat16)
+    rewards = jnp.asarray([[0.0, 0.0, 1.0, 0.0]], jnp.bfloat16)
+    mask = jnp.asarray([[1, 1, 1, 0]])
+    adv, ret = gae(rewards, values, mask, 1.0, 1.0)
+    assert adv.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(ret), [[1.0, 1.0, 1.0, 0.0]], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(adv), [[0.5, 0.8, 0.9, 0.0]], atol=1e-2)
+    grad = jax.grad(lambda v: gae(rewards, v, mask, 0.99, 0.95)[0].sum())(values)
+    assert grad.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(grad, np.float32)))
+
+
+def test_gae_errors():
+    with pytest.raises(ValueError, match=r"gae: values has shape \(2, 3\) but rewards has shape \(2, 4\)"):
+        gae(np.zeros((2, 4)), np.zeros((2, 3)), np.ones((2, 4)), 0.9, 0.9)
+    with pytest.raises(ValueError, match=r"gae: lam=1.5"):
+        gae(np.zeros((2, 4)), np.zeros((2, 4)), np.ones((2, 4)), 0.9, 1.5)
+
+
+# ----------------------------------------------------------------------------- normalisation, shaping
+
+
+@pytest.mark.parametrize("center, unbiased", [(True, False), (False, False), (True, True)])
+def test_normalize_advantages_matches_reference(center, unbiased):
+    rng = np.random.default_rng(4)
+    adv = rng.normal(2.0, 3.0, (4, 6)).astype(np.float32)
+    mask = rng.random((4, 6)) < 0.6
+    vals = adv[mask].astype(np.float64)
+    mean = vals.mean()
+    std = math.sqrt(((vals - mean) ** 2).sum() / (len(vals) - (1 if unbiased else 0)))
+    expected = np.where(mask, ((adv - mean) if center else adv) / (std + 1e-5), 0.0)
+    out = normalize_advantages(adv, mask, center=center, unbiased=unbiased)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_normalize_advantages_all_masked_is_zero():
+    out = normalize_advantages(np.full((2, 3), 7.0, np.float32), np.zeros((2, 3)))
+    assert np.all(np.asarray(out) == 0.0)
+
+
+def test_shape_rewards():
+    rewards = np.array([-3.0, -0.5, 0.0, 1.0, 4.0], np.float32)
+    out = shape_rewards(rewards, scale=2.0, bias=-0.5, clip=3.0)
+    expected = [max(-3.0, min(3.0, (r - 0.5) * 2.0)) for r in rewards]
+    np.testing.assert_allclose(np.asarray(out), expected)
+    np.testing.assert_allclose(np.asarray(shape_rewards(rewards)), rewards)
+    with pytest.raises(ValueError, match=r"shape_rewards: clip=-1.0"):
+        shape_rewards(rewards, clip=-1.0)
+
+
+def test_overlong_penalty_is_dapo_soft_punishment():
+    max_len, cache, factor = 20, 8, 0.5
+    lengths = np.arange(0, 26)
+    out = np.asarray(overlong_penalty(lengths, max_response_length=max_len, overlong_tokens=cache,
+                                      penalty_factor=factor))
+    for length, got in zip(lengths, out, strict=True):
+        if length <= max_len - cache:
+            expected = 0.0
+        elif length <= max_len:
+            expected = (max_len - cache - length) / cache * factor
+        else:
+            expected = -factor
+        assert got == pytest.approx(expected, abs=1e-6), length
+    with pytest.raises(ValueError, match=r"overlong_tokens=30"):
+        overlong_penalty(lengths, max_response_length=20, overlong_tokens=30)
+
+
+# ----------------------------------------------------------------------------- KL
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_token_kl_matches_reference(estimator):
+    rng = np.random.default_rng(5)
+    logp = -rng.uniform(0.1, 3.0, (3, 5)).astype(np.float32)
+    ref = (logp + rng.normal(0, 0.5, (3, 5))).astype(np.float32)
+    mask = rng.random((3, 5)) < 0.7
+    ref_masked = np.where(mask, ref, 500.0).astype(np.float32)  # garbage under the mask
+    out = token_kl(jnp.asarray(logp, jnp.bfloat16).astype(jnp.float32), ref_masked, estimator,
+                   mask=mask)
+    lp = np.asarray(jnp.asarray(logp, jnp.bfloat16).astype(jnp.float32), np.float64)
+    expected = np.zeros((3, 5))
+    for b in range(3):
+        for t in range(5):
+            if not mask[b, t]:
+                continue
+            x = ref[b, t] - lp[b, t]
+            expected[b, t] = {"k1": -x, "k2": 0.5 * x * x, "k3": math.exp(x) - 1 - x}[estimator]
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda lp_: token_kl(lp_, ref_masked, estimator, mask=mask).sum())(
+        jnp.asarray(logp, jnp.bfloat16))
+    assert grad.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(grad, np.float32)))
+    with pytest.raises(ValueError, match="estimator='k4'"):
+        token_kl(logp, ref, "k4")
+
+
+# ----------------------------------------------------------------------------- value loss
+
+
+def reference_value_loss(values, old, returns, mask, clip):
+    total, n, clipped = 0.0, 0, 0
+    for b in range(values.shape[0]):
+        for t in range(values.shape[1]):
+            if not mask[b, t]:
+                continue
+            plain = 0.5 * (values[b, t] - returns[b, t]) ** 2
+            if clip is None:
+                loss = plain
+            else:
+                v_clip = old[b, t] + min(max(values[b, t] - old[b, t], -clip), clip)
+                clipped_loss = 0.5 * (v_clip - returns[b, t]) ** 2
+                clipped += clipped_loss > plain
+                loss = max(plain, clipped_loss)
+            total += loss
+            n += 1
+    return total / max(n, 1), clipped / max(n, 1)
+
+
+@pytest.mark.parametrize("clip", [None, 0.2])
+def test_value_loss_matches_reference(clip):
+    rng = np.random.default_rng(6)
+    old = rng.normal(size=(3, 7)).astype(np.float32)
+    values = (old + rng.normal(0, 0.4, (3, 7))).astype(np.float32)
+    returns = rng.normal(size=(3, 7)).astype(np.float32)
+    mask = rng.random((3, 7)) < 0.7
+    loss, stats = jax.jit(lambda v: ppo_value_loss(v, old, returns, mask, value_eps_clip=clip))(values)
+    ref_loss, ref_clip_frac = reference_value_loss(values.astype(np.float64), old, returns, mask, clip)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(float(stats["value_clip_frac"]), ref_clip_frac, rtol=1e-6)
+    if clip is not None:
+        assert 0 < ref_clip_frac < 1
+    grad = jax.grad(lambda v: ppo_value_loss(v, old, returns, mask, value_eps_clip=clip)[0])(
+        jnp.asarray(values, jnp.bfloat16))
+    assert grad.dtype == jnp.bfloat16
+    assert np.all(np.asarray(grad, np.float32)[~mask] == 0.0)
+
+
+def test_value_loss_fully_masked_and_errors():
+    zeros = np.zeros((2, 3), np.float32)
+    loss, stats = ppo_value_loss(zeros + 5, zeros, zeros, zeros)
+    assert float(loss) == 0.0 and all(float(v) == 0.0 for v in stats.values())
+    with pytest.raises(ValueError, match=r"returns has shape \(2, 2\) but values has shape \(2, 3\)"):
+        ppo_value_loss(zeros, zeros, np.zeros((2, 2)), zeros)

@@ -1,0 +1,173 @@
+"""Vocabulary-chunked log-probs and entropy against NumPy and against naive JAX autodiff."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax.losses import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
+
+
+def reference_logp_entropy(logits_btv, labels_bt, temperature):
+    """float64 loops over positions."""
+    logits = np.asarray(logits_btv, np.float64) / temperature
+    rows, cols, _ = logits.shape
+    logp = np.zeros((rows, cols))
+    entropy = np.zeros((rows, cols))
+    for b in range(rows):
+        for t in range(cols):
+            z = logits[b, t]
+            lse = z.max() + np.log(np.exp(z - z.max()).sum())
+            p = np.exp(z - lse)
+            logp[b, t] = z[labels_bt[b, t]] - lse
+            entropy[b, t] = -(p * (z - lse)).sum()
+    return logp, entropy
+
+
+def naive_logp_entropy(logits_btv, labels_bt, temperature):
+    """The obvious JAX version (materialises [B, T, V] fp32), used as the gradient reference."""
+    log_probs = jax.nn.log_softmax(logits_btv.astype(jnp.float32) / temperature, axis=-1)
+    logp = jnp.take_along_axis(log_probs, labels_bt[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    return logp, entropy
+
+
+def random_case(seed, rows=2, cols=5, vocab=37, dim=16):
+    rng = np.random.default_rng(seed)
+    hidden = rng.normal(size=(rows, cols, dim)).astype(np.float32)
+    w = (rng.normal(size=(dim, vocab)) / np.sqrt(dim) * 3).astype(np.float32)
+    labels = rng.integers(0, vocab, (rows, cols)).astype(np.int32)
+    return hidden, w, labels
+
+
+@pytest.mark.parametrize("chunk_size, temperature", [(8, 1.0), (37, 0.7), (64, 0.7), (1, 1.3)])
+def test_logprobs_from_logits_match_reference(chunk_size, temperature):
+    hidden, w, labels = random_case(seed=chunk_size)
+    logits = hidden @ w
+    logp, entropy = jax.jit(logprobs_from_logits, static_argnums=(2, 3))(
+        logits, labels, temperature, chunk_size)
+    ref_logp, ref_entropy = reference_logp_entropy(logits, labels, temperature)
+    assert logp.dtype == entropy.dtype == jnp.float32 and logp.shape == labels.shape
+    np.testing.assert_allclose(np.asarray(logp), ref_logp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(entropy), ref_entropy, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(entropy_from_logits(logits, temperature, chunk_size)), ref_entropy,
+        rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_logprobs_from_logits_gradient_matches_naive(dtype):
+    hidden, w, labels = random_case(seed=1)
+    logits = jnp.asarray(hidden @ w, dtype)
+    coef_logp, coef_ent = 0.7, -0.3  # arbitrary cotangents for both outputs
+
+    def objective(fn, x):
+        logp, entropy = fn(x)
+        return jnp.sum(coef_logp * logp + coef_ent * entropy)
+
+    chunked = jax.jit(jax.grad(lambda x: objective(
+        lambda y: logprobs_from_logits(y, labels, 0.8, 8), x)))(logits)
+    naive = jax.grad(lambda x: objective(lambda y: naive_logp_entropy(y, labels, 0.8), x))(logits)
+    assert chunked.dtype == dtype
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(chunked), np.asarray(naive), rtol=1e-5, atol=1e-6)
+    else:  # both are fp32 internally and rounded to bf16 once at the end
+        np.testing.assert_allclose(np.asarray(chunked, np.float32), np.asarray(naive, np.float32),
+                                   rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("chunk_size", [8, 100])
+def test_logprobs_from_hidden_values_and_gradients_match_naive(chunk_size):
+    hidden, w, labels = random_case(seed=2)
+    logp, entropy = logprobs_from_hidden(hidden, w, labels, 0.9, chunk_size)
+    ref_logp, ref_entropy = reference_logp_entropy(hidden.astype(np.float64) @ w, labels, 0.9)
+    np.testing.assert_allclose(np.asarray(logp), ref_logp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(entropy), ref_entropy, rtol=1e-5, atol=1e-5)
+
+    def objective(lp_ent):
+        return jnp.sum(1.3 * lp_ent[0] + 0.4 * lp_ent[1])
+
+    chunked = jax.jit(jax.grad(
+        lambda h, w_: objective(logprobs_from_hidden(h, w_, labels, 0.9, chunk_size)),
+        argnums=(0, 1)))(hidden, w)
+    naive = jax.grad(lambda h, w_: objective(naive_logp_entropy(h @ w_, labels, 0.9)),
+                     argnums=(0, 1))(hidden, w)
+    for got, want in zip(chunked, naive, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def test_logprobs_from_hidden_bf16_inputs():
+    hidden, w, labels = random_case(seed=3)
+    h16, w16 = jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    (logp, entropy), vjp = jax.vjp(lambda h, w_: logprobs_from_hidden(h, w_, labels, 1.0, 8),
+                                   h16, w16)
+    assert logp.dtype == entropy.dtype == jnp.float32
+    # fp32 accumulation of the bf16 matmul: equal to the fp32 computation on upcast inputs.
+    h32, w32 = np.asarray(h16, np.float64), np.asarray(w16, np.float64)
+    ref_logp, ref_entropy = reference_logp_entropy(h32 @ w32, labels, 1.0)
+    np.testing.assert_allclose(np.asarray(logp), ref_logp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(entropy), ref_entropy, rtol=1e-5, atol=1e-5)
+    g_h, g_w = vjp((jnp.ones_like(logp), jnp.ones_like(entropy)))
+    assert g_h.dtype == g_w.dtype == jnp.bfloat16
+    assert np.all(np.isfinite(np.asarray(g_h, np.float32)))
+
+
+def test_masked_vocabulary_entries_give_no_nan():
+    hidden, w, labels = random_case(seed=4)
+    logits = (hidden @ w).astype(np.float32)
+    logits[..., 30:] = -np.inf  # e.g. padded vocabulary
+    labels = labels % 30
+
+    def objective(x):
+        logp, entropy = logprobs_from_logits(x, labels, 1.0, 8)
+        return jnp.sum(logp + entropy), (logp, entropy)
+
+    (_, (logp, entropy)), grad = jax.value_and_grad(objective, has_aux=True)(logits)
+    ref_logp, ref_entropy = reference_logp_entropy(logits[..., :30], labels, 1.0)
+    np.testing.assert_allclose(np.asarray(logp), ref_logp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(entropy), ref_entropy, rtol=1e-5, atol=1e-5)
+    assert np.all(np.isfinite(np.asarray(grad)))
+    assert np.all(np.asarray(grad)[..., 30:] == 0.0)
+
+
+def test_chunked_hidden_version_never_materialises_the_logits():
+    """XLA's own buffer accounting: temp memory of value+grad stays below one [N, V] fp32."""
+    n, dim, vocab = 256, 32, 4096
+    hidden = jnp.zeros((n, dim), jnp.float32)
+    w = jnp.zeros((dim, vocab), jnp.float32)
+    labels = jnp.zeros((n,), jnp.int32)
+    logits_bytes = n * vocab * 4
+
+    def temp_bytes(fn):
+        compiled = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(hidden, w).compile()
+        stats = compiled.memory_analysis()
+        if stats is None:
+            pytest.fail("this backend reports no memory analysis")
+        return stats.temp_size_in_bytes
+
+    def chunked(h, w_):
+        logp, entropy = logprobs_from_hidden(h, w_, labels, 1.0, 512)
+        return jnp.sum(logp + entropy)
+
+    def naive(h, w_):
+        logp, entropy = naive_logp_entropy(h @ w_, labels, 1.0)
+        return jnp.sum(logp + entropy)
+
+    assert temp_bytes(naive) >= logits_bytes  # the measurement does see [N, V] arrays
+    assert temp_bytes(chunked) < logits_bytes / 2
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda h, w, lab: logprobs_from_hidden(h, w[:5], lab), r"hidden has shape \(2, 5, 16\) and w_dv has shape \(5, 37\)"),
+    (lambda h, w, lab: logprobs_from_hidden(h, w, lab[:, :3]), r"labels has shape \(2, 3\); expected \(2, 5\)"),
+    (lambda h, w, lab: logprobs_from_hidden(h, w, lab.astype(np.float32)), r"labels has dtype float32"),
+    (lambda h, w, lab: logprobs_from_logits(h @ w, lab, temperature=0.0), r"temperature=0.0; expected a number > 0"),
+    (lambda h, w, lab: logprobs_from_logits(h @ w, lab, chunk_size=0), r"chunk_size=0"),
+    (lambda h, w, lab: entropy_from_logits((h @ w).astype(np.int32)), r"entropy_from_logits: logits has dtype int32"),
+])
+def test_bad_input_gets_a_specific_error(call, match):
+    hidden, w, labels = random_case(seed=5)
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(hidden, w, labels)
