@@ -49,12 +49,24 @@ def current_mesh() -> Any:
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh | None) -> Iterator[None]:
     """Makes :func:`shard` constrain activations on ``mesh`` inside the block."""
-    previous = current_mesh()
-    _state.mesh = mesh
+    previous = getattr(_state, "mesh", None)
+    _state.mesh = None if mesh is None else auto_axes_mesh(mesh)
     try:
         yield
     finally:
         _state.mesh = previous
+
+
+def auto_axes_mesh(mesh: Mesh) -> Mesh:
+    """The same devices and axis names with every axis in Auto mode.
+
+    The model relies on XLA's sharding propagation (GSPMD); ``jax.make_mesh`` defaults to
+    Explicit axes, whose typed shardings would demand ``out_sharding=`` on every gather.
+    """
+    auto = jax.sharding.AxisType.Auto
+    if all(t == auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(mesh.axis_names))
 
 
 def _mesh_axis_size(mesh: Any, axes: MeshAxes) -> int:
@@ -108,6 +120,7 @@ def logical_to_spec(
 def named_sharding(
     logical_axes: Sequence[str | None], mesh: Mesh, shape: Sequence[int] | None = None
 ) -> NamedSharding:
+    mesh = auto_axes_mesh(mesh)
     return NamedSharding(mesh, logical_to_spec(logical_axes, mesh, shape))
 
 
@@ -137,6 +150,7 @@ def param_shardings(model_or_state: Any, mesh: Mesh) -> Any:
     for params and optimizer state before materialising anything.
     """
     state = _as_param_state(model_or_state)
+    mesh = auto_axes_mesh(mesh)
 
     def one(variable: nnx.Variable) -> NamedSharding:
         value = variable.value
@@ -150,6 +164,7 @@ def sharding_for_array(shape: Sequence[int], logical_axes: Sequence[str | None] 
                        mesh: Mesh) -> NamedSharding:
     """NamedSharding for one array of ``shape`` with optional logical dim names."""
     axes = tuple(logical_axes) if logical_axes is not None else (None,) * len(shape)
+    mesh = auto_axes_mesh(mesh)
     return NamedSharding(mesh, logical_to_spec(axes, mesh, shape))
 
 
