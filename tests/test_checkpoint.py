@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -206,6 +207,9 @@ def test_clear_errors(tmp_path):
         TrainCheckpointer(tmp_path / "afile")
     with pytest.raises(ValueError, match="keep must be an int >= 1"):
         TrainCheckpointer(tmp_path / "k", keep=0)
+    if importlib.util.find_spec("gcsfs") is None:
+        with pytest.raises(CheckpointError, match="gs://bucket/run: gs:// paths need the gcsfs"):
+            TrainCheckpointer("gs://bucket/run")
     params, opt_state = _params_and_opt()
     with TrainCheckpointer(tmp_path / "ckpt", async_save=False) as ckpt:
         with pytest.raises(CheckpointError, match="no checkpoint found in .*ckpt"):
@@ -248,11 +252,13 @@ _KILL_CHILD = textwrap.dedent("""
 
 def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
     ckpt_dir = tmp_path / "ckpt"
-    child = subprocess.Popen([sys.executable, "-c", _KILL_CHILD, str(ckpt_dir)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child_log = tmp_path / "child_stderr.txt"
+    with open(child_log, "w") as stderr:  # a file, so a chatty child never blocks on a pipe
+        child = subprocess.Popen([sys.executable, "-c", _KILL_CHILD, str(ckpt_dir)],
+                                 stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
         line = child.stdout.readline()
-        assert line.strip() == "committed 1", child.stderr.read()
+        assert line.strip() == "committed 1", child_log.read_text()
         deadline = time.time() + 60
         tmp_seen = None
         while time.time() < deadline and tmp_seen is None:

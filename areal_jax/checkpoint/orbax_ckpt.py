@@ -42,6 +42,16 @@ def _is_url(path: str) -> bool:
     return "://" in path
 
 
+def require_gcs_support(path: str) -> None:
+    """``gs://`` directories go through etils.epath, which needs the gcsfs package."""
+    if path.startswith("gs://"):
+        try:
+            import gcsfs  # noqa: F401
+        except ImportError:
+            raise CheckpointError(f"{path}: gs:// paths need the gcsfs package "
+                                  f"(pip install gcsfs)") from None
+
+
 def _item_handlers() -> dict[str, ocp.CheckpointHandler]:
     return {
         PARAMS: ocp.StandardCheckpointHandler(),
@@ -158,6 +168,7 @@ class TrainCheckpointer:
         directory = os.fspath(directory)
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"TrainCheckpointer keep must be an int >= 1, got {keep!r}")
+        require_gcs_support(directory)
         if not _is_url(directory):
             directory = os.path.abspath(directory)
             if read_only and not os.path.isdir(directory):

@@ -30,6 +30,7 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
+from areal_jax.checkpoint.orbax_ckpt import require_gcs_support
 from model_defs import CausalLM, ModelConfig, save_hf
 
 COMMIT_MARKER = "COMMIT"
@@ -174,6 +175,7 @@ class WeightPublisher:
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"WeightPublisher keep must be an int >= 1, got {keep!r}")
         self.weights_dir = os.fspath(weights_dir)
+        require_gcs_support(self.weights_dir)
         self.keep = keep
         self.dtype = dtype
         self.use_rename = not _is_url(self.weights_dir)
