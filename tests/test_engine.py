@@ -1,0 +1,247 @@
+"""The generation engine in-process: exactness against transformers and model_defs,
+sampling semantics, continuous batching, aborts, weight swaps, compile counting."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax.engine.config import EngineConfig
+from areal_jax.engine.engine import EngineRequestError, GenerationEngine, ModelPathError
+from areal_jax.engine.request import SamplingParams
+from areal_jax.engine.runner import bucket_for, prefill_buckets
+from model_defs import load_hf
+from tests.hf_fixtures import make_tiny_hf_checkpoint
+
+MAX_SEQ_LEN = 48  # prefill buckets 16, 32, 48; the tests touch only 16 and 32
+
+
+@pytest.fixture(scope="module")
+def ckpt_a(tmp_path_factory):
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("engine_a"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def ckpt_b(tmp_path_factory):
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("engine_b"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt_a):
+    eng = GenerationEngine(EngineConfig(str(ckpt_a), max_slots=8, max_seq_len=MAX_SEQ_LEN))
+    yield eng
+    eng.shutdown()
+
+
+def hf_greedy(path, prompt, n):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+_FORWARDS: dict = {}
+
+
+def forward_logprobs(path, prompt, output, temperature):
+    """log p(output[i] | prefix) under model_defs' full forward (the learner's), at
+    ``temperature``. Sequences are right-padded to MAX_SEQ_LEN (causal: padding after a
+    token does not change its logits), so one compiled forward serves every call."""
+    if path not in _FORWARDS:
+        model, _ = load_hf(path)
+        _FORWARDS[path] = jax.jit(lambda ids: model(ids)[0])
+    seq = list(prompt) + list(output)
+    ids = np.zeros((1, MAX_SEQ_LEN), np.int32)
+    ids[0, : len(seq)] = seq
+    logits_tv = _FORWARDS[path](jnp.asarray(ids)) / (temperature if temperature > 0 else 1.0)
+    logprobs_tv = np.asarray(jax.nn.log_softmax(logits_tv, axis=-1))
+    rows = logprobs_tv[len(prompt) - 1 : len(seq) - 1]
+    return rows[np.arange(len(output)), np.asarray(output)], rows
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_buckets():
+    assert prefill_buckets(128) == [16, 32, 64, 128]
+    assert prefill_buckets(100) == [16, 32, 64, 100]
+    assert bucket_for(17, [16, 32]) == 32
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        bucket_for(33, [16, 32])
+
+
+def test_greedy_matches_transformers_generate(engine, ckpt_a):
+    for prompt in ([5, 9, 17, 3, 44], list(range(3, 23))):  # buckets 16 and 32
+        req = engine.generate(prompt, greedy(24))
+        assert req.finish_reason == {"type": "length", "length": 24}
+        assert req.output_ids == hf_greedy(ckpt_a, prompt, 24)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_match_learner_forward(engine, ckpt_a, temperature):
+    prompt = [7, 8, 9, 10, 11, 12]
+    params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=3, ignore_eos=True)
+    req = engine.generate(prompt, params)
+    assert len(req.output_ids) == 40
+    ref, _ = forward_logprobs(ckpt_a, prompt, req.output_ids, temperature)
+    np.testing.assert_allclose(np.asarray(req.output_logprobs), ref, rtol=0, atol=1e-4)
+
+
+def test_seeded_request_reproducible_alone_and_in_a_batch(engine):
+    prompt = [4, 5, 6]
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = engine.generate(prompt, params).output_ids
+    others = [engine.submit([4 + i, 7, 1 + i], SamplingParams(max_new_tokens=20 + i, seed=i))
+              for i in range(6)]
+    target = engine.submit(prompt, params)
+    for r in [*others, target]:
+        assert r.done.wait(120)
+    assert target.output_ids == alone
+    # Unseeded requests get different engine-drawn seeds, so their samples differ.
+    a, b = (engine.generate(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))
+            for _ in range(2))
+    assert a.output_ids != b.output_ids
+    assert engine.generate(prompt, SamplingParams(
+        max_new_tokens=30, seed=99, ignore_eos=True)).output_ids != alone
+
+
+def test_top_k_and_top_p_restrict_the_sampled_support(engine, ckpt_a):
+    prompt = [20, 21, 22, 23]
+    greedy_ids = engine.generate(prompt, greedy(16)).output_ids
+    assert engine.generate(prompt, SamplingParams(
+        max_new_tokens=16, top_k=1, seed=5, ignore_eos=True)).output_ids == greedy_ids
+    assert engine.generate(prompt, SamplingParams(
+        max_new_tokens=16, top_p=1e-6, seed=5, ignore_eos=True)).output_ids == greedy_ids
+    req = engine.generate(prompt, SamplingParams(
+        max_new_tokens=32, temperature=1.5, top_k=3, seed=11, ignore_eos=True))
+    ref, rows = forward_logprobs(ckpt_a, prompt, req.output_ids, 1.5)
+    top3 = np.argsort(-rows, axis=-1)[:, :3]
+    assert all(tok in top3[i] for i, tok in enumerate(req.output_ids))
+    # The reported logprob is the untruncated temperature-scaled one (documented).
+    np.testing.assert_allclose(req.output_logprobs, ref, atol=1e-4)
+
+
+def test_finish_reasons(engine):
+    prompt = [30, 31, 32]
+    ids = engine.generate(prompt, greedy(20)).output_ids
+    stop_tok = ids[5]
+    first = ids.index(stop_tok)
+    req = engine.generate(prompt, SamplingParams(max_new_tokens=20, temperature=0.0,
+                                                 stop_token_ids=(stop_tok,)))
+    assert req.finish_reason == {"type": "stop", "matched": stop_tok}
+    assert req.output_ids == ids[: first + 1]
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = (stop_tok,)
+    try:
+        eos_req = engine.generate(prompt, SamplingParams(max_new_tokens=20, temperature=0.0))
+        ignored = engine.generate(prompt, greedy(20))
+    finally:
+        engine.eos_token_ids = saved
+    assert eos_req.finish_reason == {"type": "stop", "matched": stop_tok}
+    assert eos_req.output_ids == ids[: first + 1]
+    assert ignored.output_ids == ids
+    prompt_30 = list(range(3, 33))
+    ctx = engine.generate(prompt_30, greedy(100))  # stops at the context length
+    assert ctx.finish_reason["type"] == "length"
+    assert len(ctx.output_ids) == MAX_SEQ_LEN - 30
+
+
+def test_abort_pause_and_continue(engine):
+    req = engine.submit([3, 4], greedy(120))
+    deadline = time.monotonic() + 60
+    while len(req.output_ids) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert engine.abort(req.rid) == 1
+    assert req.done.wait(10)
+    assert req.finish_reason["type"] == "abort"
+    assert 2 <= len(req.output_ids) < MAX_SEQ_LEN - 2  # stopped before its context ran out
+    assert len(req.output_logprobs) == len(req.output_ids)
+
+    running = engine.submit([3, 4, 5], greedy(120))
+    while not running.output_ids and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert engine.pause() >= 0
+    assert running.done.wait(10) and running.finish_reason["type"] == "abort"
+    queued = engine.submit([6, 7], greedy(5), rid="queued-while-paused")
+    with pytest.raises(EngineRequestError, match="already in flight"):
+        engine.submit([6, 7], greedy(5), rid="queued-while-paused")
+    time.sleep(0.2)
+    assert not queued.done.is_set() and engine.info()["num_waiting_reqs"] == 1
+    engine.continue_generation()
+    assert queued.done.wait(60) and queued.finish_reason["type"] == "length"
+
+
+def test_submit_rejects_bad_prompts(engine):
+    with pytest.raises(EngineRequestError, match="empty"):
+        engine.submit([], greedy(4))
+    with pytest.raises(EngineRequestError, match="token id 128 outside the vocabulary"):
+        engine.submit([1, 128], greedy(4))
+    with pytest.raises(EngineRequestError, match="token id -1"):
+        engine.submit([-1], greedy(4))
+    with pytest.raises(EngineRequestError, match=f"at most {MAX_SEQ_LEN - 1}"):
+        engine.submit([1] * MAX_SEQ_LEN, greedy(4))
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+
+
+def test_no_recompilation_after_warmup_and_weight_swap(engine, ckpt_a, ckpt_b, tmp_path):
+    for n in (3, 20):  # touch buckets 16 and 32
+        engine.generate(list(range(3, 3 + n)), greedy(2))
+    count = engine.num_compilations
+    variants = [greedy(6), SamplingParams(max_new_tokens=6, top_k=5),
+                SamplingParams(max_new_tokens=6, top_p=0.5, temperature=0.3),
+                SamplingParams(max_new_tokens=9, stop_token_ids=(1, 2, 3))]
+    reqs = [engine.submit(list(range(3, 3 + n)), variants[n % len(variants)])
+            for n in (1, 5, 9, 15, 16, 17, 25, 31, 32)]
+    assert all(r.done.wait(120) for r in reqs)
+    assert engine.num_compilations == count
+
+    result = engine.update_weights_from_disk(str(ckpt_b), "7")
+    assert result["success"], result
+    assert engine.weight_version == "7"
+    prompt = [5, 9, 17, 3, 44]
+    req = engine.generate(prompt, greedy(12))
+    assert req.weight_version == "7"
+    assert req.output_ids == hf_greedy(ckpt_b, prompt, 12)
+    assert engine.num_compilations == count
+
+    # Incompatible checkpoints are refused and the served weights stay.
+    wide = make_tiny_hf_checkpoint(tmp_path, seed=2, hidden_size=48)
+    bad = engine.update_weights_from_disk(str(wide), "8")
+    assert not bad["success"] and "hidden_size=48" in bad["message"]
+    missing = engine.update_weights_from_disk(str(tmp_path / "nope"), "8")
+    assert not missing["success"] and "does not exist" in missing["message"]
+    assert engine.weight_version == "7"
+    assert engine.generate(prompt, greedy(12)).output_ids == req.output_ids
+
+    # Back to A; update with abort_all_requests aborts a running request.
+    running = engine.submit([3, 4], greedy(120))
+    while not running.output_ids:
+        time.sleep(0.001)
+    back = engine.update_weights_from_disk(str(ckpt_a), "9", abort_all_requests=True)
+    assert back["success"] and back["num_paused_requests"] == 1
+    assert running.finish_reason["type"] == "abort" and running.weight_version == "7"
+    assert engine.generate(prompt, greedy(12)).output_ids == hf_greedy(ckpt_a, prompt, 12)
+    assert engine.num_compilations == count
+
+
+def test_config_and_model_path_errors(tmp_path):
+    with pytest.raises(ValueError, match="max_slots must be a positive int"):
+        EngineConfig("x", max_slots=0)
+    with pytest.raises(ValueError, match="dtype='float16' is not supported"):
+        EngineConfig("x", dtype="float16")
+    with pytest.raises(ModelPathError, match="does not exist"):
+        GenerationEngine(EngineConfig(str(tmp_path / "missing")))
+    with pytest.raises(ModelPathError, match="has no config.json"):
+        GenerationEngine(EngineConfig(str(tmp_path)))
