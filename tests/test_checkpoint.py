@@ -28,11 +28,12 @@ from areal_jax.checkpoint.orbax_ckpt import (
 
 
 class TinyNet(nnx.Module):
-    """Two linear layers in an nnx.List (int keys in the state) and an embedding."""
+    """Eleven linear layers in an nnx.List (int keys 0..10: "10" sorts before "2" as a
+    string, so a key-order mix-up shows) and an embedding."""
 
     def __init__(self, rngs: nnx.Rngs):
         self.embed = nnx.Embed(32, 16, rngs=rngs)
-        self.layers = nnx.List([nnx.Linear(16, 16, rngs=rngs) for _ in range(2)])
+        self.layers = nnx.List([nnx.Linear(16, 16, rngs=rngs) for _ in range(11)])
 
 
 def _params_and_opt(seed: int = 0):

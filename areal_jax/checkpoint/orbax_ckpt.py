@@ -193,8 +193,9 @@ class TrainCheckpointer:
              *, force: bool = False) -> bool:
         """Starts saving checkpoint ``step``; returns True if a save was started.
 
-        ``opt_state=None`` saves params only (e.g. a converted HF model). ``force``
-        overwrites nothing; it only bypasses Orbax's save-interval policy.
+        ``opt_state=None`` saves params only (e.g. a converted HF model). A step that
+        already exists is an error, never overwritten. ``force`` is passed to Orbax's
+        save policy (every step is eligible here, so it rarely matters).
         """
         if not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
@@ -252,8 +253,8 @@ class TrainCheckpointer:
         A target (PyTree of arrays or ``jax.ShapeDtypeStruct`` with shardings, or an
         ``nnx.State``, or an optax state holding ``nnx.State``s) fixes the structure,
         dtypes and device placement of the result, which comes back in the target's own
-        container types. Without a target the
-        result is a pure PyTree on the default device. ``opt_state`` is None for a
+        container types. Without a target the result is a pure PyTree on the
+        default device. ``opt_state`` is None for a
         params-only checkpoint.
         """
         step = self._resolve_step(step)
