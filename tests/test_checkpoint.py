@@ -279,7 +279,8 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
         params, opt_state, meta = ckpt.restore()
         assert meta["version"] == latest and opt_state is None
         np.testing.assert_array_equal(np.asarray(params["b"]), np.arange(7.0) + latest)
-        assert float(np.asarray(params["w"]).min()) == float(np.asarray(params["w"]).max()) == latest
+        w = np.asarray(params["w"])
+        assert float(w.min()) == float(w.max()) == latest
         # The run goes on: the next save after resume commits normally.
         ckpt.save(latest + 1, params, None, {"version": latest + 1})
         ckpt.wait()

@@ -242,7 +242,8 @@ class TrainCheckpointer:
     def restore_meta(self, step: int | None = None) -> dict[str, Any]:
         """Only the JSON ``meta`` item of checkpoint ``step`` (default: latest)."""
         step = self._resolve_step(step)
-        restored = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
+        args = ocp.args.Composite(**{META: ocp.args.JsonRestore()})
+        restored = self._manager.restore(step, args=args)
         return dict(restored[META])
 
     # --------------------------------------------------------------- restore
