@@ -6,6 +6,7 @@ measured side by side in the same run.
     python scripts/bench.py generate  [options]   # engine decode tokens/s vs transformers generate
     python scripts/bench.py async-vs-sync --config configs/X.yaml
     python scripts/bench.py staleness --config configs/X.yaml
+    python scripts/bench.py losses    [options]   # chunked log-probs/entropy vs full logits
 
 Each subcommand lives in scripts/bench_<name>.py and defines
 ``add_arguments(parser)`` and ``run(args) -> dict`` where the dict has
@@ -33,6 +34,7 @@ SUBCOMMANDS = {
     "generate": "bench_generate",
     "async-vs-sync": "bench_async",
     "staleness": "bench_staleness",
+    "losses": "bench_losses",
 }
 
 
