@@ -9,6 +9,9 @@ long tail of long answers exists::
     prompt:      Q:17+5-8=
     completion:  17+5=22;22-8=14;A:14<eos>
 
+Operands are 1..9 and running values stay in [0, 40] by default, so a tiny model
+learns the format in a short SFT and RL has room to improve accuracy.
+
 Every intermediate result stays in ``[0, max_value]``. The tokenizer is character
 level, saved in HF ``tokenizer.json`` form, so the generic tokenizer loader, the
 engine and the learner treat it like any other model's tokenizer.
@@ -35,8 +38,8 @@ PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 class ArithmeticTaskConfig:
     min_operands: int = 2
     max_operands: int = 4
-    max_value: int = 99
-    max_operand: int = 30
+    max_value: int = 40
+    max_operand: int = 9
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_operands <= self.max_operands:

@@ -1,0 +1,417 @@
+"""Wiring for ``trainer.py``: builds every component of a run from its config, checks
+what can be checked before long work starts, and owns shutdown.
+
+Kept out of ``trainer.py`` so that the loop there reads as the six steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from areal_jax.config import TrainConfig, to_dict
+
+logger = logging.getLogger("areal_jax.trainer")
+
+ASSETS_DIR = Path(__file__).resolve().parent / "data" / "assets"
+
+
+class TrainerError(RuntimeError):
+    """A problem with the run's inputs or environment, reported before long work starts."""
+
+
+# ----------------------------------------------------------------------------- paths
+def resolve_model_path(spec: str) -> Path:
+    """``builtin:NAME`` -> the packaged asset; otherwise a local HF directory."""
+    if spec.startswith("builtin:"):
+        path = ASSETS_DIR / spec.split(":", 1)[1]
+        if not path.is_dir():
+            known = sorted(p.name for p in ASSETS_DIR.iterdir() if p.is_dir()) if ASSETS_DIR.is_dir() else []
+            raise TrainerError(f"model.path {spec!r}: no packaged model of that name; known: {known}")
+        return path
+    path = Path(spec).expanduser()
+    if "://" in spec:
+        raise TrainerError(f"model.path {spec!r}: the initial policy must be a local HF directory "
+                           "(copy it locally first); checkpoints and weights may live on gs://")
+    if not path.is_dir():
+        raise TrainerError(f"model.path {spec} does not exist or is not a directory")
+    if not (path / "config.json").is_file():
+        raise TrainerError(f"model.path {spec} has no config.json (expected an HF model directory)")
+    return path
+
+
+def resolve_dataset(spec: str, run_dir: Path, key: str) -> str:
+    """``builtin:train|eval`` -> a JSONL written into the run dir; else the path as given."""
+    if spec.startswith("builtin:"):
+        from areal_jax.data import builtin_task
+
+        split = spec.split(":", 1)[1]
+        if split not in ("train", "eval"):
+            raise TrainerError(f"{key} {spec!r}: the builtin task has splits 'train' and 'eval'")
+        return str(builtin_task.write_split(run_dir / "data" / f"builtin_{split}.jsonl", split))
+    if "://" not in spec and not Path(spec).exists():
+        raise TrainerError(f"{key} {spec} does not exist")
+    return spec
+
+
+def check_servers_reachable(urls: list[str], api_key: str | None, timeout: float = 5.0) -> None:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    for url in urls:
+        try:
+            r = httpx.get(url.rstrip("/") + "/health", timeout=timeout, headers=headers)
+        except httpx.HTTPError as e:
+            raise TrainerError(f"rollout server {url} is unreachable ({type(e).__name__}: {e}); "
+                               "start it first (see README, 'Running with SGLang')") from None
+        if r.status_code != 200:
+            raise TrainerError(f"rollout server {url} answered /health with HTTP {r.status_code}")
+
+
+# ----------------------------------------------------------------------------- metrics
+class MetricsWriter:
+    """metrics.jsonl (one row per version), TensorBoard events and a progress bar."""
+
+    def __init__(self, run_dir: Path, total: int, initial: int, progress_bar: bool) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._tb = None
+        try:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        except Exception as e:  # noqa: BLE001 - TensorBoard is optional output
+            logger.warning("TensorBoard events disabled: %s", e)
+        self._bar = None
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, desc="versions", unit="v",
+                             dynamic_ncols=True, file=sys.stderr)
+
+    def log(self, row: dict[str, Any]) -> dict[str, Any]:
+        row = {k: (float(v) if isinstance(v, np.floating | np.integer) else v) for k, v in row.items()}
+        row["time"] = time.time()
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        step = int(row.get("version", 0))
+        if self._tb is not None:
+            for k, v in row.items():
+                if isinstance(v, int | float) and not isinstance(v, bool) and k != "time":
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        summary = {k: row[k] for k in ("reward_mean", "eval_accuracy") if k in row}
+        text = " ".join(f"{k}={v:.3f}" for k, v in summary.items())
+        if self._bar is not None:
+            if "reward_mean" in row:
+                self._bar.update(step - self._bar.n)
+            self._bar.set_postfix_str(text)
+            if "eval_accuracy" in row:
+                self._bar.write(f"version {step}: eval accuracy {row['eval_accuracy']:.3f}"
+                                + (f", reward {row['reward_mean']:.3f}" if "reward_mean" in row else ""))
+        elif text:
+            print(f"version {step}: {text}", flush=True)
+        return row
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        self._file.close()
+
+
+# ----------------------------------------------------------------------------- advantages
+def group_advantages_for(cfg: TrainConfig, trajs: list, group_size: int) -> np.ndarray:
+    """Shaped rewards -> per-trajectory advantages (GRPO / RLOO / Dr.GRPO)."""
+    from areal_jax.losses import group_advantages, overlong_penalty, shape_rewards
+
+    rewards = np.array([t.reward for t in trajs], np.float32)
+    r = cfg.reward
+    shaped = shape_rewards(rewards, scale=r.scale, bias=r.bias, clip=r.clip)
+    if r.overlong_penalty_tokens:
+        lengths = np.array([t.num_generated for t in trajs], np.float32)
+        shaped = shaped + overlong_penalty(lengths, max_response_length=cfg.rollout.max_new_tokens,
+                                           overlong_tokens=r.overlong_penalty_tokens,
+                                           penalty_factor=r.overlong_penalty_factor)
+    if cfg.algo.name == "ppo":
+        raise TrainerError("algo.name=ppo needs a critic; it is not available in this version")
+    adv = group_advantages(shaped, group_size, mode=cfg.algo.name)
+    return np.asarray(adv, np.float32)
+
+
+# ----------------------------------------------------------------------------- the run
+@dataclass
+class RunContext:
+    cfg: TrainConfig
+    run_dir: Path
+    learner: Any
+    executor: Any
+    publisher: Any
+    checkpointer: Any
+    writer: MetricsWriter
+    tokenizer: Any
+    tokenizer_dir: Path
+    reward_pool: Any
+    reward_fn: str
+    eval_items: list[dict]
+    ref_learner: Any = None
+    start_version: int = 0
+    consumed_tokens: int = 0
+    last_saved_version: int = -1
+    t_start: float = field(default_factory=time.time)
+    elapsed_before: float = 0.0
+    rng_seed: int = 0
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + (time.time() - self.t_start)
+
+    # -- step 3: packing
+    def pack(self, trajs: list, advantages: np.ndarray) -> list:
+        from areal_jax.learner import pack_trajectories
+
+        return pack_trajectories(
+            trajs, list(advantages), seq_len=self.cfg.train.seq_len,
+            rows_per_micro_batch=self.cfg.train.rows_per_micro_batch,
+            n_shards=self.learner.n_batch_shards,
+            n_minibatches=self.cfg.algo.ppo_n_minibatches)
+
+    # -- step 5: publishing
+    def publish(self, version: int) -> None:
+        """Pause servers (abort in-flight), export weights v{version}, update, continue."""
+        ex, client = self.executor, self.executor.client
+        interruptible = self.cfg.rollout.interruptible
+        ex.pause()
+        if interruptible:
+            ex.run_coroutine(client.pause())
+        else:  # wait for in-flight workflows to finish under the old weights
+            while ex.metrics()["running"] > 0:
+                time.sleep(0.01)
+        path = self.publisher.publish(self.learner.model, self.learner.model_cfg, version,
+                                      tokenizer_dir=self.tokenizer_dir)
+        results = ex.run_coroutine(client.update_weights_from_disk(str(path), version))
+        failed = [r for r in (results or []) if isinstance(r, dict) and r.get("success") is False]
+        if failed:
+            raise TrainerError(f"weight update to v{version} failed on a server: {failed[0]}")
+        ex.set_version(version)
+        if interruptible:
+            ex.run_coroutine(client.continue_())
+        ex.resume()
+
+    # -- step 6: checkpointing
+    def save_checkpoint(self) -> None:
+        import jax
+
+        from areal_jax.checkpoint.orbax_ckpt import rng_to_json
+
+        st = self.learner.state_dict()
+        meta = {
+            "step": int(st["step"]),
+            "version": int(st["version"]),
+            "executor": self.executor.state_dict(),
+            "model_config": self.learner.model_cfg.to_hf_dict(),
+            "consumed_tokens": self.consumed_tokens,
+            "elapsed_s": self.elapsed(),
+            "rng": rng_to_json(jax.random.key(self.rng_seed + int(st["version"]))),
+        }
+        self.checkpointer.save(int(st["version"]), st["params"], st["opt_state"], meta)
+        self.last_saved_version = int(st["version"])
+
+    # -- evaluation
+    def evaluate(self, prefix: str) -> dict[str, float]:
+        from areal_jax.rollout.evaluate import evaluate_prompts
+        from areal_jax.rollout.workflows import SamplingConfig
+
+        e = self.cfg.eval
+        sampling = SamplingConfig(max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
+                                  temperature=e.temperature, top_p=1.0 if e.temperature else 1.0)
+        out = self.executor.run_coroutine(evaluate_prompts(
+            self.executor.client, self.eval_items, tokenizer=self.tokenizer,
+            reward_fn=self.reward_fn, sampling=sampling, n_samples=e.n_samples,
+            reward_pool=self.reward_pool, answer_key="answer", seed=self.cfg.seed))
+        return {f"{prefix}{k}": v for k, v in out.items()}
+
+    def finish(self) -> None:
+        self.checkpointer.wait()
+
+
+def _prepare_run_dir(cfg: TrainConfig, resume: bool | None) -> tuple[Path, Path, bool]:
+    run_dir = Path(cfg.run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TrainerError(f"run_dir {run_dir} cannot be created: {e}") from None
+    ckpt_dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
+    from areal_jax.checkpoint import TrainCheckpointer
+
+    has_ckpt = False
+    if "://" in ckpt_dir or Path(ckpt_dir).exists():
+        with contextlib.suppress(Exception):
+            probe = TrainCheckpointer(ckpt_dir, read_only=True)
+            has_ckpt = probe.latest_step() is not None
+            probe.close()
+    if resume is True and not has_ckpt:
+        raise TrainerError(f"--resume given but {ckpt_dir} holds no checkpoint")
+    if resume is False and has_ckpt:
+        raise TrainerError(f"run_dir {run_dir} already holds checkpoints in {ckpt_dir}; "
+                           "use --resume (or drop --no-resume) to continue it, or pick a new run_dir")
+    return run_dir, Path(ckpt_dir) if "://" not in ckpt_dir else ckpt_dir, has_ckpt
+
+
+def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitStack) -> RunContext:
+    """Everything a run needs, in dependency order; registers shutdown on ``stack``."""
+    # Cheap checks first: nothing below this block takes long.
+    model_path = resolve_model_path(cfg.model.path)
+    tokenizer_dir = resolve_model_path(cfg.model.tokenizer_path) if cfg.model.tokenizer_path else model_path
+    if cfg.rollout.servers:
+        check_servers_reachable(list(cfg.rollout.servers), cfg.rollout.api_key)
+    run_dir, ckpt_dir, has_ckpt = _prepare_run_dir(cfg, resume)
+    train_path = resolve_dataset(cfg.data.train, run_dir, "data.train")
+    eval_path = resolve_dataset(cfg.data.eval, run_dir, "data.eval") if cfg.data.eval else None
+    from areal_jax.data.tokenizer import load_tokenizer
+    from areal_jax.rewards import reward_fn_spec
+
+    try:
+        tokenizer = load_tokenizer(tokenizer_dir)
+        reward_fn = reward_fn_spec(cfg.reward.fn)
+        from areal_jax.rewards.pool import resolve_reward_fn
+
+        resolve_reward_fn(reward_fn)
+    except (ValueError, FileNotFoundError, ImportError, AttributeError) as e:
+        raise TrainerError(str(e)) from None
+    if cfg.rollout.learner_cpu_cores:
+        with contextlib.suppress(AttributeError, OSError):
+            os.sched_setaffinity(0, set(cfg.rollout.learner_cpu_cores))
+    import yaml
+
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+    # Learner on its mesh.
+    from areal_jax.checkpoint import TrainCheckpointer, WeightPublisher
+    from areal_jax.learner import Learner, OptimizerConfig, PPOConfig
+    from areal_jax.parallel import initialize_distributed, make_mesh
+
+    initialize_distributed(cfg.distributed.coordinator_address, cfg.distributed.num_processes,
+                           cfg.distributed.process_id)
+    try:
+        mesh = make_mesh(cfg.mesh)
+        optim = OptimizerConfig.from_section(cfg.optim, total_steps=cfg.train.total_versions
+                                             * cfg.algo.ppo_n_minibatches)
+        ppo = PPOConfig.from_algo(cfg.algo, temperature=cfg.rollout.temperature,
+                                  logp_chunk_size=cfg.train.logp_chunk_size)
+    except ValueError as e:
+        raise TrainerError(str(e)) from None
+    learner = Learner.from_hf(str(model_path), optim, ppo, mesh=mesh, compute_dtype=cfg.model.dtype,
+                              remat=cfg.model.remat)
+    ref_learner = None
+    if cfg.algo.kl_coef > 0:
+        ref_learner = Learner.from_hf(str(model_path), optim, ppo, mesh=mesh,
+                                      compute_dtype=cfg.model.dtype, remat=cfg.model.remat)
+
+    checkpointer = TrainCheckpointer(str(ckpt_dir), keep=cfg.checkpoint.keep,
+                                     async_save=cfg.checkpoint.async_save)
+    stack.callback(checkpointer.close)
+    meta: dict[str, Any] = {}
+    if has_ckpt and resume is not False:
+        st = learner.state_dict()
+        params, opt_state, meta = checkpointer.restore(params_target=st["params"],
+                                                       opt_state_target=st["opt_state"])
+        learner.load_state(params, opt_state, step=meta["step"], version=meta["version"])
+        print(f"resumed from {ckpt_dir} at version {meta['version']} (step {meta['step']})",
+              flush=True)
+    start_version = int(meta.get("version", 0))
+
+    # Serving weights for the current version, then the servers.
+    weights_dir = run_dir / "weights"
+    publisher = WeightPublisher(str(weights_dir), keep=cfg.checkpoint.keep_weights)
+    first = publisher.publish(learner.model, learner.model_cfg, start_version, tokenizer_dir=tokenizer_dir)
+    addresses = list(cfg.rollout.servers) or _launch_servers(cfg, Path(first), start_version, run_dir,
+                                                              stack)
+
+    # Rollout side: client, reward pool, workflow, prompts, executor.
+    from areal_jax.data.prompts import load_prompt_dataset, read_records
+    from areal_jax.rewards.pool import RewardPool
+    from areal_jax.rollout.client import RolloutClient
+    from areal_jax.rollout.executor import RolloutExecutor
+    from areal_jax.rollout.workflows import RLVRWorkflow, SamplingConfig
+
+    reward_pool = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s)
+    stack.callback(reward_pool.close)
+    ro = cfg.rollout
+    sampling = SamplingConfig(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
+                              top_p=ro.top_p, top_k=ro.top_k)
+    group_filter = (lambda g: len({t.reward for t in g}) > 1) if cfg.algo.dynamic_filter else None
+    workflow = RLVRWorkflow(reward_fn, n_samples=ro.n_samples, gconfig=sampling, tokenizer=tokenizer,
+                            group_filter=group_filter)
+    try:
+        prompts = load_prompt_dataset(train_path, prompt_key=cfg.data.prompt_key,
+                                      answer_key=cfg.data.answer_key, seed=cfg.seed,
+                                      shuffle=cfg.data.shuffle, num_epochs=None)
+        eval_items = []
+        if eval_path:
+            eval_items = [dict(r) for r in read_records(eval_path)]
+            for r in eval_items:
+                if cfg.data.prompt_key not in r or cfg.data.answer_key not in r:
+                    raise ValueError(f"eval dataset {eval_path} rows need keys "
+                                     f"{cfg.data.prompt_key!r} and {cfg.data.answer_key!r}; got {sorted(r)}")
+                r["prompt"], r["answer"] = r[cfg.data.prompt_key], r[cfg.data.answer_key]
+            eval_items = eval_items[: cfg.data.max_eval_prompts or None]
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise TrainerError(str(e)) from None
+    client = RolloutClient(addresses, request_timeout=ro.request_timeout_s, api_key=ro.api_key)
+    executor = RolloutExecutor(client, workflow, iter(prompts), batch_size=cfg.train.batch_size,
+                               max_concurrent=cfg.max_concurrent, max_staleness=cfg.eta,
+                               seed=cfg.seed, reward_pool=reward_pool, tokenizer=tokenizer,
+                               reward_timeout_s=cfg.reward.timeout_s)
+    if meta.get("executor"):
+        executor.load_state_dict(meta["executor"])
+    executor.set_version(start_version)
+    executor.start()
+    stack.callback(executor.stop, 30.0, True)
+    if cfg.rollout.servers:  # external servers: bring them to the current weights
+        executor.run_coroutine(client.update_weights_from_disk(str(first), start_version))
+
+    writer = MetricsWriter(run_dir, cfg.train.total_versions, start_version, cfg.progress_bar)
+    stack.callback(writer.close)
+    return RunContext(
+        cfg=cfg, run_dir=run_dir, learner=learner, executor=executor, publisher=publisher,
+        checkpointer=checkpointer, writer=writer, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
+        reward_pool=reward_pool, reward_fn=reward_fn, eval_items=eval_items, ref_learner=ref_learner,
+        start_version=start_version, consumed_tokens=int(meta.get("consumed_tokens", 0)),
+        last_saved_version=start_version if meta else -1,
+        elapsed_before=float(meta.get("elapsed_s", 0.0)), rng_seed=cfg.seed)
+
+
+def _launch_servers(cfg: TrainConfig, weights: Path, version: int, run_dir: Path,
+                    stack: contextlib.ExitStack) -> list[str]:
+    from areal_jax.engine.launch import ServerStartError, launch_server
+
+    ro = cfg.rollout
+    logs = run_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    urls = []
+    for i in range(ro.num_servers):
+        try:
+            handle = launch_server(weights, max_slots=ro.max_slots, max_seq_len=ro.max_seq_len,
+                                   cpu_affinity=ro.server_cpu_cores, api_key=ro.api_key,
+                                   log_path=logs / f"server{i}.log",
+                                   extra_args=["--weight-version", str(version)])
+        except ServerStartError as e:
+            raise TrainerError(f"embedded rollout server {i} failed to start: {e}") from None
+        stack.callback(handle.terminate)
+        urls.append(handle.url)
+    return urls
+
+
+def copy_tree(src: Path, dst: Path) -> None:
+    shutil.copytree(src, dst, dirs_exist_ok=True)
