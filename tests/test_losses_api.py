@@ -45,3 +45,71 @@ def test_readme_example_runs():
     result = _run(blocks[0])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "loss " in result.stdout and "accumulated clip_frac" in result.stdout
+
+
+# ----------------------------------------------------------------------------- transforms
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import areal_jax.losses as L  # noqa: E402
+
+_rng = np.random.default_rng(0)
+_MASK = (_rng.random((3, 8)) < 0.8).astype(np.int32)
+_SEG = np.repeat([[1, 1, 1, 2, 2, 2, 2, 0]], 3, axis=0)
+
+
+def _bf16_exact(a):
+    """float32 values that bf16 represents exactly, so bf16 and fp32 runs see the same inputs."""
+    return np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
+
+
+_LOGP = _bf16_exact(-_rng.uniform(0.1, 2.0, (3, 8)))
+_OTHER = {k: _bf16_exact(v) for k, v in {
+    "prox": _LOGP + _rng.normal(0, 0.3, (3, 8)),
+    "behav": _LOGP + _rng.normal(0, 0.3, (3, 8)),
+    "adv": _rng.normal(0, 1, (3, 8)),
+    "w": _rng.normal(0, 1, (8, 5)),
+}.items()}
+
+
+def c(name, x):
+    """A fixed input in x's dtype."""
+    return jnp.asarray(_OTHER[name], x.dtype)
+
+
+# name -> function of one differentiable float input x [3, 8], returning a scalar.
+# decoupled_ppo_loss and logprobs_from_{logits,hidden} have their own jit+grad+bf16 tests
+# in test_losses_ppo.py and test_losses_logprobs.py.
+TRANSFORM_CASES = {
+    "decoupled_ppo_loss_terms": lambda x: L.decoupled_ppo_loss_terms(
+        x, c("prox", x), c("behav", x), c("adv", x), _MASK, agg_mode="seq-mean-token-sum",
+        seq_token_sum_normalizer=8.0).loss_sum,
+    "group_advantages": lambda x: (L.group_advantages(x.reshape(-1), 4) * c("adv", x).reshape(-1)).sum(),
+    "gae": lambda x: L.gae(x, c("adv", x), _MASK, 0.99, 0.95)[0].sum(),
+    "normalize_advantages": lambda x: (L.normalize_advantages(x, _MASK) * c("adv", x)).sum(),
+    "shape_rewards": lambda x: L.shape_rewards(x, scale=2.0, bias=0.5, clip=1.5).sum(),
+    "overlong_penalty": lambda x: L.overlong_penalty(
+        -x * 8, max_response_length=20, overlong_tokens=5).sum(),
+    "token_kl": lambda x: L.token_kl(x, c("prox", x), "k3", mask=_MASK).sum(),
+    "ppo_value_loss": lambda x: L.ppo_value_loss(x, c("prox", x), c("adv", x), _MASK)[0],
+    "entropy_from_logits": lambda x: L.entropy_from_logits(x, 1.0, 3).sum(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORM_CASES))
+def test_every_function_under_jit_and_grad_with_bf16_inputs(name):
+    fn = TRANSFORM_CASES[name]
+    x16 = jnp.asarray(_LOGP, jnp.bfloat16)
+    value16, grad16 = jax.jit(jax.value_and_grad(fn))(x16)
+    assert value16.dtype == jnp.float32, "outputs are computed and returned in fp32"
+    assert grad16.dtype == jnp.bfloat16 and grad16.shape == x16.shape
+    assert np.all(np.isfinite(np.asarray(grad16, np.float32)))
+    # fp32 internally: identical (to fp32 rounding) to the fp32 run on the upcast values.
+    value32, grad32 = jax.value_and_grad(fn)(x16.astype(jnp.float32))
+    np.testing.assert_allclose(float(value16), float(value32), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad16, np.float32),
+                               np.asarray(grad32.astype(jnp.bfloat16), np.float32),
+                               rtol=1e-2, atol=1e-6)

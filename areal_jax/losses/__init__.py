@@ -24,6 +24,7 @@ from areal_jax.losses.ppo import (
     combine_ppo_terms,
     decoupled_ppo_loss,
     decoupled_ppo_loss_terms,
+    empty_ppo_terms,
     ppo_stats_from_terms,
 )
 from areal_jax.losses.segments import AGG_MODES, loss_denominator
@@ -34,6 +35,7 @@ __all__ = [
     "combine_ppo_terms",
     "decoupled_ppo_loss",
     "decoupled_ppo_loss_terms",
+    "empty_ppo_terms",
     "entropy_from_logits",
     "gae",
     "group_advantages",

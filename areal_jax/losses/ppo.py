@@ -182,6 +182,19 @@ def decoupled_ppo_loss_terms(
     return PPOLossTerms(loss_sum, denominator, token_count, stat_sums, stat_maxes)
 
 
+def empty_ppo_terms(with_staleness: bool = False) -> PPOLossTerms:
+    """Terms of an empty micro-batch: the identity of :func:`combine_ppo_terms` (e.g. the
+    initial carry of a ``lax.scan`` over micro-batches)."""
+    zero = jnp.zeros((), jnp.float32)
+    sums = dict.fromkeys(("clipped", "dual_clipped", "cap_dropped", "behav_imp_weight",
+                          "approx_kl"), zero)
+    maxes = {"behav_imp_weight_max": zero}
+    if with_staleness:
+        sums["staleness"] = zero
+        maxes["staleness_max"] = zero
+    return PPOLossTerms(zero, zero, zero, sums, maxes)
+
+
 def combine_ppo_terms(a: PPOLossTerms, b: PPOLossTerms) -> PPOLossTerms:
     """Merge the terms of two micro-batches: sums and counts add, maxima take the max."""
     return PPOLossTerms(
