@@ -104,3 +104,23 @@ def hf_logits(model: Any, input_ids: Any, position_ids: Any = None) -> Any:
         kwargs["position_ids"] = torch.as_tensor(np.asarray(position_ids), dtype=torch.long)
     with torch.no_grad():
         return model(ids, **kwargs).logits.float().numpy()
+
+
+_JITTED_FORWARD: Any = None
+
+
+def jit_logits(model: Any, input_ids: Any, positions: Any = None, segment_ids: Any = None) -> Any:
+    """``model(input_ids, positions=, segment_ids=)`` under ``nnx.jit`` (tests compile once
+    per shape instead of running op by op, which is ~3x slower for tiny models)."""
+    global _JITTED_FORWARD
+    import jax.numpy as jnp
+    from flax import nnx
+
+    if _JITTED_FORWARD is None:
+        _JITTED_FORWARD = nnx.jit(
+            lambda m, ids, pos, seg: m(ids, positions=pos, segment_ids=seg))
+
+    def as_int32(a: Any) -> Any:
+        return None if a is None else jnp.asarray(a, jnp.int32)
+
+    return _JITTED_FORWARD(model, as_int32(input_ids), as_int32(positions), as_int32(segment_ids))

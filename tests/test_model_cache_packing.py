@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_fixtures import make_tiny_hf_checkpoint
+from hf_fixtures import jit_logits, make_tiny_hf_checkpoint
 
 from model_defs import KVCache, init_cache, load_hf
 
@@ -50,16 +50,19 @@ def test_packed_segments_match_separate_runs(qwen3_model):
     segment_ids = np.concatenate([np.full(n, s + 1) for s, n in enumerate(lengths)]
                                  + [np.zeros(pad)]).astype(np.int32)[None]
     positions = np.concatenate([np.arange(n) for n in lengths] + [np.arange(pad)])[None]
-    packed = jax.jit(lambda i, p, s: model(i, positions=p, segment_ids=s))(
-        jnp.asarray(ids), jnp.asarray(positions, jnp.int32), jnp.asarray(segment_ids))
+    packed = jit_logits(model, ids, positions, segment_ids)
     assert np.isfinite(np.asarray(packed)).all()  # padding rows included
+    # Each sequence alone, one per row (right padding cannot reach earlier tokens).
+    alone_ids = np.zeros((len(seqs), ids.shape[1]), np.int32)
+    for row, seq in enumerate(seqs):
+        alone_ids[row, :len(seq)] = seq
+    alone = jit_logits(model, alone_ids)
     start = 0
-    for seq in seqs:
-        alone = model(jnp.asarray(seq[None]))
-        assert _max_diff(packed[:, start:start + len(seq)], alone) <= TOL
+    for row, seq in enumerate(seqs):
+        assert _max_diff(packed[0, start:start + len(seq)], alone[row, :len(seq)]) <= TOL
         start += len(seq)
     # Without segment_ids the later sequences see the earlier ones: results differ.
-    unmasked = model(jnp.asarray(ids), positions=jnp.asarray(positions, jnp.int32))
+    unmasked = jit_logits(model, ids, positions)
     assert _max_diff(unmasked[:, lengths[0]:sum(lengths)], packed[:, lengths[0]:sum(lengths)]) > 1e-3
 
 
@@ -67,7 +70,7 @@ def test_padding_segment_is_finite_even_when_leading(qwen3_model):
     model, cfg = qwen3_model
     ids = jnp.asarray(np.arange(12)[None] % cfg.vocab_size, jnp.int32)
     segment_ids = jnp.asarray([[0, 0, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0]], jnp.int32)
-    logits = model(ids, segment_ids=segment_ids)
+    logits = jit_logits(model, ids, segment_ids=segment_ids)
     assert np.isfinite(np.asarray(logits)).all()
 
 
@@ -80,7 +83,7 @@ def test_kv_cache_decode_matches_full_forward(tmp_path, arch):
                                                  **extra))
     prompt_len, n_decode, bucket, max_len = 8, 20, 16, 32
     seq = np.random.RandomState(1).randint(0, cfg.vocab_size, prompt_len + n_decode)
-    full = np.asarray(model(jnp.asarray(seq[None], jnp.int32)))
+    full = np.asarray(jit_logits(model, seq[None]))
 
     step = _jitted_step(model)
     cache = init_cache(cfg, batch_size=1, max_len=max_len)
@@ -107,7 +110,9 @@ def test_kv_cache_slots_at_different_positions(qwen3_model):
     lens = [5, 11]
     n_decode = 6
     seqs = [rng.randint(0, cfg.vocab_size, n + n_decode).astype(np.int32) for n in lens]
-    fulls = [np.asarray(model(jnp.asarray(s[None]))) for s in seqs]
+    fulls_padded = np.asarray(jit_logits(model, np.stack([np.pad(s, (0, 24 - len(s)))
+                                                          for s in seqs])))
+    fulls = [fulls_padded[i:i + 1] for i in range(len(seqs))]
 
     step = _jitted_step(model)
     cache = init_cache(cfg, batch_size=2, max_len=24)
