@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -233,7 +234,11 @@ def save_hf(
         if nnx_path not in flat:
             continue
         value = flat[nnx_path].get_value()
-        host = np.asarray(jax.device_get(value if out_dtype is None else value.astype(out_dtype)))
+        if out_dtype is not None:
+            value = value.astype(out_dtype)
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            value = multihost_utils.process_allgather(value, tiled=True)
+        host = np.asarray(jax.device_get(value))
         tensors[hf_key] = ours_to_hf(host, transform)
     torch_dtype = str(next(iter(tensors.values())).dtype)
 
