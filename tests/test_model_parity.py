@@ -89,11 +89,16 @@ def test_explicit_positions_match_transformers(tmp_path, arch):
     assert _max_diff(logits, hf_logits(path, ids, positions)) <= TOL
 
 
-@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
-def test_hf_to_ours_to_hf_round_trip(tmp_path, arch, tie):
+ROUND_TRIP_CASES = [
+    pytest.param(arch, tie, {}, id=f"{arch}-{'tied' if tie else 'untied'}")
+    for arch in ("qwen2", "qwen3", "llama") for tie in (True, False)
+] + [pytest.param("llama", False, {"rope_scaling": LLAMA3_SCALING}, id="llama-rope-llama3")]
+
+
+@pytest.mark.parametrize("arch,tie,overrides", ROUND_TRIP_CASES)
+def test_hf_to_ours_to_hf_round_trip(tmp_path, arch, tie, overrides):
     """HF checkpoint -> load_hf -> save_hf -> transformers gives the original logits."""
-    src = make_tiny_hf_checkpoint(tmp_path, arch=arch, tie=tie, seed=7)
+    src = make_tiny_hf_checkpoint(tmp_path, arch=arch, tie=tie, seed=7, **overrides)
     model, cfg = load_hf(src)
     out = save_hf(model, cfg, tmp_path / "saved")
     saved_config = json.loads((out / "config.json").read_text())
