@@ -35,7 +35,7 @@ PACKED_FIELDS: dict[str, type] = {
     "advantages": np.float32,
     "versions": np.int32,
 }
-OPTIONAL_FIELDS: dict[str, type] = {"prox_logp": np.float32}
+OPTIONAL_FIELDS: dict[str, type] = {"prox_logp": np.float32, "ref_logp": np.float32}
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,13 @@ class PackedBatch:
     # global normaliser of the token-mean loss.
     minibatch_loss_tokens: int = 0
     n_shards: int = 1
-    prox_logp: np.ndarray | None = None
+    prox_logp: np.ndarray | None = None  # set by Learner.recompute_prox_logp
+    ref_logp: np.ndarray | None = None  # reference-model logprobs, for a KL penalty
 
     def __getitem__(self, key: str) -> np.ndarray:
         if key not in PACKED_FIELDS and key not in OPTIONAL_FIELDS:
-            raise KeyError(f"PackedBatch has no array {key!r}; arrays: {list(PACKED_FIELDS)} + prox_logp")
+            raise KeyError(f"PackedBatch has no array {key!r}; arrays: "
+                           f"{list(PACKED_FIELDS) + list(OPTIONAL_FIELDS)}")
         value = getattr(self, key)
         if value is None:
             raise KeyError(f"PackedBatch[{key!r}] is not set yet (compute it with Learner.compute_logp)")
@@ -77,7 +79,8 @@ class PackedBatch:
 
     def __setitem__(self, key: str, value: np.ndarray) -> None:
         if key not in PACKED_FIELDS and key not in OPTIONAL_FIELDS:
-            raise KeyError(f"PackedBatch has no array {key!r}; arrays: {list(PACKED_FIELDS)} + prox_logp")
+            raise KeyError(f"PackedBatch has no array {key!r}; arrays: "
+                           f"{list(PACKED_FIELDS) + list(OPTIONAL_FIELDS)}")
         value = np.asarray(value, dtype={**PACKED_FIELDS, **OPTIONAL_FIELDS}[key])
         if value.shape != self.shape:
             raise ValueError(f"PackedBatch[{key!r}] must have shape {self.shape}, got {value.shape}")
@@ -99,10 +102,11 @@ class PackedBatch:
         return int(self.loss_mask.sum())
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The per-token arrays (prox_logp included once set)."""
+        """The per-token arrays (prox_logp / ref_logp included once set)."""
         out = {k: getattr(self, k) for k in PACKED_FIELDS}
-        if self.prox_logp is not None:
-            out["prox_logp"] = self.prox_logp
+        for key in OPTIONAL_FIELDS:
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
     def shard_tokens(self) -> list[int]:

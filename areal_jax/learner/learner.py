@@ -1,0 +1,413 @@
+"""The sharded learner: fp32 master weights + AdamW state on a mesh, a jitted PPO step.
+
+    learner = Learner.from_hf("hf_dir", optim_cfg, ppo_cfg, mesh=make_mesh("fsdp=-1"))
+    batches = pack_trajectories(trajs, advantages, seq_len=512, rows_per_micro_batch=8,
+                                n_shards=n_batch_shards(learner.mesh),
+                                n_minibatches=ppo_cfg.ppo_n_minibatches)
+    learner.recompute_prox_logp(batches)     # prox_logp under the current weights
+    metrics = learner.train_step(batches)    # ppo_n_minibatches AdamW steps
+
+One ``train_step`` is one learner version. Each minibatch's gradient is accumulated over
+its micro-batches (one jitted function per micro-batch shape, gradient buffers donated)
+and normalised by the minibatch's *global* loss denominator, so results do not depend on
+how sequences were packed into micro-batches or split over data shards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from areal_jax.learner.config import OptimizerConfig, PPOConfig
+from areal_jax.learner.optimizer import learning_rate_at, make_optimizer
+from areal_jax.learner.packing import PACKED_FIELDS
+from areal_jax.learner.steps import (
+    MAX_KEYS,
+    make_apply_fn,
+    make_denominator_fn,
+    make_grad_fn,
+    make_logp_fn,
+    zero_sums,
+)
+from areal_jax.parallel.mesh import make_mesh, n_batch_shards, put_batch, replicated
+from model_defs import CausalLM, ModelConfig, load_hf, param_shardings, use_mesh
+
+MicroBatch = Any  # a PackedBatch or a Mapping[str, np.ndarray] of [R, L] arrays
+LOGP_KEYS = ("input_ids", "positions", "segment_ids")
+TRAIN_KEYS = tuple(PACKED_FIELDS)
+DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
+          "bf16": jnp.bfloat16}
+
+
+def _parse_dtype(dtype: Any, what: str) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"{what}={dtype!r}; expected one of {sorted(DTYPES)}")
+        return jnp.dtype(DTYPES[dtype])
+    jd = jnp.dtype(dtype)
+    if jd not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"{what}={dtype!r}; expected float32 or bfloat16")
+    return jd
+
+
+def _set_compute_dtype(model: nnx.Module, dtype: Any) -> None:
+    for _, module in nnx.iter_modules(model):
+        if hasattr(module, "dtype"):
+            module.dtype = dtype
+
+
+def _get(mb: MicroBatch, key: str, index: int) -> np.ndarray:
+    try:
+        value = mb[key]
+    except KeyError:
+        raise KeyError(f"micro-batch {index} has no {key!r} array") from None
+    if value is None:
+        raise KeyError(f"micro-batch {index} has no {key!r} array")
+    return np.asarray(value)
+
+
+def _set(mb: MicroBatch, key: str, value: np.ndarray) -> None:
+    mb[key] = value
+
+
+class Learner:
+    """Training state (params, AdamW state, step, version) on a mesh, and the PPO update.
+
+    Args:
+      model: a ``model_defs.CausalLM``; its params become the fp32 master weights (keep
+        ``param_dtype`` fp32 for bf16 compute with fp32 master weights).
+      model_cfg: its ``ModelConfig`` (kept for export).
+      optim_cfg, ppo_cfg: see ``areal_jax.learner.config``.
+      mesh: the device mesh (default: every device on the ``data`` axis).
+      compute_dtype: "float32" or "bfloat16" for activations and matmuls (default: the
+        model's dtype). Logprobs are always accumulated and returned in fp32.
+      remat: gradient checkpointing per decoder layer (default: the model's setting).
+      compiler_options: XLA options for every jitted function, e.g.
+        ``{"xla_backend_optimization_level": 0}`` to compile faster on CPU in tests.
+    """
+
+    def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim_cfg: OptimizerConfig,
+                 ppo_cfg: PPOConfig, *, mesh: Mesh | None = None, compute_dtype: Any = None,
+                 remat: bool | None = None, compiler_options: dict[str, Any] | None = None):
+        if not isinstance(optim_cfg, OptimizerConfig):
+            raise TypeError(f"optim_cfg must be an OptimizerConfig, got {type(optim_cfg).__name__}")
+        if not isinstance(ppo_cfg, PPOConfig):
+            raise TypeError(f"ppo_cfg must be a PPOConfig, got {type(ppo_cfg).__name__}")
+        self.mesh = make_mesh("data=-1") if mesh is None else mesh
+        self.model_cfg, self.optim_cfg, self.ppo_cfg = model_cfg, optim_cfg, ppo_cfg
+        if remat is not None:
+            model.remat = bool(remat)
+        if compute_dtype is not None:
+            _set_compute_dtype(model, _parse_dtype(compute_dtype, "compute_dtype"))
+        self.compute_dtype = jnp.dtype(model.dtype)
+        self.n_batch_shards = n_batch_shards(self.mesh)
+        self._jit_options = {"compiler_options": compiler_options} if compiler_options else {}
+
+        self._graphdef, params, self._rest = nnx.split(model, nnx.Param, ...)
+        structure = jax.tree.structure(params)
+        self.param_shardings = jax.tree.unflatten(
+            structure, jax.tree.leaves(param_shardings(params, self.mesh)))
+        self.params = self._place(params, self.param_shardings)
+        self._rest = self._place(self._rest, replicated(self.mesh))
+        self.tx = make_optimizer(optim_cfg)
+        abstract_opt = jax.eval_shape(self.tx.init, self.params)
+        self.opt_shardings = optax.tree_map_params(
+            self.tx, lambda _, sharding: sharding, abstract_opt, self.param_shardings,
+            transform_non_params=lambda _: replicated(self.mesh),
+            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings,
+                                 **self._jit_options)(self.params)
+        self.step = 0  # optimizer steps taken
+        self.version = 0  # train_step calls (learner weight version)
+        self._compile()
+
+    @classmethod
+    def from_hf(cls, path: str, optim_cfg: OptimizerConfig, ppo_cfg: PPOConfig, *,
+                mesh: Mesh | None = None, compute_dtype: Any = "float32",
+                remat: bool = False, compiler_options: dict[str, Any] | None = None) -> Learner:
+        """Loads an HF checkpoint as fp32 master weights, placed directly on the mesh."""
+        mesh = make_mesh("data=-1") if mesh is None else mesh
+        model, cfg = load_hf(path, dtype="float32", mesh=mesh)
+        return cls(model, cfg, optim_cfg, ppo_cfg, mesh=mesh, compute_dtype=compute_dtype,
+                   remat=remat, compiler_options=compiler_options)
+
+    @staticmethod
+    def _place(tree: Any, shardings: Any) -> Any:
+        """``tree`` with the given shardings. Leaves elsewhere go through host memory:
+        ``device_put`` of a device array onto a new sharding compiles a slicing program
+        per shape, while host arrays are sliced by numpy."""
+        leaves, treedef = jax.tree.flatten(tree)
+        if isinstance(shardings, jax.sharding.Sharding):
+            flat_sh = [shardings] * len(leaves)
+        else:
+            flat_sh = jax.tree.leaves(shardings)
+
+        def one(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+            if isinstance(x, jax.Array):
+                if x.sharding == sharding:
+                    return x
+                if x.is_fully_addressable:
+                    x = np.asarray(x)
+            return jax.device_put(x, sharding)
+
+        return jax.tree.unflatten(treedef, [one(x, s) for x, s in zip(leaves, flat_sh, strict=True)])
+
+    # ------------------------------------------------------------------ compile
+    def _compile(self) -> None:
+        ppo = self.ppo_cfg
+        param_sh, rep = self.param_shardings, replicated(self.mesh)
+        self._logp_fns: dict[float, Any] = {}
+        opts = self._jit_options
+        self._denominator = jax.jit(make_denominator_fn(ppo), out_shardings=(rep, rep), **opts)
+        self._grad = jax.jit(make_grad_fn(self._graphdef, self.compute_dtype, ppo),
+                             donate_argnums=(2, 3), out_shardings=(param_sh, rep), **opts)
+        self._apply = jax.jit(make_apply_fn(self.tx), donate_argnums=(0, 1),
+                              out_shardings=(param_sh, self.opt_shardings, rep, rep), **opts)
+        self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=param_sh,
+                              **opts)
+
+    def _logp_fn(self, temperature: float) -> Any:
+        if temperature not in self._logp_fns:
+            fn = make_logp_fn(self._graphdef, self.compute_dtype, temperature,
+                              self.ppo_cfg.logp_chunk_size)
+            self._logp_fns[temperature] = jax.jit(lambda p, r, b: fn(p, r, b)[0],
+                                                  **self._jit_options)
+        return self._logp_fns[temperature]
+
+    # ------------------------------------------------------------------ data in/out
+    def _check_micro_batches(self, micro_batches: Sequence[MicroBatch], keys: Sequence[str]
+                             ) -> None:
+        if len(micro_batches) == 0:
+            raise ValueError("got no micro-batches")
+        vocab = self.model_cfg.vocab_size
+        for i, mb in enumerate(micro_batches):
+            ids = _get(mb, "input_ids", i)
+            if ids.ndim != 2:
+                raise ValueError(f"micro-batch {i}: input_ids has shape {ids.shape}; expected [R, L]")
+            if ids.shape[0] % self.n_batch_shards:
+                raise ValueError(
+                    f"micro-batch {i} has {ids.shape[0]} rows, not a multiple of the mesh's "
+                    f"data x fsdp = {self.n_batch_shards}; pack with rows_per_micro_batch a "
+                    f"multiple of {self.n_batch_shards}")
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+                raise ValueError(f"micro-batch {i}: token ids span [{ids.min()}, {ids.max()}], "
+                                 f"outside the model's vocabulary [0, {vocab})")
+            for key in keys:
+                arr = _get(mb, key, i)
+                if arr.shape != ids.shape:
+                    raise ValueError(f"micro-batch {i}: {key} has shape {arr.shape}, expected "
+                                     f"{ids.shape} like input_ids")
+
+    def _put(self, mb: MicroBatch, keys: Sequence[str]) -> dict[str, jax.Array]:
+        out = {}
+        for key in keys:
+            arr = np.asarray(mb[key])
+            dtype = np.int32 if np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool else np.float32
+            out[key] = put_batch(arr.astype(dtype, copy=False), self.mesh)
+        return out
+
+    @staticmethod
+    def _to_host(x: jax.Array) -> np.ndarray:
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    # ------------------------------------------------------------------ public API
+    def compute_logp(self, micro_batches: Sequence[MicroBatch], temperature: float | None = None
+                     ) -> list[np.ndarray]:
+        """Token logprobs under the current weights (no gradient), one fp32 [R, L] per
+        micro-batch, aligned like ``behav_logp`` (0 on the first token of each segment and
+        on padding). Used for prox_logp, and with a reference model for ref_logp."""
+        temperature = self.ppo_cfg.temperature if temperature is None else float(temperature)
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self._check_micro_batches(micro_batches, LOGP_KEYS)
+        fn = self._logp_fn(temperature)
+        with use_mesh(self.mesh):
+            outs = [fn(self.params, self._rest, self._put(mb, LOGP_KEYS)) for mb in micro_batches]
+        return [self._to_host(o) for o in outs]
+
+    def recompute_prox_logp(self, micro_batches: Sequence[MicroBatch]) -> None:
+        """Sets ``mb["prox_logp"]`` on every micro-batch from the current weights."""
+        for mb, logp in zip(micro_batches, self.compute_logp(micro_batches), strict=True):
+            _set(mb, "prox_logp", logp)
+
+    def minibatches(self, micro_batches: Sequence[MicroBatch]) -> list[list[MicroBatch]]:
+        """Group micro-batches into ``ppo_n_minibatches`` minibatches (one optimizer step
+        each): by their ``minibatch_id`` when packed with ``n_minibatches``, else in order."""
+        n = self.ppo_cfg.ppo_n_minibatches
+        ids = [int(getattr(mb, "minibatch_id", 0)) for mb in micro_batches]
+        distinct = sorted(set(ids))
+        if len(distinct) == n:
+            return [[mb for mb, i in zip(micro_batches, ids, strict=True) if i == k]
+                    for k in distinct]
+        if len(distinct) == 1:
+            if len(micro_batches) < n:
+                raise ValueError(f"ppo_n_minibatches={n} but only {len(micro_batches)} "
+                                 "micro-batches; pack with n_minibatches=ppo_n_minibatches")
+            return [list(g) for g in np.array_split(np.array(micro_batches, dtype=object), n)]
+        raise ValueError(f"micro-batches carry {len(distinct)} minibatch ids but "
+                         f"ppo_n_minibatches={n}; pack with n_minibatches={n}")
+
+    def train_step(self, micro_batches: Sequence[MicroBatch], *,
+                   current_version: int | None = None) -> dict[str, float]:
+        """``ppo_n_minibatches`` AdamW steps of the decoupled PPO loss; returns metrics.
+
+        Micro-batches need input_ids, positions, segment_ids, loss_mask, behav_logp,
+        advantages and versions ([R, L] each); prox_logp is recomputed here when missing
+        (decoupled loss only), and ref_logp is required when ``kl_coef > 0``.
+        ``current_version`` (default: ``self.version``) is the version staleness counts from.
+        """
+        t0 = time.perf_counter()
+        micro_batches = list(micro_batches)
+        ppo = self.ppo_cfg
+        keys = self._train_keys()
+        self._check_micro_batches(micro_batches, [k for k in keys if k != "prox_logp"])
+        if ppo.use_decoupled_loss and not all(_has(mb, "prox_logp") for mb in micro_batches):
+            self.recompute_prox_logp(micro_batches)
+        groups = self.minibatches(micro_batches)
+        version = jnp.asarray(self.version if current_version is None else current_version,
+                              jnp.float32)
+        lrs = [learning_rate_at(self.optim_cfg, self.step + i) for i in range(len(groups))]
+
+        per_step = []
+        with use_mesh(self.mesh):
+            for group in groups:
+                grads, sums = self._accumulate(group, keys, version)
+                self.params, self.opt_state, grad_norm, applied = self._apply(
+                    self.params, self.opt_state, grads)
+                self.step += 1
+                per_step.append((sums, grad_norm, applied))
+            per_step = jax.device_get(per_step)
+        self.version += 1
+        metrics = self._metrics(per_step, lrs)
+        metrics["n_micro_batches"] = float(len(micro_batches))
+        metrics["step_time_s"] = time.perf_counter() - t0
+        metrics["tokens_per_s"] = metrics["n_tokens"] / max(metrics["step_time_s"], 1e-9)
+        return metrics
+
+    def _train_keys(self) -> list[str]:
+        keys = list(TRAIN_KEYS)
+        if self.ppo_cfg.use_decoupled_loss:
+            keys.append("prox_logp")
+        if self.ppo_cfg.kl_coef > 0:
+            keys.append("ref_logp")
+        return keys
+
+    def _accumulate(self, group: Sequence[MicroBatch], keys: Sequence[str], version: jax.Array
+                    ) -> tuple[Any, dict[str, jax.Array]]:
+        """Gradient of one minibatch (sum over its micro-batches of loss_sum / global
+        denominator) and its statistic sums, on device."""
+        batches = [self._put(mb, keys) for mb in group]
+        denom = n_loss = jnp.zeros((), jnp.float32)
+        for b in batches:
+            d, n = self._denominator(b)
+            denom, n_loss = denom + d, n_loss + n
+        grads, sums = self._zeros(self.params), zero_sums()
+        for b in batches:
+            grads, sums = self._grad(self.params, self._rest, grads, sums, b, denom, n_loss,
+                                     version)
+        return grads, sums
+
+    def compute_gradients(self, micro_batches: Sequence[MicroBatch], *,
+                          current_version: int | None = None) -> tuple[float, Any]:
+        """(loss, grads) of all ``micro_batches`` taken as ONE minibatch, without updating
+        anything. For checks and debugging; grads have the params' structure and shardings."""
+        micro_batches = list(micro_batches)
+        keys = self._train_keys()
+        self._check_micro_batches(micro_batches, [k for k in keys if k != "prox_logp"])
+        if self.ppo_cfg.use_decoupled_loss and not all(_has(mb, "prox_logp") for mb in micro_batches):
+            self.recompute_prox_logp(micro_batches)
+        version = jnp.asarray(self.version if current_version is None else current_version,
+                              jnp.float32)
+        with use_mesh(self.mesh):
+            grads, sums = self._accumulate(micro_batches, keys, version)
+        return float(sums["loss"]), grads
+
+    @staticmethod
+    def _metrics(per_step: list, lrs: list[float]) -> dict[str, float]:
+        total: dict[str, float] = {}
+        for sums, _, _ in per_step:
+            for k, v in sums.items():
+                total[k] = max(total.get(k, 0.0), float(v)) if k in MAX_KEYS else total.get(k, 0.0) + float(v)
+        n_steps = len(per_step)
+        count = max(total["token_count"], 1.0)
+        grad_norms = [float(g) for _, g, _ in per_step]
+        return {
+            "loss": total["loss"] / n_steps,  # mean over minibatches of the minibatch loss
+            "kl_ref": total["kl_ref"] / n_steps,
+            "grad_norm": float(np.mean(grad_norms)),
+            "grad_norm_max": float(np.max(grad_norms)),
+            "clip_frac": total["clipped"] / count,
+            "dual_clip_frac": total["dual_clipped"] / count,
+            "cap_drop_frac": total["cap_dropped"] / count,
+            "behav_imp_weight_mean": total["behav_imp_weight"] / count,
+            "behav_imp_weight_max": total["behav_imp_weight_max"],
+            "approx_kl": total["approx_kl"] / count,
+            "staleness_mean": total["staleness"] / count,
+            "staleness_max": total["staleness_max"],
+            "entropy": total["entropy"] / count,
+            "logp_behav_abs_diff": total["logp_behav_abs_diff"] / count,
+            "logp_behav_kl": total["logp_behav_kl"] / count,
+            "n_tokens": total["n_tokens"] / 1.0,
+            "n_loss_tokens": total["token_count"],
+            "n_minibatches": float(n_steps),
+            "skipped_steps": float(sum(1 for _, _, ok in per_step if not bool(ok))),
+            "lr": lrs[-1],
+        }
+
+    # ------------------------------------------------------------------ state
+    @property
+    def model(self) -> CausalLM:
+        """An NNX model view of the current weights (for ``save_hf``). Its arrays are
+        donated by the next ``train_step``: use it before training on."""
+        return nnx.merge(self._graphdef, self.params, self._rest)
+
+    def params_state(self) -> nnx.State:
+        return self.params
+
+    def state_dict(self) -> dict[str, Any]:
+        """params, opt_state (sharded arrays; also valid Orbax restore targets), step, version."""
+        return {"params": self.params, "opt_state": self.opt_state, "step": self.step,
+                "version": self.version}
+
+    def load_state(self, params: Any, opt_state: Any | None = None, *, step: int | None = None,
+                   version: int | None = None) -> None:
+        """Replace the training state (e.g. after an Orbax restore), resharding onto the mesh."""
+        want = jax.tree.structure(self.params)
+        if jax.tree.structure(params) != want:
+            raise ValueError("load_state: params do not have this model's structure; "
+                             f"expected {want}")
+        for (path, new), old in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                    jax.tree.leaves(self.params), strict=True):
+            if tuple(new.shape) != tuple(old.shape):
+                raise ValueError(f"load_state: param {jax.tree_util.keystr(path)} has shape "
+                                 f"{tuple(new.shape)}, expected {tuple(old.shape)}")
+        for new, old in zip(jax.tree.leaves(params), jax.tree.leaves(self.params), strict=True):
+            if new.dtype != old.dtype:
+                raise ValueError(f"load_state: params have dtype {new.dtype}, expected {old.dtype}")
+        self.params = self._place(params, self.param_shardings)
+        if opt_state is not None:
+            if jax.tree.structure(opt_state) != jax.tree.structure(self.opt_state):
+                raise ValueError("load_state: opt_state does not match this optimizer's state")
+            self.opt_state = self._place(opt_state, self.opt_shardings)
+        if step is not None:
+            self.step = int(step)
+        if version is not None:
+            self.version = int(version)
+
+
+def _has(mb: MicroBatch, key: str) -> bool:
+    try:
+        return mb[key] is not None
+    except KeyError:
+        return False

@@ -1,0 +1,149 @@
+"""The pure functions the learner jits: logprobs, loss denominators, gradient accumulation
+over micro-batches, and the optimizer update.
+
+Each takes parameters as an ``nnx.State`` of fp32 master weights and a ``batch`` dict of
+[R, L] arrays whose rows are sharded over ("data", "fsdp"). Under a mesh, XLA inserts the
+FSDP all-gathers / reduce-scatters and the tensor-parallel collectives from the shardings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from areal_jax.learner.config import PPOConfig
+from areal_jax.learner.token_logp import packed_token_logprobs
+from areal_jax.losses import decoupled_ppo_loss_terms, loss_denominator, token_kl
+
+# Scalars summed over the micro-batches of a step; MAX_KEYS combine by maximum instead.
+SUM_KEYS = ("loss", "kl_ref", "token_count", "n_tokens", "clipped", "dual_clipped",
+            "cap_dropped", "behav_imp_weight", "approx_kl", "staleness", "entropy",
+            "logp_behav_abs_diff", "logp_behav_kl")
+MAX_KEYS = ("behav_imp_weight_max", "staleness_max")
+
+
+def zero_sums() -> dict[str, jax.Array]:
+    return {k: jnp.zeros((), jnp.float32) for k in SUM_KEYS + MAX_KEYS}
+
+
+def cast_params(params: Any, compute_dtype: Any) -> Any:
+    """Floating params in the compute dtype (bf16 compute from fp32 master weights)."""
+    if jnp.dtype(compute_dtype) == jnp.float32:
+        return params
+    return jax.tree.map(
+        lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def make_logp_fn(graphdef: nnx.GraphDef, compute_dtype: Any, temperature: float,
+                 chunk_size: int) -> Callable:
+    """(params, rest, batch) -> (logp_bt, entropy_bt), no gradient."""
+
+    def logp_fn(params, rest, batch):
+        model = nnx.merge(graphdef, cast_params(params, compute_dtype), rest)
+        return packed_token_logprobs(model, batch["input_ids"], batch["positions"],
+                                     batch["segment_ids"], temperature=temperature,
+                                     chunk_size=chunk_size)
+
+    return logp_fn
+
+
+def make_denominator_fn(ppo: PPOConfig) -> Callable:
+    """batch -> (loss denominator, loss-token count) of one micro-batch (global arrays)."""
+
+    def denominator_fn(batch):
+        mask_bt = batch["loss_mask"]
+        denom = loss_denominator(mask_bt, agg_mode=ppo.agg_mode, segment_ids=batch["segment_ids"],
+                                 max_segments=mask_bt.shape[1])
+        return denom, jnp.sum(mask_bt != 0).astype(jnp.float32)
+
+    return denominator_fn
+
+
+def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, ppo: PPOConfig) -> Callable:
+    """(params, rest, grads, sums, batch, denom, n_loss_tokens, version) -> (grads, sums).
+
+    Adds this micro-batch's gradient of ``loss_sum / denom`` (denom: the global denominator
+    of the whole minibatch) to ``grads``, and its statistics to ``sums``.
+    """
+    logp_fn = make_logp_fn(graphdef, compute_dtype, ppo.temperature, ppo.logp_chunk_size)
+
+    def loss_fn(params, rest, batch, denom, n_loss_tokens, version):
+        logp_bt, entropy_bt = logp_fn(params, rest, batch)
+        mask_bt = batch["loss_mask"]
+        terms = decoupled_ppo_loss_terms(
+            logp_bt,
+            batch["prox_logp"] if ppo.use_decoupled_loss else None,
+            batch["behav_logp"],
+            batch["advantages"],
+            mask_bt,
+            eps_clip=ppo.eps_clip,
+            eps_clip_higher=ppo.eps_clip_higher,
+            c_clip=ppo.c_clip,
+            behav_imp_weight_cap=ppo.behav_imp_weight_cap,
+            versions=batch["versions"],
+            current_version=version,
+            agg_mode=ppo.agg_mode,
+            segment_ids=batch["segment_ids"],
+            max_segments=mask_bt.shape[1],
+        )
+        loss = terms.loss_sum / jnp.maximum(denom, 1.0)
+        kl_ref = jnp.zeros((), jnp.float32)
+        if ppo.kl_coef > 0:
+            kl_bt = token_kl(logp_bt, batch["ref_logp"], ppo.kl_estimator, mask=mask_bt)
+            kl_ref = jnp.sum(kl_bt) / jnp.maximum(n_loss_tokens, 1.0)
+            loss = loss + ppo.kl_coef * kl_ref
+        return loss, (terms, logp_bt, entropy_bt, kl_ref)
+
+    def grad_fn(params, rest, grads, sums, batch, denom, n_loss_tokens, version):
+        (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, rest, batch, denom, n_loss_tokens, version)
+        terms, logp_bt, entropy_bt, kl_ref = aux
+        grads = jax.tree.map(jnp.add, grads, g)
+
+        mask_bt = batch["loss_mask"] != 0
+        diff_bt = jnp.where(mask_bt, logp_bt - batch["behav_logp"], 0.0)
+        new = {
+            "loss": loss,
+            "kl_ref": kl_ref,
+            "token_count": terms.token_count,
+            "n_tokens": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32),
+            "entropy": jnp.sum(jnp.where(mask_bt, entropy_bt, 0.0)),
+            "logp_behav_abs_diff": jnp.sum(jnp.abs(diff_bt)),
+            # k3 estimate of KL(behav || pi) from tokens sampled by the behaviour policy.
+            "logp_behav_kl": jnp.sum(jnp.where(mask_bt, jnp.expm1(diff_bt) - diff_bt, 0.0)),
+            **terms.stat_sums,
+            **terms.stat_maxes,
+        }
+        sums = {k: (jnp.maximum(v, new[k]) if k in MAX_KEYS else v + new[k])
+                for k, v in sums.items()}
+        return grads, sums
+
+    return grad_fn
+
+
+def make_apply_fn(tx: optax.GradientTransformation) -> Callable:
+    """(params, opt_state, grads) -> (params, opt_state, grad_norm, applied).
+
+    A step whose gradient norm is not finite is skipped (params and optimizer state
+    unchanged, ``applied`` False), so one bad batch cannot poison the weights.
+    """
+
+    def apply_fn(params, opt_state, grads):
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(grad_norm)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+
+        def keep(new, old):
+            return jnp.where(finite, new, old)
+
+        params = jax.tree.map(keep, new_params, params)
+        opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        return params, opt_state, grad_norm, finite
+
+    return apply_fn

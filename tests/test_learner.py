@@ -1,0 +1,199 @@
+"""The learner: logprobs vs transformers, mesh equivalence, packed vs padded, learning."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from _learner_data import (
+    FAST_COMPILE,
+    TINY,
+    make_learner,
+    random_advantages,
+    random_trajectories,
+    single_device_reference,
+    standard_run,
+)
+from hf_fixtures import make_hf_model, make_tiny_hf_checkpoint
+
+from areal_jax.learner import (
+    Learner,
+    OptimizerConfig,
+    PPOConfig,
+    pack_trajectories,
+    unpack_per_token,
+)
+from areal_jax.parallel import make_mesh
+from areal_jax.rollout.types import Trajectory
+
+
+def one_device():
+    return make_mesh("data=1", jax.devices()[:1])
+
+
+def test_compute_logp_matches_transformers_with_temperature(tmp_path):
+    path = make_tiny_hf_checkpoint(tmp_path, arch="qwen2", tie=True, seed=3)
+    hf = make_hf_model("qwen2", tie=True, seed=3)
+    learner = Learner.from_hf(str(path), OptimizerConfig(), PPOConfig(temperature=0.7),
+                              mesh=make_mesh("fsdp=2,tensor=2", jax.devices()[:4]),
+                              compiler_options=FAST_COMPILE)
+    trajs = random_trajectories(1, 9, 20)
+    # Several sequences per row: logprobs must not leak across segment boundaries.
+    batches = pack_trajectories(trajs, None, seq_len=48, rows_per_micro_batch=2, n_shards=2)
+    assert max(b.segment_ids.max() for b in batches) >= 2
+    got = unpack_per_token(batches, learner.compute_logp(batches), len(trajs))
+    for t, logp in zip(trajs, got, strict=True):
+        with torch.no_grad():
+            logits = hf(torch.tensor(t.input_ids[None], dtype=torch.long)).logits[0].double()
+        want = torch.log_softmax(logits / 0.7, dim=-1)[:-1].gather(
+            -1, torch.tensor(t.input_ids[1:, None], dtype=torch.long))[:, 0].numpy()
+        assert logp[0] == 0.0
+        np.testing.assert_allclose(logp[1:], want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("spec", ["data=8", "fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2"])
+def test_mesh_equivalence_with_one_device(spec):
+    want = single_device_reference()
+    got = standard_run(make_mesh(spec))
+    for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"], strict=True)):
+        for key in ("loss", "grad_norm", "clip_frac", "behav_imp_weight_mean", "entropy",
+                    "n_loss_tokens", "staleness_mean"):
+            np.testing.assert_allclose(g[key], w[key], rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{spec} step {step} {key}")
+    assert want["metrics"][0]["n_minibatches"] == 2
+    assert abs(want["metrics"][1]["loss"] - want["metrics"][0]["loss"]) > 1e-4  # it trained
+    np.testing.assert_allclose(got["logp0"], want["logp0"], rtol=1e-5, atol=1e-6)
+    for i, (g, w) in enumerate(zip(got["params"], want["params"], strict=True)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"{spec} param {i}")
+
+
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_packed_and_padded_batches_give_same_loss_and_grads(agg_mode):
+    ppo = PPOConfig(ppo_n_minibatches=1, agg_mode=agg_mode, c_clip=3.0)
+    learner = make_learner(one_device(), ppo=ppo)
+    trajs = random_trajectories(11, 10, 24)
+    advs = random_advantages(11, trajs)
+    packed = pack_trajectories(trajs, advs, seq_len=64, rows_per_micro_batch=2)
+    padded = pack_trajectories(trajs, advs, seq_len=64, rows_per_micro_batch=2,
+                               max_segments_per_row=1)  # same shape: one compiled program
+    assert len(packed) < len(padded) and max(b.segment_ids.max() for b in packed) > 1
+    # prox_logp from a perturbed policy, so ratios and behaviour weights are not all 1.
+    rng = np.random.default_rng(0)
+    noise = [rng.normal(0, 0.3, t.num_tokens).astype(np.float32) * t.loss_mask for t in trajs]
+    for batches in (packed, padded):
+        logp = unpack_per_token(batches, learner.compute_logp(batches), len(trajs))
+        for b in batches:
+            prox = np.zeros(b.shape, np.float32)
+            for p in b.placements:
+                prox[p.row, p.start:p.start + p.length] = logp[p.traj_index] + noise[p.traj_index]
+            b["prox_logp"] = prox
+    loss_packed, grads_packed = learner.compute_gradients(packed)
+    loss_padded, grads_padded = learner.compute_gradients(padded)
+    assert abs(loss_packed) > 1e-3
+    np.testing.assert_allclose(loss_packed, loss_padded, rtol=1e-5)
+    for g1, g2 in zip(jax.tree.leaves(grads_packed), jax.tree.leaves(grads_padded), strict=True):
+        np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-4, atol=1e-7)
+
+
+def test_ppo_moves_logp_of_advantaged_tokens_the_right_way():
+    """Fixed batch sampled from the model itself: tokens with A > 0 become more likely,
+    tokens with A < 0 less likely, and the PPO objective improves."""
+    learner = make_learner(one_device(), optim=OptimizerConfig(lr=3e-3, max_grad_norm=1.0),
+                           ppo=PPOConfig(ppo_n_minibatches=1, eps_clip=0.2))
+    rng = np.random.default_rng(5)
+    trajs = []
+    for _ in range(8):
+        n_prompt, n_gen = 4, 12
+        ids = rng.integers(0, TINY.vocab_size, n_prompt + n_gen)
+        mask = np.r_[np.zeros(n_prompt), np.ones(n_gen)]
+        trajs.append(Trajectory(ids, mask, np.zeros(len(ids)), np.where(mask > 0, 0, -1), 0.0))
+    batches = pack_trajectories(trajs, None, seq_len=64, rows_per_micro_batch=2)
+    behav = learner.compute_logp(batches)
+    sign = rng.choice([-1.0, 1.0], size=(len(trajs), 16))
+    for b, logp in zip(batches, behav, strict=True):
+        b["behav_logp"] = logp * b.loss_mask
+        adv = np.zeros(b.shape, np.float32)
+        for p in b.placements:
+            adv[p.row, p.start:p.start + p.length] = sign[p.traj_index] * b.loss_mask[p.row, p.start:p.start + p.length]
+        b["advantages"] = adv
+    losses = []
+    for _ in range(6):
+        for b in batches:
+            b.prox_logp = None
+        losses.append(learner.train_step(batches)["loss"])
+    after = learner.compute_logp(batches)
+    up = np.concatenate([(a - w)[(b.advantages > 0) & (b.loss_mask > 0)]
+                         for a, w, b in zip(after, behav, batches, strict=True)])
+    down = np.concatenate([(a - w)[(b.advantages < 0) & (b.loss_mask > 0)]
+                           for a, w, b in zip(after, behav, batches, strict=True)])
+    assert up.mean() > 0.05 and down.mean() < -0.05, (up.mean(), down.mean())
+    assert (up > 0).mean() > 0.8 and (down < 0).mean() > 0.8
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_bf16_compute_keeps_fp32_master_weights_and_remat_is_exact():
+    batches = pack_trajectories(*(lambda t: (t, random_advantages(2, t)))(random_trajectories(2, 6, 20)),
+                                seq_len=32, rows_per_micro_batch=2)
+    ppo = PPOConfig(ppo_n_minibatches=1)
+    plain = make_learner(one_device(), ppo=ppo)
+    loss_plain, grads_plain = plain.compute_gradients(batches)
+    remat = make_learner(one_device(), ppo=ppo, remat=True)
+    loss_remat, grads_remat = remat.compute_gradients(batches)
+    np.testing.assert_allclose(loss_remat, loss_plain, rtol=1e-6)
+    for g1, g2 in zip(jax.tree.leaves(grads_remat), jax.tree.leaves(grads_plain), strict=True):
+        np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-5, atol=1e-8)
+
+    bf16 = make_learner(one_device(), ppo=ppo, compute_dtype="bfloat16")
+    assert bf16.compute_dtype == jnp.bfloat16
+    for b in batches:
+        b.prox_logp = None
+    logp_bf16 = bf16.compute_logp(batches)
+    logp_fp32 = plain.compute_logp(batches)
+    assert logp_bf16[0].dtype == np.float32
+    np.testing.assert_allclose(np.concatenate(logp_bf16), np.concatenate(logp_fp32), atol=0.1)
+    before = [np.asarray(x) for x in jax.tree.leaves(bf16.params)]
+    bf16.train_step(batches)
+    after = jax.tree.leaves(bf16.params)
+    assert all(x.dtype == jnp.float32 for x in after)
+    # The update lands in the fp32 master weights.
+    assert any(np.any(np.asarray(a) != b) for a, b in zip(after, before, strict=True))
+
+
+def test_bad_inputs_get_named_errors():
+    learner = make_learner(make_mesh("data=2", jax.devices()[:2]),
+                           ppo=PPOConfig(ppo_n_minibatches=1, kl_coef=0.1))
+    trajs = random_trajectories(3, 4, 12)
+    (batch,) = pack_trajectories(trajs, None, seq_len=32, rows_per_micro_batch=2, n_shards=2)
+    with pytest.raises(ValueError, match=r"micro-batch 0 has 3 rows, not a multiple of the mesh's data x fsdp = 2"):
+        learner.compute_logp([{k: np.concatenate([v, v[:1]]) for k, v in batch.arrays().items()}])
+    bad = batch.arrays()
+    bad["input_ids"] = bad["input_ids"].copy()
+    bad["input_ids"][0, 0] = 500
+    with pytest.raises(ValueError, match=r"micro-batch 0: token ids span \[0, 500\], outside the model's vocabulary \[0, 128\)"):
+        learner.compute_logp([bad])
+    with pytest.raises(KeyError, match="micro-batch 0 has no 'ref_logp' array"):
+        learner.train_step([batch])  # kl_coef > 0 needs reference logprobs
+    no_adv = {k: v for k, v in batch.arrays().items() if k != "advantages"}
+    with pytest.raises(KeyError, match="micro-batch 0 has no 'advantages' array"):
+        learner.train_step([no_adv])
+    with pytest.raises(ValueError, match="ppo_n_minibatches=3 but only 2 micro-batches"):
+        make_learner(one_device(), ppo=PPOConfig(ppo_n_minibatches=3)).minibatches([batch, batch])
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        learner.compute_logp([batch], temperature=0.0)
+
+
+def test_configs_validate_with_named_errors():
+    with pytest.raises(ValueError, match=r"optimizer.schedule='linear'; expected one of \('constant', 'cosine'\)"):
+        OptimizerConfig(schedule="linear")
+    with pytest.raises(ValueError, match="optimizer.total_steps must be > warmup_steps=10"):
+        OptimizerConfig(schedule="cosine", warmup_steps=10, total_steps=5)
+    with pytest.raises(ValueError, match="optimizer.lr must be > 0"):
+        OptimizerConfig(lr=0.0)
+    with pytest.raises(ValueError, match="ppo.c_clip must be > 1"):
+        PPOConfig(c_clip=0.5)
+    with pytest.raises(ValueError, match="ppo.agg_mode='sum'"):
+        PPOConfig(agg_mode="sum")
+    with pytest.raises(ValueError, match="ppo.ppo_n_minibatches must be an int >= 1"):
+        PPOConfig(ppo_n_minibatches=0)
+    with pytest.raises(ValueError, match="compute_dtype='float16'"):
+        make_learner(one_device(), compute_dtype="float16")
