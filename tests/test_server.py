@@ -13,7 +13,7 @@ from areal_jax.engine.launch import ServerStartError, launch_server
 from tests.hf_fixtures import make_tiny_hf_checkpoint
 
 API_KEY = "test-key"
-MAX_SEQ_LEN = 64
+MAX_SEQ_LEN = 512
 VOCAB = 128
 
 
@@ -23,8 +23,11 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(ckpt):
-    with launch_server(ckpt, max_slots=4, max_seq_len=MAX_SEQ_LEN, api_key=API_KEY) as handle:
+def server(ckpt, tmp_path_factory):
+    # Same shapes as tests/test_client.py: a shared compilation cache skips recompiling.
+    cache = tmp_path_factory.getbasetemp() / "engine_compilation_cache"
+    with launch_server(ckpt, max_slots=16, max_seq_len=MAX_SEQ_LEN, api_key=API_KEY,
+                       compilation_cache_dir=cache) as handle:
         yield handle
 
 

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -131,19 +132,27 @@ def launch_server(
     jax_platforms: str | None = "cpu",
     env: dict[str, str] | None = None,
     log_path: str | os.PathLike | None = None,
+    compilation_cache_dir: str | os.PathLike | None = None,
     startup_timeout: float = 180.0,
+    wait: bool = True,
+    die_with_parent: bool = True,
 ) -> ServerHandle:
     """Starts an engine server and waits until ``/health`` answers 200.
 
     Args:
       port: None picks a free port.
       extra_args: more ``serve.py`` flags, e.g. ``["--decode-steps", "4"]``.
-      cpu_affinity: CPU ids the server may run on (``os.sched_setaffinity`` in the child);
-        XLA sizes its CPU thread pool from this set.
+      cpu_affinity: CPU ids the server may run on (``os.sched_setaffinity`` at its start,
+        before JAX starts); XLA sizes its CPU thread pool from this set.
       xla_cpu_threads: 1 turns off XLA's multi-threaded CPU kernels; any value also caps
         OpenMP/MKL threads. Use ``cpu_affinity`` to bound XLA's pool to N cores.
       jax_platforms: JAX_PLATFORMS for the child ("cpu" by default; None inherits).
       log_path: where stdout/stderr go (default: a temp file).
+      wait: False returns at once; call ``wait_healthy([handle])`` later.
+      compilation_cache_dir: JAX persistent compilation cache shared by servers that
+        serve the same shapes (a restart or a second server then skips most compiling).
+      die_with_parent: on Linux the server gets SIGTERM when the launching thread's
+        process dies (also by SIGKILL), so a killed trainer leaves no orphan servers.
 
     Raises:
       ServerStartError: the process exited during start-up or was not healthy in time
@@ -167,36 +176,65 @@ def launch_server(
         cmd += ["--api-key", api_key]
     if warmup:
         cmd.append("--warmup")
+    if compilation_cache_dir is not None:
+        cmd += ["--compilation-cache-dir", str(compilation_cache_dir)]
     cmd += list(extra_args)
 
-    def set_affinity() -> None:  # runs in the child before exec
-        if cpu_affinity:
-            os.sched_setaffinity(0, cpu_affinity)
+    # Affinity and the parent-death signal are applied by the server itself at start-up
+    # (no preexec_fn: Python code between fork and exec can deadlock a threaded parent).
+    if cpu_affinity:
+        cmd += ["--cpu-affinity", ",".join(str(c) for c in cpu_affinity)]
+    if die_with_parent:
+        cmd += ["--parent-pid", str(os.getpid())]
 
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=_child_env(jax_platforms, xla_cpu_threads, env), start_new_session=True,
-            preexec_fn=set_affinity if cpu_affinity else None,
         )
-    url = f"http://{host}:{chosen_port}"
-    handle = ServerHandle(process, url, log_path, api_key)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    deadline = time.monotonic() + startup_timeout
-    with httpx.Client(timeout=5.0, headers=headers) as http:
-        while True:
-            if process.poll() is not None:
-                raise ServerStartError(
-                    f"engine server for {model_path} exited with code {process.returncode} "
-                    f"during start-up; log {log_path}:\n{_tail(log_path)}")
-            try:
-                if http.get(f"{url}/health").status_code == 200:
-                    return handle
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                handle.kill()
-                raise ServerStartError(
-                    f"engine server for {model_path} was not healthy after {startup_timeout}s; "
-                    f"log {log_path}:\n{_tail(log_path)}")
-            time.sleep(0.25)
+    handle = ServerHandle(process, f"http://{host}:{chosen_port}", log_path, api_key)
+    if wait:
+        wait_healthy([handle], startup_timeout)
+    return handle
+
+
+def wait_healthy(handles: Sequence[ServerHandle], timeout: float = 180.0) -> None:
+    """Waits until every server answers /health with 200. On failure kills them all and
+    raises ServerStartError with the failing server's log tail."""
+    deadline = time.monotonic() + timeout
+    pending = list(handles)
+    with httpx.Client(timeout=5.0) as http:
+        while pending:
+            for handle in list(pending):
+                headers = {"Authorization": f"Bearer {handle.api_key}"} if handle.api_key else {}
+                problem = None
+                if handle.process.poll() is not None:
+                    problem = f"exited with code {handle.process.returncode} during start-up"
+                else:
+                    try:
+                        if http.get(f"{handle.url}/health", headers=headers).status_code == 200:
+                            pending.remove(handle)
+                            continue
+                    except httpx.HTTPError:
+                        pass
+                    if time.monotonic() > deadline:
+                        problem = f"was not healthy after {timeout}s"
+                if problem:
+                    for h in handles:
+                        h.kill()
+                    raise ServerStartError(
+                        f"engine server {handle.url} {problem}; log {handle.log_path}:\n"
+                        f"{handle.log_tail()}")
+            if pending:
+                time.sleep(0.25)
+
+
+def launch_servers(model_path: str | os.PathLike, count: int, *, startup_timeout: float = 180.0,
+                   **kwargs: Any) -> list[ServerHandle]:
+    """Starts ``count`` servers in parallel (same arguments as ``launch_server``, each on
+    its own free port) and waits until all are healthy."""
+    if "port" in kwargs or "log_path" in kwargs:
+        raise ValueError("launch_servers picks ports and log files itself")
+    handles = [launch_server(model_path, wait=False, **kwargs) for _ in range(count)]
+    wait_healthy(handles, startup_timeout)
+    return handles

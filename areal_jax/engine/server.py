@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import logging
+import os
+import signal
 import sys
 
 from fastapi import FastAPI, Request
@@ -198,14 +201,47 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seeds requests without sampling_seed")
     p.add_argument("--weight-version", default="0", help="initial weight_version (a string)")
     p.add_argument("--warmup", action="store_true", help="compile all shapes at start-up")
+    p.add_argument("--compilation-cache-dir", default=None,
+                   help="JAX persistent compilation cache: restarts reuse compiled steps")
+    p.add_argument("--cpu-affinity", default=None,
+                   help="comma-separated CPU ids to run on (set before JAX starts its threads)")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="Linux: exit (SIGTERM) when this parent process dies, even by SIGKILL")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
+
+
+def _apply_process_settings(cpu_affinity: str | None, parent_pid: int | None) -> None:
+    if cpu_affinity:
+        try:
+            cpus = {int(c) for c in cpu_affinity.split(",") if c.strip()}
+            os.sched_setaffinity(0, cpus)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"--cpu-affinity {cpu_affinity!r}: {e}") from None
+    if parent_pid is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            pr_set_pdeathsig = 1
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            raise SystemExit(f"parent process {parent_pid} is gone; not starting")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        _apply_process_settings(args.cpu_affinity, args.parent_pid)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.compilation_cache_dir:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     try:
         config = EngineConfig(
             model_path=args.model_path, max_slots=args.max_slots, max_seq_len=args.max_seq_len,

@@ -1,0 +1,199 @@
+"""RolloutClient against real engine servers on 127.0.0.1: concurrency, interrupted
+weight updates with per-token versions, failover."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax.engine.launch import free_port, launch_servers
+from areal_jax.rollout.client import (
+    NoServerAvailableError,
+    RolloutClient,
+    RolloutRequestError,
+)
+from areal_jax.rollout.types import GenerateRequest
+from model_defs import load_hf
+from tests.hf_fixtures import make_tiny_hf_checkpoint
+
+MAX_SEQ_LEN = 512  # long generations, so pauses and kills land mid-run
+
+
+@pytest.fixture(scope="module")
+def ckpt_a(tmp_path_factory):
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("client_a"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def ckpt_b(tmp_path_factory):
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("client_b"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def servers(ckpt_a, tmp_path_factory):
+    # Same shapes as tests/test_server.py: a shared compilation cache skips recompiling.
+    cache = tmp_path_factory.getbasetemp() / "engine_compilation_cache"
+    handles = launch_servers(ckpt_a, 2, max_slots=16, max_seq_len=MAX_SEQ_LEN,
+                             compilation_cache_dir=cache)
+    yield handles
+    for h in handles:
+        h.terminate()
+
+
+def server_info(url):
+    return httpx.get(f"{url}/get_server_info", timeout=30).json()
+
+
+def wait_until(predicate, timeout=120.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+_FORWARDS: dict = {}
+
+
+def learner_logprobs(path, seq, temperature):
+    """[len(seq)-1] log p(seq[t+1] | seq[:t+1]) under model_defs' full forward."""
+    if path not in _FORWARDS:
+        model, _ = load_hf(path)
+        _FORWARDS[path] = jax.jit(lambda ids: model(ids)[0])
+    logits_tv = _FORWARDS[path](jnp.asarray([seq], jnp.int32))
+    logprobs_tv = np.asarray(jax.nn.log_softmax(logits_tv / temperature, axis=-1))
+    return logprobs_tv[np.arange(len(seq) - 1), np.asarray(seq[1:])]
+
+
+def mixed_requests(n=64):
+    rng = np.random.default_rng(0)
+    reqs = []
+    for i in range(n):
+        prompt = rng.integers(3, 128, size=int(rng.integers(1, 40))).tolist()
+        if i % 8 == 7:  # a few seeded sampled requests in the mix
+            reqs.append(GenerateRequest(prompt, max_new_tokens=int(rng.integers(4, 25)),
+                                        temperature=1.0, seed=i, rid=f"r{i}"))
+        else:
+            reqs.append(GenerateRequest(prompt, max_new_tokens=int(rng.integers(4, 25)),
+                                        temperature=0.0, rid=f"r{i}"))
+    return reqs
+
+
+def test_64_concurrent_requests_match_one_at_a_time(servers):
+    reqs = mixed_requests(64)
+
+    async def run():
+        async with RolloutClient([servers[0].url]) as client:
+            alone = [await client.agenerate(r) for r in reqs]
+            together = await asyncio.gather(*(client.agenerate(r) for r in reqs))
+            return alone, together
+
+    alone, together = asyncio.run(run())
+    assert len(together) == 64
+    for req, a, b in zip(reqs, alone, together, strict=True):
+        assert b.finish_reason in ("stop", "length")
+        assert 0 < len(b.output_ids) <= req.max_new_tokens
+        assert b.output_ids == a.output_ids, req.rid
+        np.testing.assert_allclose(b.output_logprobs, a.output_logprobs, atol=1e-5)
+        assert b.output_versions == [0] * len(b.output_ids)
+    assert server_info(servers[0].url)["num_running_reqs"] == 0
+
+
+def test_bad_request_is_not_retried(servers):
+    async def run():
+        async with RolloutClient([s.url for s in servers]) as client:
+            await client.agenerate(GenerateRequest([1, 500], max_new_tokens=4))
+
+    with pytest.raises(RolloutRequestError, match="outside the vocabulary"):
+        asyncio.run(run())
+
+
+def test_interrupted_update_stitches_versions(servers, ckpt_a, ckpt_b):
+    url = servers[1].url
+    n_new, temperature = 400, 1.0
+    prompts = [[3 + i, 10, 20 + i, 7] for i in range(6)]
+
+    async def run():
+        async with RolloutClient([url]) as client, httpx.AsyncClient(timeout=120) as raw:
+            # Compile first, so that the server answers the polls below promptly.
+            await client.agenerate(GenerateRequest([1, 2], max_new_tokens=2))
+            before = server_info(url)["generated_tokens"]
+            tasks = [asyncio.create_task(client.agenerate(GenerateRequest(
+                p, max_new_tokens=n_new, temperature=temperature, seed=i, ignore_eos=True)))
+                for i, p in enumerate(prompts)]
+            raw_task = asyncio.create_task(raw.post(f"{url}/generate", json={
+                "input_ids": [9, 9, 9], "return_logprob": True,
+                "sampling_params": {"max_new_tokens": n_new, "ignore_eos": True}}))
+            await asyncio.to_thread(wait_until, lambda: server_info(url)["generated_tokens"]
+                                    >= before + 5 * (len(prompts) + 1), what="tokens")
+            await client.pause()
+            partial = (await raw_task).json()
+            await client.update_weights_from_disk(str(ckpt_b), 1)
+            await client.continue_()
+            results = await asyncio.gather(*tasks)
+            await client.update_weights_from_disk(str(ckpt_a), 2)  # restore for other tests
+            return partial, results
+
+    partial, results = asyncio.run(run())
+    assert partial["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(partial["output_ids"]) < n_new
+    assert partial["meta_info"]["weight_version"] == "0"
+    for prompt, res in zip(prompts, results, strict=True):
+        versions = np.asarray(res.output_versions)
+        assert len(res.output_ids) == n_new and res.finish_reason == "length"
+        assert res.n_interruptions >= 1
+        n_old = int((versions == 0).sum())
+        assert 0 < n_old < n_new and (versions[n_old:] == 1).all()  # 0...0 1...1
+        seq = prompt + res.output_ids
+        lp_a = learner_logprobs(ckpt_a, seq, temperature)[len(prompt) - 1:]
+        lp_b = learner_logprobs(ckpt_b, seq, temperature)[len(prompt) - 1:]
+        got = np.asarray(res.output_logprobs)
+        np.testing.assert_allclose(got[:n_old], lp_a[:n_old], atol=1e-4)
+        np.testing.assert_allclose(got[n_old:], lp_b[n_old:], atol=1e-4)
+        assert np.abs(got[n_old:] - lp_a[n_old:]).max() > 1e-2  # the weights really changed
+
+
+def test_no_server_available(tmp_path):
+    async def run():
+        async with RolloutClient([f"127.0.0.1:{free_port()}"], no_server_timeout=1.0,
+                                 health_check_interval=0.2, max_retries=1) as client:
+            await client.agenerate(GenerateRequest([1, 2], max_new_tokens=2))
+
+    with pytest.raises((NoServerAvailableError,), match="no rollout server is up|failed"):
+        asyncio.run(run())
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        RolloutClient(["127.0.0.1:1"], schedule="random")
+    with pytest.raises(ValueError, match="at least one server"):
+        RolloutClient([])
+
+
+def test_failover_when_a_server_dies(servers):
+    """Runs last in this module: it kills servers[1]."""
+    reqs = [GenerateRequest([5 + i, 6, 7], max_new_tokens=400, temperature=1.0, seed=i,
+                            ignore_eos=True) for i in range(16)]
+    victim, survivor = servers[1], servers[0]
+
+    async def run():
+        async with RolloutClient([s.url for s in servers], schedule="round_robin",
+                                 health_check_interval=0.5) as client:
+            tasks = [asyncio.create_task(client.agenerate(r)) for r in reqs]
+            await asyncio.to_thread(wait_until, lambda: server_info(victim.url)[
+                "generated_tokens"] > 0 and server_info(victim.url)["num_running_reqs"] > 0,
+                what="requests running on the victim")
+            victim.kill()
+            results = await asyncio.gather(*tasks)
+            states = {s.url: s.up for s in client.servers}
+            return results, states
+
+    results, states = asyncio.run(run())
+    assert not victim.alive()
+    assert states == {survivor.url: True, victim.url: False}
+    for req, res in zip(reqs, results, strict=True):
+        assert len(res.output_ids) == req.max_new_tokens and res.finish_reason == "length"
+        assert res.server == survivor.url
