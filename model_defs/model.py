@@ -306,7 +306,8 @@ class CausalLM(nnx.Module):
                     raise ValueError(f"segment_ids has shape {seg_bt.shape}, expected {(b, t)}")
                 mask_bts = mask_bts & (seg_bt[:, :, None] == seg_bt[:, None, :])
 
-        x_btd = jnp.take(self.embed_vd[...], input_ids_bt, axis=0).astype(self.dtype)
+        # Out-of-range ids (e.g. -1 padding) are clipped, so they never turn into NaN.
+        x_btd = jnp.take(self.embed_vd[...], input_ids_bt, axis=0, mode="clip").astype(self.dtype)
         x_btd = shard(x_btd, ("batch", "seq", "act_embed"))
         cos_sin = rope_cos_sin(rope_inv_freq(self.cfg), positions_bt, self.dtype)
         run = nnx.remat(_run_layer, static_argnums=(7,)) if self.remat else _run_layer

@@ -68,8 +68,8 @@ def test_packed_segments_match_separate_runs(qwen3_model):
 
 def test_padding_segment_is_finite_even_when_leading(qwen3_model):
     model, cfg = qwen3_model
-    ids = jnp.asarray(np.arange(12)[None] % cfg.vocab_size, jnp.int32)
-    segment_ids = jnp.asarray([[0, 0, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0]], jnp.int32)
+    segment_ids = np.array([[0, 0, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0]], np.int32)
+    ids = np.where(segment_ids == 0, -1, np.arange(12)[None] % cfg.vocab_size)  # -1: pad id
     logits = jit_logits(model, ids, segment_ids=segment_ids)
     assert np.isfinite(np.asarray(logits)).all()
 
