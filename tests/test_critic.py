@@ -1,0 +1,295 @@
+"""The critic (algo.name: ppo): GAE vs a numpy loop, scatter/unpack, value alignment vs
+transformers, packed vs padded, learning, meshes, checkpoints, bad input."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+from _learner_data import FAST_COMPILE, TINY, init_model, random_trajectories
+from hf_fixtures import make_hf_model, make_tiny_hf_checkpoint
+
+from areal_jax.checkpoint import TrainCheckpointer
+from areal_jax.learner import OptimizerConfig, pack_trajectories, unpack_per_token
+from areal_jax.learner.critic import Critic, gae_advantages, scatter_per_token
+from areal_jax.parallel import make_mesh
+from areal_jax.rollout.types import Trajectory
+
+OPTIM = OptimizerConfig(lr=3e-3, max_grad_norm=1.0, eps=1e-6)
+
+
+def one_device():
+    return make_mesh("data=1", jax.devices()[:1])
+
+
+def make_critic(mesh=None, **kwargs) -> Critic:
+    kwargs.setdefault("compiler_options", FAST_COMPILE)
+    return Critic(init_model(TINY, seed=0), TINY, kwargs.pop("optim", OPTIM),
+                  mesh=mesh or one_device(), **kwargs)
+
+
+def multi_turn_trajectories(seed: int, n: int) -> list[Trajectory]:
+    """Prompt, then generated / environment / generated spans (env tokens masked)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        spans = [(int(rng.integers(1, 6)), 0)]
+        for k in range(int(rng.integers(1, 4))):
+            if k:
+                spans.append((int(rng.integers(1, 5)), 0))  # an environment turn
+            spans.append((int(rng.integers(1, 7)), 1))
+        mask = np.concatenate([np.full(length, m) for length, m in spans]).astype(np.int32)
+        out.append(Trajectory(input_ids=rng.integers(0, 128, mask.size), loss_mask=mask,
+                              behav_logp=-mask.astype(np.float32),
+                              versions=np.where(mask == 1, 0, -1), reward=float(rng.normal())))
+    return out
+
+
+def gae_reference(traj: Trajectory, values: np.ndarray, reward: float, gamma: float, lam: float):
+    """A plain loop over the loss tokens only, written independently of areal_jax.losses.gae."""
+    idx = [t for t in range(traj.num_tokens) if traj.loss_mask[t]]
+    adv = np.zeros(traj.num_tokens)
+    ret = np.zeros(traj.num_tokens)
+    next_value, next_adv = 0.0, 0.0
+    for k in reversed(range(len(idx))):
+        t = idx[k]
+        r = reward if k == len(idx) - 1 else 0.0
+        delta = r + gamma * next_value - values[t]
+        adv[t] = delta + gamma * lam * next_adv
+        ret[t] = adv[t] + values[t]
+        next_value, next_adv = values[t], adv[t]
+    return adv, ret
+
+
+# ----------------------------------------------------------------------------- pure functions
+@pytest.mark.parametrize("gamma,lam", [(0.9, 0.8), (1.0, 1.0), (0.99, 0.0)])
+def test_gae_matches_numpy_loop_with_env_tokens(gamma, lam):
+    trajs = multi_turn_trajectories(0, 12)
+    assert any(np.any(np.diff(t.loss_mask) == -1) for t in trajs)  # env turns in the middle
+    rng = np.random.default_rng(1)
+    values = [rng.normal(size=t.num_tokens).astype(np.float32) for t in trajs]
+    rewards = rng.normal(size=len(trajs))
+    adv, ret = gae_advantages(trajs, values, gamma, lam, rewards=rewards)
+    for i, t in enumerate(trajs):
+        want_adv, want_ret = gae_reference(t, values[i], rewards[i], gamma, lam)
+        np.testing.assert_allclose(adv[i], want_adv, rtol=1e-5, atol=1e-5, err_msg=f"traj {i}")
+        np.testing.assert_allclose(ret[i], want_ret, rtol=1e-5, atol=1e-5, err_msg=f"traj {i}")
+        assert adv[i].dtype == np.float32 and adv[i].shape == (t.num_tokens,)
+    if (gamma, lam) == (1.0, 1.0):  # undiscounted Monte Carlo: returns = the reward
+        for i, t in enumerate(trajs):
+            np.testing.assert_allclose(ret[i][t.loss_mask == 1], rewards[i], rtol=1e-5, atol=1e-5)
+
+
+def test_gae_default_rewards_and_normalisation():
+    trajs = multi_turn_trajectories(2, 9)
+    rng = np.random.default_rng(3)
+    values = [rng.normal(size=t.num_tokens).astype(np.float32) for t in trajs]
+    raw_adv, raw_ret = gae_advantages(trajs, values, 0.95, 0.9)
+    for i, t in enumerate(trajs):  # default reward: trajectory.reward
+        np.testing.assert_allclose(raw_adv[i], gae_reference(t, values[i], t.reward, 0.95, 0.9)[0],
+                                   rtol=1e-5, atol=1e-5)
+    adv, ret = gae_advantages(trajs, values, 0.95, 0.9, normalize=True)
+    mask = np.concatenate([t.loss_mask for t in trajs]) == 1
+    flat_raw = np.concatenate(raw_adv)[mask]
+    np.testing.assert_allclose(np.concatenate(adv)[mask],
+                               (flat_raw - flat_raw.mean()) / (flat_raw.std() + 1e-5),
+                               rtol=1e-4, atol=1e-5)
+    assert np.all(np.concatenate(adv)[~mask] == 0)
+    for r, rr in zip(ret, raw_ret, strict=True):  # returns are not normalised
+        np.testing.assert_array_equal(r, rr)
+
+
+def test_scatter_is_the_inverse_of_unpack():
+    trajs = random_trajectories(5, 23, 20)
+    batches = pack_trajectories(trajs, None, seq_len=48, rows_per_micro_batch=4, n_shards=2,
+                                n_minibatches=2)
+    assert max(b.segment_ids.max() for b in batches) >= 2
+    rng = np.random.default_rng(0)
+    per_traj = [rng.normal(size=t.num_tokens).astype(np.float32) for t in trajs]
+    packed = scatter_per_token(batches, per_traj, len(trajs))
+    for b, arr in zip(batches, packed, strict=True):
+        assert arr.shape == b.shape and arr.dtype == np.float32
+        assert np.all(arr[b.segment_ids == 0] == 0)  # padding stays 0
+    for got, want in zip(unpack_per_token(batches, packed, len(trajs)), per_traj, strict=True):
+        np.testing.assert_array_equal(got, want)
+    again = scatter_per_token(batches, unpack_per_token(batches, packed, len(trajs)), len(trajs))
+    for a, b in zip(again, packed, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+# ----------------------------------------------------------------------------- the value model
+def _random_head(critic: Critic, seed: int) -> tuple[np.ndarray, float]:
+    """Give the zero-initialised head random weights (via load_state); returns (w, b)."""
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(np.asarray, critic.params)
+    w = rng.normal(size=params["value_head_d"].shape).astype(np.float32)
+    b = np.float32(rng.normal())
+    params["value_head_d"] = params["value_head_d"].replace(w)
+    params["value_bias"] = params["value_bias"].replace(np.asarray(b))
+    critic.load_state(params)
+    return w, float(b)
+
+
+def test_values_are_zero_at_init_then_match_transformers_hidden_states(tmp_path):
+    path = make_tiny_hf_checkpoint(tmp_path, arch="qwen2", tie=False, seed=4)
+    critic = Critic.from_hf(str(path), OPTIM, mesh=make_mesh("fsdp=2,tensor=2", jax.devices()[:4]),
+                            compiler_options=FAST_COMPILE)
+    assert "lm_head_dv" not in critic.params["backbone"]  # a critic needs no LM head
+    trajs = random_trajectories(2, 9, 20)
+    packed = pack_trajectories(trajs, None, seq_len=48, rows_per_micro_batch=2, n_shards=2)
+    padded = pack_trajectories(trajs, None, seq_len=20, rows_per_micro_batch=2, n_shards=2,
+                               max_segments_per_row=1)
+    assert max(b.segment_ids.max() for b in packed) >= 2 and len(padded) > len(packed)
+    assert all(np.all(v == 0) for v in critic.compute_values(packed))
+
+    w, b = _random_head(critic, 0)
+    got_packed = unpack_per_token(packed, critic.compute_values(packed), len(trajs))
+    got_padded = unpack_per_token(padded, critic.compute_values(padded), len(trajs))
+    hf = make_hf_model("qwen2", tie=False, seed=4)
+    for t, vp, vq in zip(trajs, got_packed, got_padded, strict=True):
+        with torch.no_grad():
+            out = hf(torch.tensor(t.input_ids[None], dtype=torch.long), output_hidden_states=True)
+        hidden_td = out.hidden_states[-1][0].double().numpy()  # after the final norm
+        want = np.r_[0.0, (hidden_td @ w + b)[:-1]]  # value of token t from the state at t-1
+        np.testing.assert_allclose(vp, want, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(vq, vp, rtol=1e-5, atol=1e-6)
+    for batch, values in zip(packed, critic.compute_values(packed), strict=True):
+        starts = batch.positions == 0
+        assert np.all(values[starts] == 0) and np.all(values[batch.segment_ids == 0] == 0)
+
+
+def test_packed_and_padded_batches_give_same_value_loss_and_grads():
+    critic = make_critic()
+    _random_head(critic, 1)
+    trajs = random_trajectories(11, 10, 24)
+    rng = np.random.default_rng(2)
+    returns = [rng.normal(size=t.num_tokens).astype(np.float32) for t in trajs]
+    olds = [rng.normal(scale=0.3, size=t.num_tokens).astype(np.float32) for t in trajs]
+    results = []
+    for kwargs in (dict(seq_len=64), dict(seq_len=24, max_segments_per_row=1)):
+        batches = pack_trajectories(trajs, None, rows_per_micro_batch=2, **kwargs)
+        results.append(critic.compute_gradients(
+            batches, returns=scatter_per_token(batches, returns, len(trajs)),
+            old_values=scatter_per_token(batches, olds, len(trajs))))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a > 0
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-5)
+    for ga, gb in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True):
+        ga, gb = np.asarray(ga), np.asarray(gb)
+        # fp32 sums in another order: entries near 0 are compared at the leaf's own scale.
+        np.testing.assert_allclose(ga, gb, rtol=1e-4, atol=1e-6 * np.abs(gb).max())
+
+
+def test_critic_learns_returns_on_a_fixed_batch():
+    critic = make_critic(ppo_n_minibatches=2)
+    trajs = random_trajectories(3, 16, 24)
+    batches = pack_trajectories(trajs, None, seq_len=32, rows_per_micro_batch=4, n_minibatches=2)
+    losses, errors = [], []
+    for _ in range(15):
+        targets = critic.gae_targets(batches, trajs, gamma=1.0, lam=1.0)
+        metrics = critic.train_step(batches, returns=targets.returns,
+                                    old_values=targets.old_values)
+        losses.append(metrics["value_loss"])
+        errors.append(metrics["value_abs_error"])
+    assert metrics["n_minibatches"] == 2 and metrics["skipped_steps"] == 0
+    assert metrics["n_loss_tokens"] == sum(t.num_generated for t in trajs)
+    assert losses[-1] < 0.25 * losses[0], losses
+    assert errors[-1] < 0.5 * errors[0], errors
+    assert metrics["explained_variance"] > 0.5, metrics
+    # With gamma = lam = 1 the returns are each trajectory's reward; the values approach it.
+    values = unpack_per_token(batches, critic.compute_values(batches), len(trajs))
+    rewards = np.array([t.reward for t in trajs])
+    mean_values = np.array([v[t.loss_mask == 1].mean() for t, v in zip(trajs, values, strict=True)])
+    assert np.corrcoef(rewards, mean_values)[0, 1] > 0.8
+    # Much closer than the best constant prediction (the mean reward) could be.
+    assert np.abs(mean_values - rewards).mean() < 0.5 * np.abs(rewards - rewards.mean()).mean()
+    # gae_targets put advantages on the loss tokens only.
+    for b in batches:
+        assert np.all(b.advantages[b.loss_mask == 0] == 0)
+        assert np.any(b.advantages[b.loss_mask == 1] != 0)
+
+
+@pytest.mark.slow  # SPMD compiles for 8 devices; the learner tests cover the shared machinery
+def test_mesh_training_matches_one_device():
+    trajs = random_trajectories(8, 16, 24)
+    batches = pack_trajectories(trajs, None, seq_len=32, rows_per_micro_batch=8, n_shards=8)
+    rng = np.random.default_rng(0)
+    returns = scatter_per_token(batches, [rng.normal(size=t.num_tokens) for t in trajs], len(trajs))
+    runs = []
+    for mesh in (one_device(), make_mesh("fsdp=4,tensor=2")):
+        critic = make_critic(mesh)
+        metrics = [critic.train_step(batches, returns=returns) for _ in range(2)]
+        runs.append((metrics, critic.compute_values(batches)))
+    (m_one, v_one), (m_mesh, v_mesh) = runs
+    for a, b in zip(m_one, m_mesh, strict=True):
+        for key in ("value_loss", "grad_norm", "value_clip_frac", "returns_mean"):
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)
+        # Explained variance is 1 - Var(R - V) / Var(R); compare the ratio itself.
+        np.testing.assert_allclose(1 - a["explained_variance"], 1 - b["explained_variance"],
+                                   rtol=1e-5)
+    assert m_one[1]["value_loss"] < m_one[0]["value_loss"]
+    for a, b in zip(v_one, v_mesh, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_round_trip_restores_values_and_optimizer(tmp_path):
+    critic = make_critic()
+    trajs = random_trajectories(4, 8, 20)
+    batches = pack_trajectories(trajs, None, seq_len=32, rows_per_micro_batch=2)
+    returns = scatter_per_token(batches, [np.full(t.num_tokens, t.reward) for t in trajs],
+                                len(trajs))
+    critic.train_step(batches, returns=returns)
+    saved_values = critic.compute_values(batches)
+    st = critic.state_dict()
+    with TrainCheckpointer(tmp_path / "critic", async_save=False) as ckpt:
+        ckpt.save(st["version"], st["params"], st["opt_state"], {"version": st["version"]})
+        critic.train_step(batches, returns=returns)  # moves away from the saved state
+        after_one_more = critic.train_step(batches, returns=returns)
+        assert not np.allclose(critic.compute_values(batches)[0], saved_values[0])
+        st = critic.state_dict()
+        params, opt_state, meta = ckpt.restore(params_target=st["params"],
+                                               opt_state_target=st["opt_state"])
+    critic.load_state(params, opt_state, step=meta["step"], version=meta["version"])
+    for a, b in zip(critic.compute_values(batches), saved_values, strict=True):
+        np.testing.assert_array_equal(a, b)
+    critic.train_step(batches, returns=returns)  # same AdamW moments -> same next step
+    again = critic.train_step(batches, returns=returns)
+    np.testing.assert_allclose(again["value_loss"], after_one_more["value_loss"], rtol=1e-6)
+    assert critic.version == 3
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_bad_input_gets_clear_errors():
+    critic = make_critic()
+    trajs = random_trajectories(6, 4, 16)
+    batches = pack_trajectories(trajs, None, seq_len=32, rows_per_micro_batch=2)
+    shape = batches[0].shape
+    good = [np.zeros(b.shape, np.float32) for b in batches]
+    with pytest.raises(ValueError, match="needs returns="):
+        critic.train_step(batches)
+    with pytest.raises(ValueError, match=r"micro-batch 0: returns has shape \(2, 31\)"):
+        critic.train_step(batches, returns=[np.zeros((shape[0], shape[1] - 1))] + good[1:])
+    with pytest.raises(ValueError, match="got 2 old_values arrays for 1 micro-batches"):
+        critic.train_step(batches, returns=good, old_values=good + good)
+    with pytest.raises(ValueError, match="micro-batch 0: returns has non-finite"):
+        critic.train_step(batches, returns=[np.full(shape, np.nan)])
+    with pytest.raises(TypeError, match="use Critic.compute_values"):
+        critic.compute_logp(batches)
+    assert critic.step == 0  # nothing was applied
+
+    values = [np.zeros(t.num_tokens, np.float32) for t in trajs]
+    with pytest.raises(ValueError, match=r"values of trajectory 2 have shape \(3,\)"):
+        gae_advantages(trajs, values[:2] + [np.zeros(3)] + values[3:], 1.0, 1.0)
+    with pytest.raises(ValueError, match="got 3 value arrays for 4 trajectories"):
+        gae_advantages(trajs, values[:3], 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"gamma=1.5; expected a number in \[0, 1\]"):
+        gae_advantages(trajs, values, 1.5, 1.0)
+    with pytest.raises(ValueError, match="reward of trajectory 1 is nan"):
+        gae_advantages(trajs, values, 1.0, 1.0, rewards=[0.0, np.nan, 0.0, 0.0])
+    with pytest.raises(ValueError, match="array of trajectory 0 has shape"):
+        scatter_per_token(batches, [np.zeros(1)] + values[1:], len(trajs))
+    with pytest.raises(ValueError, match="got 3 per-trajectory arrays for n_trajectories=4"):
+        scatter_per_token(batches, values[:3], len(trajs))
+    with pytest.raises(ValueError, match="value_eps_clip must be > 0"):
+        make_critic(value_eps_clip=0.0)
+    with pytest.raises(TypeError, match="must be a model_defs.CausalLM"):
+        Critic(object(), TINY, OPTIM)
