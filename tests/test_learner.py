@@ -180,6 +180,26 @@ def test_bad_inputs_get_named_errors():
         make_learner(one_device(), ppo=PPOConfig(ppo_n_minibatches=3)).minibatches([batch, batch])
     with pytest.raises(ValueError, match="temperature must be > 0"):
         learner.compute_logp([batch], temperature=0.0)
+    frozen = make_learner(one_device(), trainable=False)
+    assert frozen.opt_state is None
+    with pytest.raises(RuntimeError, match="built with trainable=False"):
+        frozen.train_step([batch])
+
+
+def test_kl_penalty_to_reference_logprobs():
+    learner = make_learner(make_mesh("data=2", jax.devices()[:2]),
+                           ppo=PPOConfig(ppo_n_minibatches=1, kl_coef=0.5))
+    trajs = random_trajectories(3, 4, 12)
+    batches = pack_trajectories(trajs, random_advantages(3, trajs), seq_len=32,
+                                rows_per_micro_batch=2, n_shards=2)
+    for b, ref in zip(batches, learner.compute_logp(batches), strict=True):
+        b["ref_logp"] = ref  # the reference policy = the initial weights
+    first = learner.train_step(batches)
+    assert first["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # measured before the update
+    for b in batches:
+        b.prox_logp = None
+    second = learner.train_step(batches)
+    assert second["kl_ref"] > 1e-6 and np.isfinite(second["loss"])
 
 
 def test_configs_validate_with_named_errors():
@@ -195,5 +215,8 @@ def test_configs_validate_with_named_errors():
         PPOConfig(agg_mode="sum")
     with pytest.raises(ValueError, match="ppo.ppo_n_minibatches must be an int >= 1"):
         PPOConfig(ppo_n_minibatches=0)
+    with pytest.raises(ValueError, match="ppo.seq_token_sum_normalizer must be > 0"):
+        PPOConfig(agg_mode="seq-mean-token-sum")
+    assert PPOConfig(agg_mode="seq-mean-token-sum", seq_token_sum_normalizer=256.0)
     with pytest.raises(ValueError, match="compute_dtype='float16'"):
         make_learner(one_device(), compute_dtype="float16")

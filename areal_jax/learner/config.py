@@ -82,6 +82,7 @@ class PPOConfig:
     behav_imp_weight_cap: float | None = None
     temperature: float = 1.0
     agg_mode: str = "token-mean"
+    seq_token_sum_normalizer: float | None = None  # the constant L of "seq-mean-token-sum"
     use_decoupled_loss: bool = True
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -97,6 +98,14 @@ class PPOConfig:
             raise ValueError(f"ppo.c_clip must be > 1 (or None), got {self.c_clip}")
         if self.agg_mode not in AGG_MODES:
             raise ValueError(f"ppo.agg_mode={self.agg_mode!r}; expected one of {AGG_MODES}")
+        if self.agg_mode == "seq-mean-token-sum":
+            if self.seq_token_sum_normalizer is None or not self.seq_token_sum_normalizer > 0:
+                raise ValueError("ppo.seq_token_sum_normalizer must be > 0 with agg_mode="
+                                 "'seq-mean-token-sum' (Dr.GRPO: the max generation length), "
+                                 f"got {self.seq_token_sum_normalizer!r}")
+        elif self.seq_token_sum_normalizer is not None:
+            raise ValueError(f"ppo.seq_token_sum_normalizer is only used with agg_mode="
+                             f"'seq-mean-token-sum', not {self.agg_mode!r}")
         if self.kl_coef < 0:
             raise ValueError(f"ppo.kl_coef must be >= 0, got {self.kl_coef}")
         if self.kl_estimator not in KL_ESTIMATORS:
@@ -106,7 +115,8 @@ class PPOConfig:
     def from_algo(cls, algo: Any, temperature: float = 1.0, **overrides: Any) -> PPOConfig:
         """From the run config's ``algo`` section (``decoupled`` -> ``use_decoupled_loss``)."""
         names = ("ppo_n_minibatches", "eps_clip", "eps_clip_higher", "c_clip",
-                 "behav_imp_weight_cap", "agg_mode", "kl_coef", "kl_estimator")
+                 "behav_imp_weight_cap", "agg_mode", "seq_token_sum_normalizer", "kl_coef",
+                 "kl_estimator")
         kwargs: dict[str, Any] = {n: getattr(algo, n) for n in names if hasattr(algo, n)}
         if hasattr(algo, "decoupled"):
             kwargs["use_decoupled_loss"] = bool(algo.decoupled)

@@ -93,11 +93,14 @@ class Learner:
       remat: gradient checkpointing per decoder layer (default: the model's setting).
       compiler_options: XLA options for every jitted function, e.g.
         ``{"xla_backend_optimization_level": 0}`` to compile faster on CPU in tests.
+      trainable: False for a frozen model that only computes logprobs (a reference
+        policy): no optimizer state is allocated and ``train_step`` raises.
     """
 
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim_cfg: OptimizerConfig,
                  ppo_cfg: PPOConfig, *, mesh: Mesh | None = None, compute_dtype: Any = None,
-                 remat: bool | None = None, compiler_options: dict[str, Any] | None = None):
+                 remat: bool | None = None, compiler_options: dict[str, Any] | None = None,
+                 trainable: bool = True):
         if not isinstance(optim_cfg, OptimizerConfig):
             raise TypeError(f"optim_cfg must be an OptimizerConfig, got {type(optim_cfg).__name__}")
         if not isinstance(ppo_cfg, PPOConfig):
@@ -118,14 +121,17 @@ class Learner:
             structure, jax.tree.leaves(param_shardings(params, self.mesh)))
         self.params = self._place(params, self.param_shardings)
         self._rest = self._place(self._rest, replicated(self.mesh))
+        self.trainable = trainable
         self.tx = make_optimizer(optim_cfg)
-        abstract_opt = jax.eval_shape(self.tx.init, self.params)
-        self.opt_shardings = optax.tree_map_params(
-            self.tx, lambda _, sharding: sharding, abstract_opt, self.param_shardings,
-            transform_non_params=lambda _: replicated(self.mesh),
-            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings,
-                                 **self._jit_options)(self.params)
+        self.opt_shardings = self.opt_state = None
+        if trainable:
+            abstract_opt = jax.eval_shape(self.tx.init, self.params)
+            self.opt_shardings = optax.tree_map_params(
+                self.tx, lambda _, sharding: sharding, abstract_opt, self.param_shardings,
+                transform_non_params=lambda _: replicated(self.mesh),
+                is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+            self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings,
+                                     **self._jit_options)(self.params)
         self.step = 0  # optimizer steps taken
         self.version = 0  # train_step calls (learner weight version)
         self._compile()
@@ -133,12 +139,13 @@ class Learner:
     @classmethod
     def from_hf(cls, path: str, optim_cfg: OptimizerConfig, ppo_cfg: PPOConfig, *,
                 mesh: Mesh | None = None, compute_dtype: Any = "float32",
-                remat: bool = False, compiler_options: dict[str, Any] | None = None) -> Learner:
+                remat: bool = False, compiler_options: dict[str, Any] | None = None,
+                trainable: bool = True) -> Learner:
         """Loads an HF checkpoint as fp32 master weights, placed directly on the mesh."""
         mesh = make_mesh("data=-1") if mesh is None else mesh
         model, cfg = load_hf(path, dtype="float32", mesh=mesh)
         return cls(model, cfg, optim_cfg, ppo_cfg, mesh=mesh, compute_dtype=compute_dtype,
-                   remat=remat, compiler_options=compiler_options)
+                   remat=remat, compiler_options=compiler_options, trainable=trainable)
 
     @staticmethod
     def _place(tree: Any, shardings: Any) -> Any:
@@ -171,7 +178,8 @@ class Learner:
         self._grad = jax.jit(make_grad_fn(self._graphdef, self.compute_dtype, ppo),
                              donate_argnums=(2, 3), out_shardings=(param_sh, rep), **opts)
         self._apply = jax.jit(make_apply_fn(self.tx), donate_argnums=(0, 1),
-                              out_shardings=(param_sh, self.opt_shardings, rep, rep), **opts)
+                              out_shardings=(param_sh, self.opt_shardings, rep, rep), **opts
+                              ) if self.trainable else None
         self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=param_sh,
                               **opts)
 
@@ -268,6 +276,7 @@ class Learner:
         ``current_version`` (default: ``self.version``) is the version staleness counts from.
         """
         t0 = time.perf_counter()
+        self._require_trainable("train_step")
         micro_batches = list(micro_batches)
         ppo = self.ppo_cfg
         keys = self._train_keys()
@@ -294,6 +303,11 @@ class Learner:
         metrics["step_time_s"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics["n_tokens"] / max(metrics["step_time_s"], 1e-9)
         return metrics
+
+    def _require_trainable(self, what: str) -> None:
+        if not self.trainable:
+            raise RuntimeError(f"Learner.{what}: this learner was built with trainable=False "
+                               "(a frozen reference model); it only computes logprobs")
 
     def _train_keys(self) -> list[str]:
         keys = list(TRAIN_KEYS)
@@ -322,6 +336,7 @@ class Learner:
                           current_version: int | None = None) -> tuple[float, Any]:
         """(loss, grads) of all ``micro_batches`` taken as ONE minibatch, without updating
         anything. For checks and debugging; grads have the params' structure and shardings."""
+        self._require_trainable("compute_gradients")
         micro_batches = list(micro_batches)
         keys = self._train_keys()
         self._check_micro_batches(micro_batches, [k for k in keys if k != "prox_logp"])
@@ -397,6 +412,7 @@ class Learner:
                 raise ValueError(f"load_state: params have dtype {new.dtype}, expected {old.dtype}")
         self.params = self._place(params, self.param_shardings)
         if opt_state is not None:
+            self._require_trainable("load_state(opt_state=...)")
             if jax.tree.structure(opt_state) != jax.tree.structure(self.opt_state):
                 raise ValueError("load_state: opt_state does not match this optimizer's state")
             self.opt_state = self._place(opt_state, self.opt_shardings)
