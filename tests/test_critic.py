@@ -27,6 +27,25 @@ def make_critic(mesh=None, **kwargs) -> Critic:
                   mesh=mesh or one_device(), **kwargs)
 
 
+# Every test on the shared critic packs into [4, 32] micro-batches: one compilation each.
+SHAPE = dict(seq_len=32, rows_per_micro_batch=4)
+
+
+@pytest.fixture(scope="module")
+def _shared_critic():
+    critic = make_critic(ppo_n_minibatches=2)
+    initial = jax.tree.map(np.asarray, (critic.params, critic.opt_state))
+    return critic, initial
+
+
+@pytest.fixture
+def critic(_shared_critic) -> Critic:
+    """The module's critic, reset to its initial weights, optimizer state and counters."""
+    shared, (params, opt_state) = _shared_critic
+    shared.load_state(params, opt_state, step=0, version=0)
+    return shared
+
+
 def multi_turn_trajectories(seed: int, n: int) -> list[Trajectory]:
     """Prompt, then generated / environment / generated spans (env tokens masked)."""
     rng = np.random.default_rng(seed)
@@ -157,21 +176,22 @@ def test_values_are_zero_at_init_then_match_transformers_hidden_states(tmp_path)
         assert np.all(values[starts] == 0) and np.all(values[batch.segment_ids == 0] == 0)
 
 
-def test_packed_and_padded_batches_give_same_value_loss_and_grads():
-    critic = make_critic()
+def test_packed_and_padded_batches_give_same_value_loss_and_grads(critic):
     _random_head(critic, 1)
     trajs = random_trajectories(11, 10, 24)
     rng = np.random.default_rng(2)
     returns = [rng.normal(size=t.num_tokens).astype(np.float32) for t in trajs]
     olds = [rng.normal(scale=0.3, size=t.num_tokens).astype(np.float32) for t in trajs]
     results = []
-    for kwargs in (dict(seq_len=64), dict(seq_len=24, max_segments_per_row=1)):
-        batches = pack_trajectories(trajs, None, rows_per_micro_batch=2, **kwargs)
+    n_rows = []
+    for max_segments in (None, 1):
+        batches = pack_trajectories(trajs, None, max_segments_per_row=max_segments, **SHAPE)
+        n_rows.append(len(batches))
         results.append(critic.compute_gradients(
             batches, returns=scatter_per_token(batches, returns, len(trajs)),
             old_values=scatter_per_token(batches, olds, len(trajs))))
     (loss_a, grads_a), (loss_b, grads_b) = results
-    assert loss_a > 0
+    assert n_rows[0] < n_rows[1] and loss_a > 0
     np.testing.assert_allclose(loss_a, loss_b, rtol=1e-5)
     for ga, gb in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True):
         ga, gb = np.asarray(ga), np.asarray(gb)
@@ -179,10 +199,9 @@ def test_packed_and_padded_batches_give_same_value_loss_and_grads():
         np.testing.assert_allclose(ga, gb, rtol=1e-4, atol=1e-6 * np.abs(gb).max())
 
 
-def test_critic_learns_returns_on_a_fixed_batch():
-    critic = make_critic(ppo_n_minibatches=2)
+def test_critic_learns_returns_on_a_fixed_batch(critic):
     trajs = random_trajectories(3, 16, 24)
-    batches = pack_trajectories(trajs, None, seq_len=32, rows_per_micro_batch=4, n_minibatches=2)
+    batches = pack_trajectories(trajs, None, n_minibatches=2, **SHAPE)
     losses, errors = [], []
     for _ in range(15):
         targets = critic.gae_targets(batches, trajs, gamma=1.0, lam=1.0)
@@ -231,10 +250,9 @@ def test_mesh_training_matches_one_device():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_checkpoint_round_trip_restores_values_and_optimizer(tmp_path):
-    critic = make_critic()
+def test_checkpoint_round_trip_restores_values_and_optimizer(tmp_path, critic):
     trajs = random_trajectories(4, 8, 20)
-    batches = pack_trajectories(trajs, None, seq_len=32, rows_per_micro_batch=2)
+    batches = pack_trajectories(trajs, None, n_minibatches=2, **SHAPE)
     returns = scatter_per_token(batches, [np.full(t.num_tokens, t.reward) for t in trajs],
                                 len(trajs))
     critic.train_step(batches, returns=returns)
@@ -258,20 +276,19 @@ def test_checkpoint_round_trip_restores_values_and_optimizer(tmp_path):
 
 
 # ----------------------------------------------------------------------------- bad input
-def test_bad_input_gets_clear_errors():
-    critic = make_critic()
+def test_bad_input_gets_clear_errors(critic):
     trajs = random_trajectories(6, 4, 16)
-    batches = pack_trajectories(trajs, None, seq_len=32, rows_per_micro_batch=2)
+    batches = pack_trajectories(trajs, None, n_minibatches=2, **SHAPE)
     shape = batches[0].shape
     good = [np.zeros(b.shape, np.float32) for b in batches]
     with pytest.raises(ValueError, match="needs returns="):
         critic.train_step(batches)
-    with pytest.raises(ValueError, match=r"micro-batch 0: returns has shape \(2, 31\)"):
+    with pytest.raises(ValueError, match=r"micro-batch 0: returns has shape \(4, 31\)"):
         critic.train_step(batches, returns=[np.zeros((shape[0], shape[1] - 1))] + good[1:])
-    with pytest.raises(ValueError, match="got 2 old_values arrays for 1 micro-batches"):
+    with pytest.raises(ValueError, match="got 4 old_values arrays for 2 micro-batches"):
         critic.train_step(batches, returns=good, old_values=good + good)
-    with pytest.raises(ValueError, match="micro-batch 0: returns has non-finite"):
-        critic.train_step(batches, returns=[np.full(shape, np.nan)])
+    with pytest.raises(ValueError, match="micro-batch 1: returns has non-finite"):
+        critic.train_step(batches, returns=[good[0], np.full(shape, np.nan)])
     with pytest.raises(TypeError, match="use Critic.compute_values"):
         critic.compute_logp(batches)
     assert critic.step == 0  # nothing was applied
