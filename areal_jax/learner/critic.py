@@ -310,13 +310,15 @@ class Critic(Learner):
 
     def _accumulate(self, group: Sequence[MicroBatch], keys: Sequence[str], version: jax.Array
                     ) -> tuple[Any, dict[str, jax.Array]]:
+        """Gradient of one minibatch: the value loss normalised by its global loss-token count."""
         batches = [self._put(mb, keys) for mb in group]
-        denom = jnp.zeros((), jnp.float32)
+        n_loss = jnp.zeros((), jnp.float32)
         for b in batches:
-            denom = denom + self._denominator(b)[0]
+            n_loss = n_loss + self._denominator(b)[1]
         grads, sums = self._zeros(self.params), self._zero_sums()
         for b in batches:
-            grads, sums = self._grad(self.params, self._rest, grads, sums, b, denom, denom, version)
+            grads, sums = self._grad(self.params, self._rest, grads, sums, b, n_loss, n_loss,
+                                     version)
         return grads, sums
 
     @staticmethod
