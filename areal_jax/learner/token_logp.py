@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from areal_jax.losses import logprobs_from_hidden
+from model_defs import shard
 
 
 def predicted_mask(segment_ids_bt: jax.Array) -> jax.Array:
@@ -39,7 +40,11 @@ def packed_token_logprobs(model, input_ids_bt: jax.Array, positions_bt: jax.Arra
     """
     hidden_btd = model.hidden_states(input_ids_bt, positions=positions_bt,
                                      segment_ids=segment_ids_bt)
-    w_dv = model.unembed_dv().astype(hidden_btd.dtype)
+    # FSDP semantics for the output layer: rows stay on their batch shard and the [D, V]
+    # matrix is gathered over fsdp (vocab stays split over tensor). Without these, XLA may
+    # shard the hidden dim like the weight and reshuffle activations in the backward pass.
+    hidden_btd = shard(hidden_btd, ("batch", "seq", "act_embed"))
+    w_dv = shard(model.unembed_dv().astype(hidden_btd.dtype), ("act_embed", "vocab"))
     next_ids_bt = jnp.pad(input_ids_bt[:, 1:], ((0, 0), (0, 1)))  # label of position t is t+1
     logp_next_bt, entropy_next_bt = logprobs_from_hidden(
         hidden_btd, w_dv, next_ids_bt, temperature=temperature, chunk_size=chunk_size)
