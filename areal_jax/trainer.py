@@ -33,6 +33,7 @@ from areal_jax.trainer_setup import (
     TrainerError,
     build_components,
     group_advantages_for,
+    shaped_rewards_for,
 )
 
 __all__ = ["TrainerError", "run_training"]
@@ -66,15 +67,24 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
         groups = executor.prepare_batch(cfg.train.batch_size)
         wait_s = time.perf_counter() - t0
         trajs = [t for g in groups for t in g]
+        writer.log_consumed(version + 1, [g[0].prompt_id for g in groups])
         rewards = np.array([t.reward for t in trajs], np.float32)
-        advantages = group_advantages_for(cfg, trajs, len(groups[0]))
-        batches = ctx.pack(trajs, advantages)
+        if ctx.critic is not None:  # PPO: GAE advantages from the critic's values
+            batches = ctx.pack(trajs, np.zeros(len(trajs), np.float32))
+            targets = ctx.critic.gae_targets(batches, trajs, gamma=cfg.algo.gamma, lam=cfg.algo.lam,
+                                             rewards=shaped_rewards_for(cfg, trajs), normalize=True)
+        else:  # GRPO / RLOO / Dr.GRPO: group baselines
+            batches = ctx.pack(trajs, group_advantages_for(cfg, trajs, len(groups[0])))
 
         # Step 4: train (prox_logp recompute happens inside train_step when decoupled).
         if ctx.ref_learner is not None:
             for mb, ref in zip(batches, ctx.ref_learner.compute_logp(batches), strict=True):
                 mb["ref_logp"] = ref
         train_metrics = learner.train_step(batches, current_version=version)
+        if ctx.critic is not None:
+            critic_metrics = ctx.critic.train_step(batches, returns=targets.returns,
+                                                   old_values=targets.old_values)
+            train_metrics.update({f"critic_{k}": v for k, v in critic_metrics.items()})
 
         # Step 5: publish version + 1 and let rollouts continue under it.
         t0 = time.perf_counter()
@@ -98,6 +108,7 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
             "rollout_wait_s": wait_s,
             "publish_s": publish_s,
             "wall_time_s": ctx.elapsed(),
+            "token_version_max": int(max(int(t.versions.max()) for t in trajs)),
             "start_staleness_max": float(max(version - min(g[0].start_version for g in groups), 0)),
             **{f"train/{k}": v for k, v in train_metrics.items()},
             **{f"rollout/{k}": v for k, v in executor.metrics().items()

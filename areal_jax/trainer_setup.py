@@ -85,6 +85,7 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, total: int, initial: int, progress_bar: bool) -> None:
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
+        self._prompts_file = (run_dir / "consumed_prompts.jsonl").open("a")
         self._tb = None
         try:
             from tensorboardX import SummaryWriter
@@ -123,7 +124,13 @@ class MetricsWriter:
             print(f"version {step}: {text}", flush=True)
         return row
 
+    def log_consumed(self, version: int, prompt_ids: list[str]) -> None:
+        """Which prompts trained version ``version`` (an audit trail for resume)."""
+        self._prompts_file.write(json.dumps({"version": version, "prompt_ids": prompt_ids}) + "\n")
+        self._prompts_file.flush()
+
     def close(self) -> None:
+        self._prompts_file.close()
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
@@ -132,9 +139,9 @@ class MetricsWriter:
 
 
 # ----------------------------------------------------------------------------- advantages
-def group_advantages_for(cfg: TrainConfig, trajs: list, group_size: int) -> np.ndarray:
-    """Shaped rewards -> per-trajectory advantages (GRPO / RLOO / Dr.GRPO)."""
-    from areal_jax.losses import group_advantages, overlong_penalty, shape_rewards
+def shaped_rewards_for(cfg: TrainConfig, trajs: list) -> np.ndarray:
+    """Rewards after scale/bias/clip and the optional DAPO overlong penalty, [N] fp32."""
+    from areal_jax.losses import overlong_penalty, shape_rewards
 
     rewards = np.array([t.reward for t in trajs], np.float32)
     r = cfg.reward
@@ -144,9 +151,14 @@ def group_advantages_for(cfg: TrainConfig, trajs: list, group_size: int) -> np.n
         shaped = shaped + overlong_penalty(lengths, max_response_length=cfg.rollout.max_new_tokens,
                                            overlong_tokens=r.overlong_penalty_tokens,
                                            penalty_factor=r.overlong_penalty_factor)
-    if cfg.algo.name == "ppo":
-        raise TrainerError("algo.name=ppo needs a critic; it is not available in this version")
-    adv = group_advantages(shaped, group_size, mode=cfg.algo.name)
+    return np.asarray(shaped, np.float32)
+
+
+def group_advantages_for(cfg: TrainConfig, trajs: list, group_size: int) -> np.ndarray:
+    """Shaped rewards -> per-trajectory advantages (GRPO / RLOO / Dr.GRPO)."""
+    from areal_jax.losses import group_advantages
+
+    adv = group_advantages(shaped_rewards_for(cfg, trajs), group_size, mode=cfg.algo.name)
     return np.asarray(adv, np.float32)
 
 
@@ -166,6 +178,8 @@ class RunContext:
     reward_fn: str
     eval_items: list[dict]
     ref_learner: Any = None
+    critic: Any = None  # algo.name == "ppo": the value model
+    critic_ckpt: Any = None
     start_version: int = 0
     consumed_tokens: int = 0
     last_saved_version: int = -1
@@ -225,6 +239,10 @@ class RunContext:
             "rng": rng_to_json(jax.random.key(self.rng_seed + int(st["version"]))),
         }
         self.checkpointer.save(int(st["version"]), st["params"], st["opt_state"], meta)
+        if self.critic is not None:
+            cs = self.critic.state_dict()
+            self.critic_ckpt.save(int(st["version"]), cs["params"], cs["opt_state"],
+                                  {"step": int(cs["step"]), "version": int(cs["version"])})
         self.last_saved_version = int(st["version"])
 
     # -- evaluation
@@ -243,6 +261,8 @@ class RunContext:
 
     def finish(self) -> None:
         self.checkpointer.wait()
+        if self.critic_ckpt is not None:
+            self.critic_ckpt.wait()
 
 
 def _prepare_run_dir(cfg: TrainConfig, resume: bool | None) -> tuple[Path, Path, bool]:
@@ -321,12 +341,30 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
     checkpointer = TrainCheckpointer(str(ckpt_dir), keep=cfg.checkpoint.keep,
                                      async_save=cfg.checkpoint.async_save)
     stack.callback(checkpointer.close)
+    critic = critic_ckpt = None
+    if cfg.algo.name == "ppo":  # actor-critic: a value model with its own optimizer state
+        from areal_jax.learner.critic import Critic
+
+        critic = Critic.from_hf(str(model_path), optim, mesh=mesh,
+                                value_eps_clip=cfg.algo.value_eps_clip,
+                                value_coef=cfg.algo.value_coef,
+                                ppo_n_minibatches=cfg.algo.ppo_n_minibatches,
+                                compute_dtype=cfg.model.dtype, remat=cfg.model.remat)
+        critic_ckpt = TrainCheckpointer(f"{str(ckpt_dir).rstrip('/')}-critic", keep=cfg.checkpoint.keep,
+                                        async_save=cfg.checkpoint.async_save)
+        stack.callback(critic_ckpt.close)
     meta: dict[str, Any] = {}
     if has_ckpt and resume is not False:
         st = learner.state_dict()
         params, opt_state, meta = checkpointer.restore(params_target=st["params"],
                                                        opt_state_target=st["opt_state"])
         learner.load_state(params, opt_state, step=meta["step"], version=meta["version"])
+        if critic is not None:
+            cst = critic.state_dict()
+            cstep = meta["version"] if meta["version"] in critic_ckpt.all_steps() else None
+            cp, co, cmeta = critic_ckpt.restore(cstep, params_target=cst["params"],
+                                                opt_state_target=cst["opt_state"])
+            critic.load_state(cp, co, step=cmeta["step"], version=cmeta["version"])
         print(f"resumed from {ckpt_dir} at version {meta['version']} (step {meta['step']})",
               flush=True)
     start_version = int(meta.get("version", 0))
@@ -387,6 +425,7 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
         cfg=cfg, run_dir=run_dir, learner=learner, executor=executor, publisher=publisher,
         checkpointer=checkpointer, writer=writer, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
         reward_pool=reward_pool, reward_fn=reward_fn, eval_items=eval_items, ref_learner=ref_learner,
+        critic=critic, critic_ckpt=critic_ckpt,
         start_version=start_version, consumed_tokens=int(meta.get("consumed_tokens", 0)),
         last_saved_version=start_version if meta else -1,
         elapsed_before=float(meta.get("elapsed_s", 0.0)), rng_seed=cfg.seed)

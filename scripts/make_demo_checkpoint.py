@@ -5,7 +5,14 @@ The RL demo needs a policy that already writes the answer format and is sometime
 right, so that rewards are informative from the first batch. This script trains a
 ~0.4M-parameter model with plain cross-entropy on the solution tokens of the train
 split for a fixed number of steps, stopping early, on purpose, while accuracy is still
-low: the rest is RL's job. The result (safetensors + config + tokenizer, ~2 MB) is
+low: the rest is RL's job.
+
+The SFT data is deliberately noisy: with ``--answer-noise 0.6``, 60% of the training
+solutions end in a random wrong answer (the steps stay right). The warm start therefore
+knows the format and the arithmetic but often samples a wrong final answer; RL with
+the verifier's reward teaches it to trust its own steps. This is what pretraining on
+noisy data looks like in miniature, and it lets the demo show RL's effect within
+minutes on a CPU. The result (safetensors + config + tokenizer, ~2 MB) is
 shipped in ``areal_jax/data/assets/arith_sft/`` and regenerated with:
 
     python scripts/make_demo_checkpoint.py --out areal_jax/data/assets/arith_sft
@@ -55,13 +62,27 @@ def demo_model_config() -> ModelConfig:
     )
 
 
-def encode_examples(items: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+def noisy_solution(item: dict, rng: np.random.Generator, answer_noise: float, max_value: int) -> str:
+    """The solution, with its final answer replaced by a random wrong one w.p. answer_noise."""
+    solution = item["solution"]
+    if rng.random() >= answer_noise:
+        return solution
+    wrong = int(item["answer"])
+    while wrong == int(item["answer"]):
+        wrong = int(rng.integers(0, max_value + 1))
+    return solution[: solution.rindex("A:")] + f"A:{wrong}"
+
+
+def encode_examples(items: list[dict], answer_noise: float = 0.0, seed: int = 0
+                    ) -> tuple[np.ndarray, np.ndarray]:
     """[N, SEQ_LEN] ids (right-padded) and loss mask over solution + eos tokens."""
     ids = np.full((len(items), SEQ_LEN), bt.PAD_ID, np.int32)
     mask = np.zeros((len(items), SEQ_LEN), np.float32)
+    rng = np.random.default_rng(seed + 7)
+    max_value = bt.ArithmeticTaskConfig().max_value
     for i, it in enumerate(items):
         q = bt.encode(it["question"])
-        a = bt.encode(it["solution"]) + [bt.EOS_ID]
+        a = bt.encode(noisy_solution(it, rng, answer_noise, max_value)) + [bt.EOS_ID]
         seq = (q + a)[:SEQ_LEN]
         ids[i, : len(seq)] = seq
         mask[i, len(q) : len(seq)] = 1.0
@@ -116,12 +137,14 @@ def accuracy(model, items, temperature, key, max_new=48) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="areal_jax/data/assets/arith_sft")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=500)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-prompts", type=int, default=128)
+    p.add_argument("--answer-noise", type=float, default=0.6,
+                   help="fraction of SFT solutions whose final answer is replaced by a random one")
     args = p.parse_args()
 
     cfg = demo_model_config()
@@ -131,7 +154,7 @@ def main() -> int:
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     train = bt.make_split("train")
     evals = bt.make_split("eval")[: args.eval_prompts]
-    ids_all, mask_all = encode_examples(train)
+    ids_all, mask_all = encode_examples(train, args.answer_noise, args.seed)
     rng = np.random.default_rng(args.seed)
 
     @nnx.jit

@@ -1,0 +1,119 @@
+"""Evaluate a policy on a prompt dataset: pass@1 averaged over k samples.
+
+    python scripts/eval.py --model runs/tiny_demo/weights/v40 --data builtin:eval -k 4
+    python scripts/eval.py --ckpt runs/tiny_demo/checkpoints [--step 40] --data eval.jsonl --reward math
+    python scripts/eval.py --model DIR --server http://127.0.0.1:30000 ...   # an already-running server
+
+``--model`` is an HF directory (e.g. a published ``weights/v{N}``); ``--ckpt`` is an
+Orbax checkpoint dir written by the trainer (converted to HF in a temp dir first).
+Without ``--server`` an embedded engine is started on the weights. Prints the result
+and writes it as JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="HF model directory (or builtin:NAME)")
+    src.add_argument("--ckpt", help="Orbax checkpoint directory written by the trainer")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model dir)")
+    p.add_argument("--data", required=True, help="JSONL/Parquet path or builtin:eval")
+    p.add_argument("--prompt-key", default="question")
+    p.add_argument("--answer-key", default="answer")
+    p.add_argument("--reward", default="builtin", help="builtin | math | code | module:function")
+    p.add_argument("-k", "--n-samples", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument("--server", action="append", default=[], help="use running server(s) instead")
+    p.add_argument("--max-slots", type=int, default=64)
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON output path")
+    args = p.parse_args(argv)
+    if args.n_samples < 1:
+        p.error("-k must be >= 1")
+
+    from areal_jax.data.prompts import read_records
+    from areal_jax.data.tokenizer import load_tokenizer
+    from areal_jax.rewards import reward_fn_spec
+    from areal_jax.rollout.client import RolloutClient
+    from areal_jax.rollout.evaluate import evaluate_prompts
+    from areal_jax.rollout.workflows import SamplingConfig
+    from areal_jax.trainer_setup import TrainerError, resolve_dataset, resolve_model_path
+
+    tmp = tempfile.TemporaryDirectory(prefix="areal-eval-")
+    try:
+        if args.ckpt:
+            from areal_jax.checkpoint import TrainCheckpointer
+            from areal_jax.checkpoint.publish import params_to_hf_dir
+
+            ck = TrainCheckpointer(args.ckpt, read_only=True)
+            params, _, meta = ck.restore(args.step)
+            model_dir = Path(tmp.name) / "model"
+            params_to_hf_dir(params, meta["model_config"], model_dir,
+                             tokenizer_dir=args.tokenizer)
+            ck.close()
+        else:
+            model_dir = resolve_model_path(args.model)
+        tok_dir = Path(args.tokenizer) if args.tokenizer else model_dir
+        tokenizer = load_tokenizer(tok_dir)
+        data_path = resolve_dataset(args.data, Path(tmp.name), "--data")
+        rows = read_records(data_path)[: args.max_prompts or None]
+        items = []
+        for r in rows:
+            if args.prompt_key not in r or args.answer_key not in r:
+                raise TrainerError(f"{args.data}: rows need keys {args.prompt_key!r} and "
+                                   f"{args.answer_key!r}; got {sorted(r)}")
+            items.append({**r, "prompt": r[args.prompt_key], "answer": r[args.answer_key]})
+        reward = reward_fn_spec(args.reward)
+    except (TrainerError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    handles = []
+    servers = list(args.server)
+    if not servers:
+        from areal_jax.engine.launch import launch_server
+
+        handles.append(launch_server(model_dir, max_slots=args.max_slots,
+                                     max_seq_len=args.max_seq_len))
+        servers = [handles[0].url]
+    try:
+        sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+
+        async def run() -> dict:
+            client = RolloutClient(servers)
+            try:
+                return await evaluate_prompts(client, items, tokenizer=tokenizer, reward_fn=reward,
+                                              sampling=sampling, n_samples=args.n_samples,
+                                              seed=args.seed)
+            finally:
+                await client.aclose()
+
+        result = asyncio.run(run())
+    finally:
+        for h in handles:
+            h.terminate()
+        tmp.cleanup()
+    result.update({"model": args.model or args.ckpt, "data": args.data, "temperature": args.temperature})
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
