@@ -327,8 +327,11 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
         mesh = make_mesh(cfg.mesh)
         optim = OptimizerConfig.from_section(cfg.optim, total_steps=cfg.train.total_versions
                                              * cfg.algo.ppo_n_minibatches)
+        seq_norm = (float(cfg.rollout.max_new_tokens) if cfg.algo.agg_mode == "seq-mean-token-sum"
+                    else None)  # Dr.GRPO: a constant normaliser, the max generation length
         ppo = PPOConfig.from_algo(cfg.algo, temperature=cfg.rollout.temperature,
-                                  logp_chunk_size=cfg.train.logp_chunk_size)
+                                  logp_chunk_size=cfg.train.logp_chunk_size,
+                                  seq_token_sum_normalizer=seq_norm)
     except ValueError as e:
         raise TrainerError(str(e)) from None
     learner = Learner.from_hf(str(model_path), optim, ppo, mesh=mesh, compute_dtype=cfg.model.dtype,
@@ -336,7 +339,8 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
     ref_learner = None
     if cfg.algo.kl_coef > 0:
         ref_learner = Learner.from_hf(str(model_path), optim, ppo, mesh=mesh,
-                                      compute_dtype=cfg.model.dtype, remat=cfg.model.remat)
+                                      compute_dtype=cfg.model.dtype, remat=cfg.model.remat,
+                                      trainable=False)
 
     checkpointer = TrainCheckpointer(str(ckpt_dir), keep=cfg.checkpoint.keep,
                                      async_save=cfg.checkpoint.async_save)

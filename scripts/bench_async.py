@@ -1,0 +1,136 @@
+"""async-vs-sync: the same config trained synchronously and asynchronously, one after the other.
+
+    python scripts/bench.py async-vs-sync --config configs/tiny_demo.yaml [--versions 40] [key=value ...]
+
+Runs, each as its own ``scripts/train.py`` process (fresh run dirs under ``--work-dir``):
+
+1. ``sync``: mode=sync (eta = 0, no overlap). Generation and training alternate, so each
+   phase may use both CPU cores: no core pinning.
+2. ``async``: mode=async with the config's eta; the rollout server is pinned to core 0
+   and the learner to core 1 (``rollout.server_cpu_cores`` / ``learner_cpu_cores``), so
+   the two overlap without competing.
+3. ``async-nointerrupt`` (unless ``--skip-nointerrupt``): as 2 with
+   ``rollout.interruptible=false``: a weight update waits for in-flight requests.
+
+Effective throughput is trajectory tokens consumed by the learner per wall second,
+measured between the end of the first version (so start-up and compilation are
+excluded equally) and the end of the last. The overlap bound is computed from the sync
+run's measured components: T_gen (the learner's wait for a batch) and T_train (the
+rest of a version), bound = (T_gen + T_train) / max(T_gen, T_train).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", required=True)
+    p.add_argument("--versions", type=int, default=None, help="train.total_versions (default: config)")
+    p.add_argument("--work-dir", default="bench_results/async_vs_sync")
+    p.add_argument("--skip-nointerrupt", action="store_true")
+    p.add_argument("--server-cores", default="0", help="async runs: server cores, e.g. 0")
+    p.add_argument("--learner-cores", default="1", help="async runs: learner cores, e.g. 1")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
+
+
+def train_run(config: str, overrides: list[str], run_dir: Path, log_path: Path,
+              timeout_s: float = 7200) -> list[dict]:
+    """One scripts/train.py run in a fresh run dir; returns its metrics rows."""
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    cmd = [sys.executable, str(REPO / "scripts" / "train.py"), "--config", config, "--no-resume",
+           f"run_dir={run_dir}", "progress_bar=false", *overrides]
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with log_path.open("w") as log:
+        res = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                             timeout=timeout_s)
+    if res.returncode != 0:
+        tail = log_path.read_text()[-3000:]
+        raise RuntimeError(f"training run failed (exit {res.returncode}); log {log_path}:\n{tail}")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    print(f"  {run_dir.name}: {len(rows)} rows in {time.time() - t0:.0f}s", flush=True)
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Throughput between the first and last version, final accuracy, phase times."""
+    train_rows = [r for r in rows if "reward_mean" in r]
+    evals = [r for r in rows if "eval_accuracy" in r]
+    first, last = train_rows[0], train_rows[-1]
+    dt = last["wall_time_s"] - first["wall_time_s"]
+    dtok = last["tokens_consumed"] - first["tokens_consumed"]
+    steady = train_rows[1:]
+    wait = float(np.mean([r["rollout_wait_s"] for r in steady]))
+    version_time = float(np.mean([r["step_time_s"] for r in steady]))
+    return {
+        "tokens_per_s": dtok / max(dt, 1e-9),
+        "versions": len(train_rows),
+        "wall_s": last["wall_time_s"],
+        "final_eval_accuracy": evals[-1]["eval_accuracy"] if evals else float("nan"),
+        "initial_eval_accuracy": evals[0]["eval_accuracy"] if evals else float("nan"),
+        "reward_last5": float(np.mean([r["reward_mean"] for r in train_rows[-5:]])),
+        "t_gen_s": wait,
+        "t_train_s": max(version_time - wait, 0.0),
+        "version_time_s": version_time,
+        "staleness_mean": float(np.nanmean([r.get("staleness_mean", np.nan) for r in steady])),
+    }
+
+
+def run(args) -> dict:
+    work = Path(args.work_dir)
+    common = list(args.overrides)
+    if args.versions:
+        common.append(f"train.total_versions={args.versions}")
+    pin = [f"rollout.server_cpu_cores=[{args.server_cores}]",
+           f"rollout.learner_cpu_cores=[{args.learner_cores}]"]
+    unpinned = ["rollout.server_cpu_cores=null", "rollout.learner_cpu_cores=null"]
+    runs = {
+        "sync": common + ["mode=sync", *unpinned],
+        "async": common + ["mode=async", *pin],
+    }
+    if not args.skip_nointerrupt:
+        runs["async-nointerrupt"] = common + ["mode=async", "rollout.interruptible=false", *pin]
+    results = {}
+    for name, overrides in runs.items():
+        print(f"running {name} ...", flush=True)
+        rows = train_run(args.config, overrides, work / name, work / f"{name}.log")
+        results[name] = summarize(rows)
+    sync = results["sync"]
+    bound = (sync["t_gen_s"] + sync["t_train_s"]) / max(sync["t_gen_s"], sync["t_train_s"], 1e-9)
+    columns = ["run", "tokens/s", "speedup vs sync", "final eval acc", "initial eval acc",
+               "version time s", "T_gen s", "T_train s", "staleness mean"]
+    table = []
+    for name, r in results.items():
+        table.append([name, r["tokens_per_s"], r["tokens_per_s"] / sync["tokens_per_s"],
+                      r["final_eval_accuracy"], r["initial_eval_accuracy"], r["version_time_s"],
+                      r["t_gen_s"], r["t_train_s"], r["staleness_mean"]])
+    speedup = results["async"]["tokens_per_s"] / sync["tokens_per_s"]
+    summary = {
+        "async_over_sync": speedup,
+        "overlap_bound": bound,
+        "async_fraction_of_bound": speedup / bound,
+        "accuracy_sync": sync["final_eval_accuracy"],
+        "accuracy_async": results["async"]["final_eval_accuracy"],
+        "core_allocation": f"sync: unpinned (phases alternate on both cores); async: server "
+                           f"cores [{args.server_cores}], learner cores [{args.learner_cores}]",
+    }
+    if "async-nointerrupt" in results:
+        summary["interruption_gain"] = (results["async"]["tokens_per_s"]
+                                        / results["async-nointerrupt"]["tokens_per_s"])
+    return {"title": "async vs sync (effective training throughput)", "columns": columns,
+            "rows": table, "summary": summary, "runs": results}
