@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -119,6 +120,18 @@ def test_hangs_do_not_block_other_calls():
         assert results[0] is None and results[1:] == [float(i * i) for i in range(10)]
 
 
+def test_workers_outlive_the_thread_that_started_them():
+    with RewardPool(num_workers=1, timeout_s=5.0) as pool:
+        box = {}
+        t = threading.Thread(target=lambda: box.update(pid=int(pool.score_sync(worker_pid))))
+        t.start()
+        t.join()
+        time.sleep(1.5)  # the starting thread is gone
+        assert pid_alive(box["pid"])
+        assert int(pool.score_sync(worker_pid)) == box["pid"]
+        assert pool.metrics()["crashes"] == 0
+
+
 def test_unusable_functions_raise_clear_errors(pool):
     with pytest.raises(TypeError, match="cannot be pickled"):
         pool.score_sync(lambda x: x, 1.0)
@@ -149,3 +162,12 @@ def test_workers_die_with_their_parent(tmp_path):
         assert not pid_alive(pid)
     finally:
         proc.kill()
+
+
+def test_importing_the_function_does_not_count_against_the_timeout(tmp_path, monkeypatch):
+    (tmp_path / "slow_import_reward.py").write_text(
+        "import time\ntime.sleep(2.0)\n\ndef fast(x):\n    return x + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # workers inherit the parent's sys.path
+    with RewardPool(num_workers=1, timeout_s=1.0) as pool:
+        assert pool.score_sync("slow_import_reward:fast", 1.0) == 2.0
+        assert pool.metrics()["timeouts"] == 0

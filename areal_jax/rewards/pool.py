@@ -7,6 +7,8 @@
 ``score`` never raises for a bad sample: an exception in the reward function, a result
 that is not a finite number, a worker that dies (segfault, ``os._exit``) or a call that
 runs past ``timeout_s`` all give None and are counted in :meth:`RewardPool.metrics`.
+The timeout covers the call itself; importing the function's module in a fresh worker
+(at most ``startup_timeout_s``) is not counted against it.
 A worker that times out is SIGKILLed and replaced. Reward functions must be picklable
 (defined at module level) or given as ``"module:function"`` strings.
 
@@ -24,7 +26,6 @@ import logging
 import math
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -57,31 +58,44 @@ def resolve_reward_fn(spec: RewardFn) -> Callable[..., Any]:
     return fn
 
 
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(0)
+
+
 def _worker_main(fd: int, parent_pid: int, preload: tuple[str, ...] = ()) -> None:
     """Runs in the worker process: (fn, args, kwargs) in, ("ok", float) | ("err", str) out."""
-    if sys.platform == "linux":  # die with the parent, even on SIGKILL
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-        if os.getppid() != parent_pid:
-            return
+    if os.getppid() != parent_pid:
+        return
+    # Die with the parent, even when it is SIGKILLed. (PR_SET_PDEATHSIG would fire when the
+    # *thread* that started this worker exits, e.g. an executor loop thread being restarted.)
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     conn = Connection(fd)
     for module_name in preload:
         importlib.import_module(module_name)
     conn.send(("ready", None))
     while True:
         try:
-            msg = conn.recv()
+            msg = conn.recv()  # unpickling imports the reward function's module
         except (EOFError, OSError):
             return
+        except Exception as e:  # noqa: BLE001 - e.g. the function's module cannot be imported
+            conn.send(("started", None))
+            conn.send(("err", f"cannot load the reward function: {type(e).__name__}: {e}"))
+            continue
         if msg is None:
             return
         fn_spec, args, kwargs = msg
         try:
-            value = float(resolve_reward_fn(fn_spec)(*args, **kwargs))
+            fn = resolve_reward_fn(fn_spec)
+        except Exception as e:  # noqa: BLE001
+            conn.send(("started", None))
+            conn.send(("err", f"{type(e).__name__}: {e}"))
+            continue
+        conn.send(("started", None))  # the timeout runs from here: loading is not counted
+        try:
+            value = float(fn(*args, **kwargs))
             if not math.isfinite(value):
                 raise ValueError(f"reward is not finite: {value}")
             reply = ("ok", value)
@@ -227,7 +241,10 @@ class RewardPool:
             if not worker.ready:
                 await self._start(worker)
             worker.conn.send_bytes(payload)
-            status, value = await _recv(worker, self.timeout_s)
+            # first "started" (after the worker has imported the function), then the result
+            status, value = await _recv(worker, self.startup_timeout_s)
+            if status == "started":
+                status, value = await _recv(worker, self.timeout_s)
         except TimeoutError:
             self._record_error("timeouts", f"{_name(fn)} ran past {self.timeout_s}s; "
                                            "worker killed")

@@ -133,6 +133,7 @@ class RolloutExecutor:
         self._exhausted = prompts is None  # without prompts only rollout_batch works
         self._paused = False
         self._stopping = False
+        self._close_client = False
         self._error: BaseException | None = None
         self._counts: Counter[str] = Counter()
         self._staleness_hist: Counter[int] = Counter()
@@ -161,11 +162,16 @@ class RolloutExecutor:
         ready.wait()
         return self
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Cancels in-flight runs (they stay recorded, so a later state_dict replays them)."""
+    def stop(self, timeout: float = 30.0, close_client: bool = False) -> None:
+        """Cancels in-flight runs (they stay recorded, so a later state_dict replays them).
+
+        ``close_client`` also awaits ``client.aclose()`` on the executor's loop, where the
+        client's connections live.
+        """
         if self._thread is None:
             return
         with self._cond:
+            self._close_client = close_client
             self._stopping = True
             self._cond.notify_all()
         self._wake()
@@ -206,6 +212,11 @@ class RolloutExecutor:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._close_client and hasattr(self.client, "aclose"):
+            try:
+                await self.client.aclose()
+            except Exception:  # noqa: BLE001 - closing is best effort
+                logger.exception("closing the rollout client failed")
 
     def _wake(self) -> None:
         loop, event = self._loop, self._wakeup
