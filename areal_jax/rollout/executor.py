@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import threading
 import time
@@ -59,12 +58,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from areal_jax.rewards.pool import RewardPool
+from areal_jax.rollout.executor_state import (
+    AcceptedGroup,
+    executor_state_dict,
+    load_executor_state,
+)
 from areal_jax.rollout.types import Trajectory
 from areal_jax.rollout.workflows import WorkflowContext, as_workflow_fn
 
 logger = logging.getLogger(__name__)
 
-STATE_FORMAT = 1
 _MAX_LOGGED_TRACEBACKS = 5
 
 
@@ -79,18 +82,6 @@ class _Run:
     attempt: int
     start_version: int
     task: asyncio.Task | None = None
-
-
-@dataclass
-class _Accepted:
-    seq: int
-    start_version: int
-    item: dict[str, Any]
-    group: list[Trajectory]
-
-    @property
-    def order(self) -> tuple[int, int]:
-        return (self.start_version, self.seq)
 
 
 class RolloutExecutor:
@@ -129,7 +120,7 @@ class RolloutExecutor:
         self._next_seq = 0
         self._running: dict[int, _Run] = {}
         self._pending: deque[tuple[dict[str, Any], int]] = deque()  # (item, attempt)
-        self._accepted: list[_Accepted] = []
+        self._accepted: list[AcceptedGroup] = []
         self._exhausted = prompts is None  # without prompts only rollout_batch works
         self._paused = False
         self._stopping = False
@@ -314,7 +305,7 @@ class RolloutExecutor:
                 self._counts["rejected"] += 1
             else:
                 _stamp_group(group, run)
-                self._accepted.append(_Accepted(run.seq, run.start_version, run.item, group))
+                self._accepted.append(AcceptedGroup(run.seq, run.start_version, run.item, group))
                 self._gate_accepted += 1
                 self._counts["accepted"] += 1
             self._cond.notify_all()
@@ -505,72 +496,11 @@ class RolloutExecutor:
 
     def state_dict(self) -> dict[str, Any]:
         """A JSON-serialisable snapshot (see "Checkpoints" in the module doc)."""
-        with self._cond:
-            iterator_state = None
-            if self._prompts is not None:
-                get_state = getattr(self._prompts, "get_state", None)
-                if get_state is None:
-                    raise TypeError("the prompt iterator has no get_state(); use a grain "
-                                    "DatasetIterator (iter(load_prompt_dataset(...)))")
-                iterator_state = get_state()
-            in_flight = [{"item": r.item, "attempt": r.attempt}
-                         for r in sorted(self._running.values(), key=lambda r: r.seq)]
-            in_flight += [{"item": item, "attempt": attempt} for item, attempt in self._pending]
-            state = {
-                "format": STATE_FORMAT,
-                "version": self._version,
-                "base_version": self._base_version,
-                "next_seq": self._next_seq,
-                "gate_accepted": self._gate_accepted,
-                "counts": dict(self._counts),
-                "staleness_hist": {str(k): v for k, v in self._staleness_hist.items()},
-                "prompt_iterator": iterator_state,
-                "prompts_exhausted": self._exhausted,
-                "accepted": [{"seq": a.seq, "start_version": a.start_version, "item": a.item,
-                              "group": [t.to_dict() for t in a.group]}
-                             for a in sorted(self._accepted, key=lambda a: a.order)],
-                "in_flight": in_flight,
-            }
-        try:
-            json.dumps(state)
-        except TypeError as e:
-            raise TypeError(f"executor state is not JSON-serialisable ({e}); prompt items and "
-                            "Trajectory.info must hold only JSON types") from e
-        return state
+        return executor_state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a :meth:`state_dict` snapshot into this (not yet started) executor."""
-        if self._thread is not None:
-            raise RuntimeError("load_state_dict must be called before start()")
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"executor state has format {state.get('format')!r}, "
-                             f"this version reads {STATE_FORMAT}")
-        missing = {"version", "base_version", "next_seq", "counts", "prompt_iterator",
-                   "accepted", "in_flight"} - set(state)
-        if missing:
-            raise KeyError(f"executor state lacks keys {sorted(missing)}")
-        if state["prompt_iterator"] is not None:
-            set_state = getattr(self._prompts, "set_state", None)
-            if set_state is None:
-                raise TypeError("the executor state holds a prompt-iterator state, but this "
-                                "executor's prompt iterator has no set_state()")
-            set_state(state["prompt_iterator"])
-        with self._cond:
-            self._version = int(state["version"])
-            self._base_version = int(state["base_version"])
-            self._next_seq = int(state["next_seq"])
-            self._counts = Counter(state["counts"])
-            self._staleness_hist = Counter({int(k): v for k, v in
-                                            state.get("staleness_hist", {}).items()})
-            self._exhausted = bool(state.get("prompts_exhausted", False))
-            self._accepted = [_Accepted(a["seq"], a["start_version"], a["item"],
-                                        [Trajectory.from_dict(t) for t in a["group"]])
-                              for a in state["accepted"]]
-            self._pending = deque((f["item"], int(f["attempt"])) for f in state["in_flight"])
-            self._running = {}
-            self._gate_accepted = int(state.get("gate_accepted", self._counts.get("consumed", 0)
-                                                + len(self._accepted)))
-            self._counts["replayed"] += len(self._pending)
+        load_executor_state(self, state)
 
 
 def _stamp_group(group: list[Trajectory], run: _Run) -> None:
