@@ -91,6 +91,47 @@ def apply_rope(x_btnd: Array, cos_btd: Array, sin_btd: Array) -> Array:
     return x_btnd * cos_btd[:, :, None, :] + rotated * sin_btd[:, :, None, :]
 
 
+# --------------------------------------------------------------------------- attention
+# Query rows per block in the cache-free path. Keys past a block's last row are masked
+# for every row of the block (causal), so each block only reads keys [0, block end):
+# about half the work of the full T x T product and a T/QUERY_CHUNK smaller score buffer.
+QUERY_CHUNK = 256
+
+
+def _attention(q_btkgd: Array, k_bskd: Array, v_bskd: Array, mask_bts: Array) -> Array:
+    """Grouped-query attention (KV heads not repeated), fp32 scores and softmax."""
+    scores_bkgts = jnp.einsum(
+        "btkgd,bskd->bkgts", q_btkgd, k_bskd, preferred_element_type=jnp.float32
+    )
+    scores_bkgts = jnp.where(mask_bts[:, None, None, :, :], scores_bkgts, _MASK_VALUE)
+    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(q_btkgd.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs_bkgts, v_bskd)
+
+
+def _causal_attention_chunked(
+    q_btkgd: Array, k_btkd: Array, v_btkd: Array, mask_bts: Array
+) -> Array:
+    """Self-attention whose mask is causal by token index (plus anything stricter, e.g.
+    segments), computed in query blocks in a head-major layout (faster on CPU)."""
+    t = q_btkgd.shape[1]
+    q_bkgtd = q_btkgd.transpose(0, 2, 3, 1, 4)
+    k_bksd = k_btkd.transpose(0, 2, 1, 3)
+    v_bksd = v_btkd.transpose(0, 2, 1, 3)
+    outs = []
+    for start in range(0, t, QUERY_CHUNK):
+        end = min(t, start + QUERY_CHUNK)
+        scores_bkgcs = jnp.einsum(
+            "bkgcd,bksd->bkgcs", q_bkgtd[:, :, :, start:end], k_bksd[:, :, :end],
+            preferred_element_type=jnp.float32,
+        )
+        mask_bcs = mask_bts[:, start:end, :end]
+        scores_bkgcs = jnp.where(mask_bcs[:, None, None], scores_bkgcs, _MASK_VALUE)
+        probs_bkgcs = jax.nn.softmax(scores_bkgcs, axis=-1).astype(q_btkgd.dtype)
+        outs.append(jnp.einsum("bkgcs,bksd->bkgcd", probs_bkgcs, v_bksd[:, :, :end]))
+    out_bkgtd = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+    return out_bkgtd.transpose(0, 3, 1, 2, 4)
+
+
 # --------------------------------------------------------------------------- layers
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, *, dtype: Any, param_dtype: Any):
@@ -175,12 +216,10 @@ class Attention(nnx.Module):
         groups = self.num_heads // self.num_kv_heads
         q_btkgd = q_bthd.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
         q_btkgd = q_btkgd * jnp.asarray(self.head_dim**-0.5, self.dtype)
-        scores_bkgts = jnp.einsum(
-            "btkgd,bskd->bkgts", q_btkgd, keys_bskd, preferred_element_type=jnp.float32
-        )
-        scores_bkgts = jnp.where(mask_bts[:, None, None, :, :], scores_bkgts, _MASK_VALUE)
-        probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(self.dtype)
-        out_btkgd = jnp.einsum("bkgts,bskd->btkgd", probs_bkgts, values_bskd)
+        if cache is None:
+            out_btkgd = _causal_attention_chunked(q_btkgd, keys_bskd, values_bskd, mask_bts)
+        else:
+            out_btkgd = _attention(q_btkgd, keys_bskd, values_bskd, mask_bts)
         out_bthd = out_btkgd.reshape(b, t, self.num_heads, self.head_dim)
         out_btd = jnp.einsum("bthd,hdD->btD", out_bthd, self.o_kernel_hkd[...].astype(self.dtype))
         return out_btd, cache
