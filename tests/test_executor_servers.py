@@ -9,11 +9,13 @@ import itertools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -358,6 +360,26 @@ def test_multi_turn_is_token_in_token_out(fleet, ckpts, tokenizer):
     # the model emitted ids the tokenizer cannot even decode; decoding and re-encoding the
     # earlier turns would have dropped them, so the equalities above are a real check
     assert outside_tokenizer > 0
+
+
+def test_rollout_doc_examples_run(fleet, ckpts, tmp_path):
+    """The ```python blocks of docs/readme/rollout.md, in order, against fleet[0]."""
+    reset_fleet(fleet, ckpts[0])
+    repo = Path(__file__).resolve().parent.parent
+    doc = (repo / "docs" / "readme" / "rollout.md").read_text()
+    code = "\n".join(re.findall(r"```python\n(.*?)```", doc, flags=re.DOTALL))
+    assert 'SERVER_URL = "http://127.0.0.1:30000"' in code and "MODEL_DIR = " in code
+    code = code.replace("http://127.0.0.1:30000", fleet[0].url)
+    code = code.replace('"areal_jax/data/assets/arith_sft"', repr(str(ckpts[0])))
+    code = code.replace("/tmp/arith_train.jsonl", str(tmp_path / "arith_train.jsonl"))
+    script = tmp_path / "doc_examples.py"
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script)], cwd=repo, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("version ") == 3 and "'consumed': 12" in out.stdout
+    # the custom workflow's groups (a prompt whose sample is empty is rejected by design)
+    assert re.search(r"^[ab] [01]\.0 \d+ tokens$", out.stdout, flags=re.MULTILINE)
 
 
 class RecordingWorkflow:

@@ -94,7 +94,7 @@ def test_workflow_constructors_validate():
         RLVRWorkflow(add_one, n_samples=0)
     with pytest.raises(ValueError, match="cannot import module 'no_such_mod_xyz'"):
         RLVRWorkflow("no_such_mod_xyz:fn")
-    with pytest.raises(ValueError, match="must be a callable or a 'module:function' string"):
+    with pytest.raises(ValueError, match="must be a callable, a .module:function. string"):
         RLVRWorkflow("not a spec")
     with pytest.raises(ValueError, match="MultiTurnWorkflow needs"):
         MultiTurnWorkflow(lambda item: None, max_turns=0)

@@ -41,12 +41,17 @@ RewardFn = Callable[..., float] | str
 
 
 def resolve_reward_fn(spec: RewardFn) -> Callable[..., Any]:
-    """A callable from a callable or a ``"module:function"`` string."""
+    """A callable from a callable, a ``"module:function"`` string or a short name (``"math"``)."""
     if callable(spec):
         return spec
+    from areal_jax.rewards import REWARD_FUNCTIONS
+
+    if isinstance(spec, str) and spec in REWARD_FUNCTIONS:
+        spec = REWARD_FUNCTIONS[spec]
     if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"reward function {spec!r} must be a callable or a 'module:function' "
-                         "string, e.g. 'areal_jax.rewards.math:math_reward'")
+        raise ValueError(f"reward function {spec!r} must be a callable, a 'module:function' "
+                         f"string (e.g. 'areal_jax.rewards.math:math_reward') or one of "
+                         f"{sorted(REWARD_FUNCTIONS)}")
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
