@@ -35,6 +35,7 @@ SUBCOMMANDS = {
     "async-vs-sync": "bench_async",
     "staleness": "bench_staleness",
     "losses": "bench_losses",
+    "executor": "bench_executor",
 }
 
 
