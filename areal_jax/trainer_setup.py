@@ -447,6 +447,7 @@ def _launch_servers(cfg: TrainConfig, weights: Path, version: int, run_dir: Path
         try:
             handle = launch_server(weights, max_slots=ro.max_slots, max_seq_len=ro.max_seq_len,
                                    cpu_affinity=ro.server_cpu_cores, api_key=ro.api_key,
+                                   warmup=True,  # compile every shape now, not mid-run
                                    log_path=logs / f"server{i}.log",
                                    extra_args=["--weight-version", str(version)])
         except ServerStartError as e:

@@ -34,7 +34,7 @@ def _env() -> dict[str, str]:
 
 
 def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=timeout, env=_env(),
+    return subprocess.run(TRAIN + SMALL + args, capture_output=True, text=True, timeout=timeout, env=_env(),
                           cwd=REPO)
 
 
@@ -97,11 +97,13 @@ def test_no_resume_refuses_existing_checkpoints(tmp_path):
 # ----------------------------------------------------------------------------- end to end
 def test_async_training_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
-    res = _run([f"run_dir={run_dir}", "train.total_versions=3", "checkpoint.every_versions=2",
-                "eval.at_end=true"])
+    # eta = 1: batches 1-2 may come from prompts submitted under v0, batch 3 onwards
+    # must have been (at least partly) generated under published weights v >= 1.
+    res = _run([f"run_dir={run_dir}", "train.total_versions=4", "checkpoint.every_versions=2",
+                "rollout.max_staleness=1", "eval.at_end=true"])
     assert res.returncode == 0, res.stderr[-4000:]
     rows = _rows(run_dir)
-    assert [r["version"] for r in rows] == [1, 2, 3]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]
     # Rewards are recorded and are real verifier rewards in [0, 1].
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
     assert all(r["n_trajectories"] == 16 for r in rows)
@@ -109,11 +111,12 @@ def test_async_training_end_to_end(tmp_path):
     # Weights were published for every version, and rollouts picked them up: a later batch
     # holds tokens generated under a version > 0.
     weights = sorted(p.name for p in (run_dir / "weights").iterdir() if p.name.startswith("v"))
-    assert "v3" in weights
-    assert max(r["token_version_max"] for r in rows) >= 1
-    # Checkpoint at version 2 (every 2) and at the end (3).
+    assert "v4" in weights
+    assert rows[2]["token_version_max"] >= 1 and rows[3]["token_version_max"] >= 1
+    assert max(r["staleness_max"] for r in rows) <= 1  # eta: the bound holds at training time
+    # Checkpoints every 2 versions (2 and 4).
     ckpts = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
-    assert ckpts == [2, 3]
+    assert ckpts == [2, 4]
     assert (run_dir / "config.yaml").exists()
     assert any((run_dir / "tensorboard").iterdir())
     # The learner trained: the loss is finite and gradients flowed.
@@ -124,7 +127,7 @@ def test_async_training_end_to_end(tmp_path):
 def test_resume_after_sigkill(tmp_path):
     run_dir = tmp_path / "run"
     args = [f"run_dir={run_dir}", "train.total_versions=5", "checkpoint.every_versions=1"]
-    proc = subprocess.Popen(TRAIN + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(TRAIN + SMALL + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env=_env(), cwd=REPO, start_new_session=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
