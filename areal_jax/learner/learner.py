@@ -84,7 +84,9 @@ class Learner:
 
     Args:
       model: a ``model_defs.CausalLM``; its params become the fp32 master weights (keep
-        ``param_dtype`` fp32 for bf16 compute with fp32 master weights).
+        ``param_dtype`` fp32 for bf16 compute with fp32 master weights). The learner takes
+        ownership of its arrays: ``train_step`` donates them, so use ``learner.model``
+        afterwards, not ``model``.
       model_cfg: its ``ModelConfig`` (kept for export).
       optim_cfg, ppo_cfg: see ``areal_jax.learner.config``.
       mesh: the device mesh (default: every device on the ``data`` axis).
