@@ -36,6 +36,8 @@ def main() -> None:
             results[f"step{step}_{k}"] = np.float64(metrics[k])
     for i, leaf in enumerate(run["params"]):
         results[f"param{i}"] = leaf
+    for i, leaf in enumerate(run["grads0"]):
+        results[f"grad{i}"] = leaf
     np.savez(f"{out}.{process_id}.npz", **results)
     print(f"process {process_id}: done", flush=True)
 

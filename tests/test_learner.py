@@ -63,6 +63,9 @@ def test_mesh_equivalence_with_one_device(spec):
     assert want["metrics"][0]["n_minibatches"] == 2
     assert abs(want["metrics"][1]["loss"] - want["metrics"][0]["loss"]) > 1e-4  # it trained
     np.testing.assert_allclose(got["logp0"], want["logp0"], rtol=1e-5, atol=1e-6)
+    for i, (g, w) in enumerate(zip(got["grads0"], want["grads0"], strict=True)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max(),
+                                   err_msg=f"{spec} grad {i}")
     for i, (g, w) in enumerate(zip(got["params"], want["params"], strict=True)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"{spec} param {i}")
 

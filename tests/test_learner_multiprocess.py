@@ -42,6 +42,9 @@ def test_two_processes_match_single_process(tmp_path):
                 np.testing.assert_allclose(got[f"step{step}_{k}"], metrics[k], rtol=1e-5,
                                            atol=1e-7, err_msg=f"process {pid} step {step} {k}")
         np.testing.assert_allclose(got["logp0"], want["logp0"], rtol=1e-5, atol=1e-6)
+        for i, w in enumerate(want["grads0"]):
+            np.testing.assert_allclose(got[f"grad{i}"], w, rtol=1e-5, atol=1e-5 * np.abs(w).max(),
+                                       err_msg=f"process {pid} grad {i}")
         for i, w in enumerate(want["params"]):
             np.testing.assert_allclose(got[f"param{i}"], w, rtol=1e-5, atol=1e-6,
                                        err_msg=f"process {pid} param {i}")
