@@ -101,7 +101,9 @@ def run_python(source: str, *, stdin: str = "", timeout_s: float = 5.0,
         cmd = [sys.executable, "-I", script]
         if _unshare_works():
             cmd = ["unshare", "-rn", *cmd]
-        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"}
+        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "PYTHONHASHSEED": "0", "LANG": "C.UTF-8",
+               # one BLAS thread: thread pools reserve address space that RLIMIT_AS counts
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             proc = subprocess.Popen(
                 cmd, cwd=tmp, env=env, stdin=subprocess.PIPE, stdout=out, stderr=err,
