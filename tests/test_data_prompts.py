@@ -154,3 +154,14 @@ def test_errors_name_the_problem(tmp_path, jsonl_path):
                    '{"question": "b", "answer": 2, "prompt_id": "x"}\n')
     with pytest.raises(ValueError, match="repeats prompt id 'x'"):
         load_prompt_dataset(str(dup), shard_index=0, shard_count=1)
+
+
+def test_gs_paths_without_gcsfs_say_what_is_missing():
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("gcsfs is installed; this checks the error without it")
+    with pytest.raises(ImportError, match=r"prompt dataset 'gs://bucket/train.jsonl'.*gcsfs"):
+        load_prompt_dataset("gs://bucket/train.jsonl", shard_index=0, shard_count=1)

@@ -52,7 +52,12 @@ def read_records(path: str) -> list[dict[str, Any]]:
     """Reads every row of one JSONL, JSON (a list of objects) or Parquet file."""
     suffix = _suffix(path)
     p = _open_path(path)
-    if not p.exists():
+    try:
+        exists = p.exists()
+    except ImportError as e:  # gs:// without gcsfs
+        raise ImportError(f"prompt dataset {path!r}: {e}. gs:// paths are read through "
+                          "etils.epath, which needs gcsfs and GCS credentials") from e
+    if not exists:
         raise FileNotFoundError(f"prompt dataset {path!r} does not exist")
     if suffix == ".parquet":
         import pyarrow.parquet as pq
