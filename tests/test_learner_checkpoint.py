@@ -16,7 +16,7 @@ def train(learner, batches):
 
 
 def test_restore_resumes_training_exactly(tmp_path):
-    learner = make_learner(make_mesh("fsdp=2", jax.devices()[:2]))
+    learner = make_learner(make_mesh("data=2,fsdp=4"))  # sharded state through Orbax
     batches = standard_batches()
     train(learner, batches)
     st = learner.state_dict()

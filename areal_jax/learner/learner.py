@@ -41,6 +41,7 @@ from areal_jax.learner.steps import (
 from areal_jax.parallel.mesh import make_mesh, n_batch_shards, put_batch, replicated
 from model_defs import CausalLM, ModelConfig, load_hf, param_shardings, use_mesh
 
+_JIT_CACHE: dict[tuple, Any] = {}
 MicroBatch = Any  # a PackedBatch or a Mapping[str, np.ndarray] of [R, L] arrays
 LOGP_KEYS = ("input_ids", "positions", "segment_ids")
 TRAIN_KEYS = tuple(PACKED_FIELDS)
@@ -171,27 +172,39 @@ class Learner:
         return jax.tree.unflatten(treedef, [one(x, s) for x, s in zip(leaves, flat_sh, strict=True)])
 
     # ------------------------------------------------------------------ compile
+    def _jit(self, kind: str, key: tuple, build: Any) -> Any:
+        """A jitted function shared by every learner with the same model graph, mesh, dtype,
+        config and XLA options (e.g. a policy and its frozen reference reuse one logprob
+        program instead of compiling it twice)."""
+        full_key = (kind, self._graphdef, self.mesh, str(self.compute_dtype),
+                    tuple(sorted(self._jit_options.get("compiler_options", {}).items())), *key)
+        if full_key not in _JIT_CACHE:
+            _JIT_CACHE[full_key] = build()
+        return _JIT_CACHE[full_key]
+
     def _compile(self) -> None:
         ppo = self.ppo_cfg
         param_sh, rep = self.param_shardings, replicated(self.mesh)
-        self._logp_fns: dict[float, Any] = {}
         opts = self._jit_options
-        self._denominator = jax.jit(make_denominator_fn(ppo), out_shardings=(rep, rep), **opts)
-        self._grad = jax.jit(make_grad_fn(self._graphdef, self.compute_dtype, ppo),
-                             donate_argnums=(2, 3), out_shardings=(param_sh, rep), **opts)
-        self._apply = jax.jit(make_apply_fn(self.tx), donate_argnums=(0, 1),
-                              out_shardings=(param_sh, self.opt_shardings, rep, rep), **opts
-                              ) if self.trainable else None
-        self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=param_sh,
-                              **opts)
+        self._denominator = self._jit("denominator", (ppo.agg_mode,), lambda: jax.jit(
+            make_denominator_fn(ppo), out_shardings=(rep, rep), **opts))
+        self._grad = self._jit("grad", (ppo,), lambda: jax.jit(
+            make_grad_fn(self._graphdef, self.compute_dtype, ppo), donate_argnums=(2, 3),
+            out_shardings=(param_sh, rep), **opts))
+        self._apply = self._jit("apply", (self.optim_cfg,), lambda: jax.jit(
+            make_apply_fn(self.tx), donate_argnums=(0, 1),
+            out_shardings=(param_sh, self.opt_shardings, rep, rep), **opts)
+        ) if self.trainable else None
+        self._zeros = self._jit("zeros", (), lambda: jax.jit(
+            lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=param_sh, **opts))
 
     def _logp_fn(self, temperature: float) -> Any:
-        if temperature not in self._logp_fns:
+        def build() -> Any:
             fn = make_logp_fn(self._graphdef, self.compute_dtype, temperature,
                               self.ppo_cfg.logp_chunk_size)
-            self._logp_fns[temperature] = jax.jit(lambda p, r, b: fn(p, r, b)[0],
-                                                  **self._jit_options)
-        return self._logp_fns[temperature]
+            return jax.jit(lambda p, r, b: fn(p, r, b)[0], **self._jit_options)
+
+        return self._jit("logp", (temperature, self.ppo_cfg.logp_chunk_size), build)
 
     # ------------------------------------------------------------------ data in/out
     def _check_micro_batches(self, micro_batches: Sequence[MicroBatch], keys: Sequence[str]
