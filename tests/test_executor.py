@@ -303,3 +303,9 @@ def test_bad_arguments_are_named():
     ex.set_version(3)
     with pytest.raises(ValueError, match="would go back from version 3"):
         ex.set_version(2)
+
+    async def nothing():
+        return None
+
+    with pytest.raises(RuntimeError, match="not running; call start"):
+        ex.run_coroutine(nothing())

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hf_fixtures import make_tiny_hf_checkpoint
+from test_rewards_pool import flaky_reward  # a light module: replaced reward workers start fast
 
 from areal_jax.data import builtin_task
 from areal_jax.data.prompts import load_prompt_dataset
@@ -32,19 +33,6 @@ from areal_jax.rollout.executor import PromptsExhausted, RolloutExecutor
 from areal_jax.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow, SamplingConfig
 
 BUILTIN_REWARD = "areal_jax.rewards.builtin:builtin_reward"
-
-
-def flaky_reward(completion: str, spec: str) -> float:
-    """The built-in verifier, except for prompts marked to make it raise or hang.
-
-    ``spec`` is ``"<answer>|ok"``, ``"<answer>|raise"`` or ``"<answer>|hang"``.
-    """
-    answer, mode = spec.split("|")
-    if mode == "raise":
-        raise RuntimeError("flaky reward raised")
-    if mode == "hang":
-        time.sleep(60)
-    return builtin_reward(completion, answer)
 
 
 def flaky_mode(i: int) -> str:
@@ -441,7 +429,12 @@ def test_no_loss_no_duplicates(n_prompts, fleet, tokenizer, tmp_path):
     async def random_aborts():
         rng = random.Random(0)
         while not stop_aborts.is_set():
-            await asyncio.sleep(rng.uniform(0.1, 0.4))
+            await asyncio.sleep(rng.uniform(0.05, 0.3))
+            for _ in range(100):  # abort while something is decoding, when it soon is
+                infos = await client.server_infos()
+                if any(i.get("num_running_reqs", 0) > 0 for i in infos if i.get("up")):
+                    break
+                await asyncio.sleep(0.01)
             await client.pause()  # in-flight requests return partial output as "abort"
             await asyncio.sleep(rng.uniform(0.0, 0.05))
             await client.continue_()

@@ -43,6 +43,20 @@ def worker_pid() -> float:
     return float(os.getpid())
 
 
+def flaky_reward(completion: str, spec: str) -> float:
+    """The built-in verifier, except for prompts marked to make it raise or hang (used by
+    test_executor_servers). ``spec`` is ``"<answer>|ok"``, ``"<answer>|raise"`` or
+    ``"<answer>|hang"``."""
+    from areal_jax.rewards.builtin import builtin_reward
+
+    answer, mode = spec.split("|")
+    if mode == "raise":
+        raise RuntimeError("flaky reward raised")
+    if mode == "hang":
+        time.sleep(60)
+    return builtin_reward(completion, answer)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -103,7 +103,6 @@ class RolloutExecutor:
         self.workflow = workflow
         self._workflow_fn = as_workflow_fn(workflow)
         self._prompts: Iterator[dict] | None = iter(prompts) if prompts is not None else None
-        self._prompts_source = prompts
         self.batch_size = batch_size
         self.max_concurrent = max_concurrent
         self.max_staleness = max_staleness
@@ -230,8 +229,10 @@ class RolloutExecutor:
         return self.submit_coroutine(coro).result(timeout)
 
     def submit_coroutine(self, coro: Coroutine) -> concurrent.futures.Future:
-        self.start()
-        assert self._loop is not None
+        """Schedules ``coro`` on the executor's loop; the executor must be running."""
+        if self._thread is None or self._loop is None:
+            coro.close()
+            raise RuntimeError("the rollout executor is not running; call start() first")
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     # --- the gate -----------------------------------------------------------------------
@@ -439,6 +440,7 @@ class RolloutExecutor:
         for i, item in enumerate(items):
             if not isinstance(item, dict) or "prompt_id" not in item:
                 raise TypeError(f"rollout_batch item {i} must be a dict with a 'prompt_id' key")
+        self.start()
         groups = self.run_coroutine(self._rollout_batch(items), timeout)
         return [g for g in groups if g is not None]
 
