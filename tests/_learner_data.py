@@ -3,6 +3,7 @@ trajectories, and a learner factory (everything seeded, so every process builds 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -12,6 +13,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from areal_jax.learner import Learner, OptimizerConfig, PPOConfig, pack_trajectories
+from areal_jax.parallel import local_batch_rows
 from areal_jax.rollout.types import Trajectory
 from model_defs import CausalLM, ModelConfig
 
@@ -93,11 +95,20 @@ def standard_batches() -> list:
     return pack_trajectories(trajs, random_advantages(STANDARD_SEED, trajs), **STANDARD_PACKING)
 
 
-def standard_run(mesh: Any, n_steps: int = 2) -> dict[str, Any]:
+def process_local(batches: list, rows: slice) -> list:
+    """This process's rows of every micro-batch (for ``process_local_batches=True``)."""
+    return [dataclasses.replace(b, placements=[], **{k: v[rows] for k, v in b.arrays().items()})
+            for b in batches]
+
+
+def standard_run(mesh: Any, n_steps: int = 2, process_local_batches: bool = False
+                 ) -> dict[str, Any]:
     """The gradient of the first minibatch, then ``n_steps`` train steps on the standard
     batches: metrics per step, logprobs and params afterwards."""
-    learner = make_learner(mesh)
+    learner = make_learner(mesh, process_local_batches=process_local_batches)
     batches = standard_batches()
+    if process_local_batches:
+        batches = process_local(batches, local_batch_rows(mesh, batches[0].shape[0]))
     _, grads = learner.compute_gradients([b for b in batches if b.minibatch_id == 0])
     grads0 = [to_host(g) for g in jax.tree.leaves(grads)]
     metrics = []

@@ -3,8 +3,9 @@
     python tests/_multihost_worker.py PROCESS_ID NUM_PROCESSES COORDINATOR_PORT OUT_NPZ
 
 Each process has 4 CPU devices; the two join through jax.distributed (gloo collectives)
-into one 8-device mesh data=2,fsdp=4, pack the same trajectories, and run two train steps.
-Every process writes its metrics and (gathered) params to OUT_NPZ.PROCESS_ID.npz.
+into one 8-device mesh data=2,fsdp=4, pack the same trajectories, and run two train steps:
+once passing the same global micro-batches everywhere, once passing each process only its
+own rows. Every process writes metrics and (gathered) params to OUT_NPZ.PROCESS_ID.npz.
 """
 
 import os
@@ -38,6 +39,13 @@ def main() -> None:
         results[f"param{i}"] = leaf
     for i, leaf in enumerate(run["grads0"]):
         results[f"grad{i}"] = leaf
+    # Each process feeds only its own rows (e.g. its own rollouts): same training.
+    local = standard_run(make_mesh("data=2,fsdp=4"), process_local_batches=True)
+    results["local_logp0"] = local["logp0"]  # this process's rows only
+    for step, metrics in enumerate(local["metrics"]):
+        results[f"local_step{step}_loss"] = np.float64(metrics["loss"])
+    for i, leaf in enumerate(local["params"]):
+        results[f"local_param{i}"] = leaf
     np.savez(f"{out}.{process_id}.npz", **results)
     print(f"process {process_id}: done", flush=True)
 

@@ -48,3 +48,11 @@ def test_two_processes_match_single_process(tmp_path):
         for i, w in enumerate(want["params"]):
             np.testing.assert_allclose(got[f"param{i}"], w, rtol=1e-5, atol=1e-6,
                                        err_msg=f"process {pid} param {i}")
+        # Process-local feeding: the same training; logprobs come back for own rows only.
+        for step, metrics in enumerate(want["metrics"]):
+            np.testing.assert_allclose(got[f"local_step{step}_loss"], metrics["loss"], rtol=1e-5)
+        rows = slice(4 * pid, 4 * pid + 4)  # process pid holds batch shards 4*pid .. 4*pid+3
+        np.testing.assert_allclose(got["local_logp0"], want["logp0"][rows], rtol=1e-5, atol=1e-6)
+        for i, w in enumerate(want["params"]):
+            np.testing.assert_allclose(got[f"local_param{i}"], w, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"process {pid} process-local param {i}")

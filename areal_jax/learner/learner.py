@@ -38,7 +38,13 @@ from areal_jax.learner.steps import (
     make_logp_fn,
     zero_sums,
 )
-from areal_jax.parallel.mesh import make_mesh, n_batch_shards, put_batch, replicated
+from areal_jax.parallel.mesh import (
+    batch_sharding,
+    make_mesh,
+    n_batch_shards,
+    put_batch,
+    replicated,
+)
 from model_defs import CausalLM, ModelConfig, load_hf, param_shardings, use_mesh
 
 _JIT_CACHE: dict[tuple, Any] = {}
@@ -98,12 +104,17 @@ class Learner:
         ``{"xla_backend_optimization_level": 0}`` to compile faster on CPU in tests.
       trainable: False for a frozen model that only computes logprobs (a reference
         policy): no optimizer state is allocated and ``train_step`` raises.
+      process_local_batches: with several processes, each passes micro-batches holding only
+        the rows of its own devices (``local_batch_rows``; e.g. its own trajectories packed
+        with ``n_shards`` = its local share of data x fsdp) instead of the same global
+        micro-batches everywhere; ``compute_logp`` then returns local rows too. Every process
+        must pass the same number of micro-batches of the same shape.
     """
 
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim_cfg: OptimizerConfig,
                  ppo_cfg: PPOConfig, *, mesh: Mesh | None = None, compute_dtype: Any = None,
                  remat: bool | None = None, compiler_options: dict[str, Any] | None = None,
-                 trainable: bool = True):
+                 trainable: bool = True, process_local_batches: bool = False):
         if not isinstance(optim_cfg, OptimizerConfig):
             raise TypeError(f"optim_cfg must be an OptimizerConfig, got {type(optim_cfg).__name__}")
         if not isinstance(ppo_cfg, PPOConfig):
@@ -116,6 +127,11 @@ class Learner:
             _set_compute_dtype(model, _parse_dtype(compute_dtype, "compute_dtype"))
         self.compute_dtype = jnp.dtype(model.dtype)
         self.n_batch_shards = n_batch_shards(self.mesh)
+        self.process_local_batches = process_local_batches
+        # Batch shards whose rows this process feeds (all of them unless process-local).
+        self.n_fed_shards = (len({i[0].start for i in batch_sharding(self.mesh, 1)
+                                  .addressable_devices_indices_map((self.n_batch_shards,))
+                                  .values()}) if process_local_batches else self.n_batch_shards)
         self._jit_options = {"compiler_options": compiler_options} if compiler_options else {}
 
         self._graphdef, params, self._rest = nnx.split(model, nnx.Param, ...)
@@ -143,12 +159,13 @@ class Learner:
     def from_hf(cls, path: str, optim_cfg: OptimizerConfig, ppo_cfg: PPOConfig, *,
                 mesh: Mesh | None = None, compute_dtype: Any = "float32",
                 remat: bool = False, compiler_options: dict[str, Any] | None = None,
-                trainable: bool = True) -> Learner:
+                trainable: bool = True, process_local_batches: bool = False) -> Learner:
         """Loads an HF checkpoint as fp32 master weights, placed directly on the mesh."""
         mesh = make_mesh("data=-1") if mesh is None else mesh
         model, cfg = load_hf(path, dtype="float32", mesh=mesh)
         return cls(model, cfg, optim_cfg, ppo_cfg, mesh=mesh, compute_dtype=compute_dtype,
-                   remat=remat, compiler_options=compiler_options, trainable=trainable)
+                   remat=remat, compiler_options=compiler_options, trainable=trainable,
+                   process_local_batches=process_local_batches)
 
     @staticmethod
     def _place(tree: Any, shardings: Any) -> Any:
@@ -216,11 +233,13 @@ class Learner:
             ids = _get(mb, "input_ids", i)
             if ids.ndim != 2:
                 raise ValueError(f"micro-batch {i}: input_ids has shape {ids.shape}; expected [R, L]")
-            if ids.shape[0] % self.n_batch_shards:
+            if ids.shape[0] % self.n_fed_shards:
+                what = ("this process's share of the mesh's data x fsdp" if
+                        self.process_local_batches else "the mesh's data x fsdp")
                 raise ValueError(
-                    f"micro-batch {i} has {ids.shape[0]} rows, not a multiple of the mesh's "
-                    f"data x fsdp = {self.n_batch_shards}; pack with rows_per_micro_batch a "
-                    f"multiple of {self.n_batch_shards}")
+                    f"micro-batch {i} has {ids.shape[0]} rows, not a multiple of {what} = "
+                    f"{self.n_fed_shards}; pack with rows_per_micro_batch a multiple of "
+                    f"{self.n_fed_shards}")
             if ids.size and (ids.min() < 0 or ids.max() >= vocab):
                 raise ValueError(f"micro-batch {i}: token ids span [{ids.min()}, {ids.max()}], "
                                  f"outside the model's vocabulary [0, {vocab})")
@@ -235,11 +254,16 @@ class Learner:
         for key in keys:
             arr = np.asarray(mb[key])
             dtype = np.int32 if np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool else np.float32
-            out[key] = put_batch(arr.astype(dtype, copy=False), self.mesh)
+            out[key] = put_batch(arr.astype(dtype, copy=False), self.mesh,
+                                 process_local=self.process_local_batches)
         return out
 
-    @staticmethod
-    def _to_host(x: jax.Array) -> np.ndarray:
+    def _to_host(self, x: jax.Array) -> np.ndarray:
+        """A batch-sharded result as numpy: all rows, or this process's rows when the
+        micro-batches are process-local."""
+        if self.process_local_batches:
+            shards = {s.index[0].start or 0: s.data for s in x.addressable_shards}
+            return np.concatenate([np.asarray(shards[k]) for k in sorted(shards)], axis=0)
         if x.is_fully_addressable:
             return np.asarray(x)
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
