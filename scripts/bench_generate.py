@@ -24,12 +24,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=32, help="concurrent requests")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=384)
-    parser.add_argument("--intermediate", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=704)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--torch-threads", default="auto",
+                        help="comma-separated torch thread counts to try, or 'auto' "
+                             "(1 and torch's default); the best one is the baseline")
     parser.add_argument("--decode-steps", type=int, default=None,
                         help="engine tokens per device call (default: engine default)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per system (median)")
@@ -53,30 +56,34 @@ def _make_model(args: argparse.Namespace, out_dir: Path) -> Path:
     return path
 
 
-def _bench_transformers(path: Path, prompts: np.ndarray, new_tokens: int, repeats: int
-                        ) -> dict[str, float]:
+def _bench_transformers(path: Path, prompts: np.ndarray, new_tokens: int, repeats: int,
+                        threads: int) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     input_ids = torch.tensor(prompts, dtype=torch.long)
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0,
                   attention_mask=torch.ones_like(input_ids))
     with torch.inference_mode():
         model.generate(input_ids, max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
-        ttfts, totals = [], []
+        ttfts, totals, cpus = [], [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
             model.generate(input_ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
             ttfts.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                  **kwargs)
             totals.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
             assert out.shape[1] == prompts.shape[1] + new_tokens
     total = statistics.median(totals)
-    return {"tokens_per_s": prompts.shape[0] * new_tokens / total, "total_s": total,
-            "ttft_s": statistics.median(ttfts)}
+    n_tokens = prompts.shape[0] * new_tokens
+    return {"tokens_per_s": n_tokens / total, "total_s": total,
+            "cpu_ms_per_token": statistics.median(cpus) / n_tokens * 1000,
+            "ttft_s": statistics.median(ttfts), "threads": threads}
 
 
 def _bench_engine(path: Path, prompts: np.ndarray, new_tokens: int, repeats: int,
@@ -98,17 +105,19 @@ def _bench_engine(path: Path, prompts: np.ndarray, new_tokens: int, repeats: int
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     try:
         engine.generate(prompts[0].tolist(), SamplingParams(max_new_tokens=4, temperature=0.0))
-        totals, ttfts = [], []
+        totals, ttfts, cpus = [], [], []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             reqs = [engine.submit(p.tolist(), params) for p in prompts]
             for r in reqs:
                 r.done.wait()
             totals.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
             ttfts.append(statistics.mean(r.first_token_time - r.arrival_time for r in reqs))
             assert all(len(r.output_ids) == new_tokens for r in reqs)
         total = statistics.median(totals)
         return {"tokens_per_s": batch * new_tokens / total, "total_s": total,
+                "cpu_ms_per_token": statistics.median(cpus) / (batch * new_tokens) * 1000,
                 "ttft_s": statistics.median(ttfts), "startup_s": startup_s,
                 "compiles_after_warmup": compiles_after_warmup,
                 "compiles_at_end": engine.num_compilations,
@@ -126,24 +135,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         vocab = ModelConfig.from_pretrained_dir(path).vocab_size
         prompts = rng.integers(3, vocab, size=(args.batch, args.prompt_len)).astype(np.int32)
         ours = _bench_engine(path, prompts, args.new_tokens, args.repeats, args.decode_steps)
-        theirs = _bench_transformers(path, prompts, args.new_tokens, args.repeats)
+        import torch
+
+        if args.torch_threads == "auto":
+            thread_counts = sorted({1, torch.get_num_threads()})
+        else:
+            thread_counts = [int(t) for t in args.torch_threads.split(",")]
+        peers = [_bench_transformers(path, prompts, args.new_tokens, args.repeats, t)
+                 for t in thread_counts]
+    theirs = max(peers, key=lambda r: r["tokens_per_s"])
     speedup = ours["tokens_per_s"] / theirs["tokens_per_s"]
-    rows = [
-        ["areal-jax engine", round(ours["tokens_per_s"], 1), round(ours["total_s"], 3),
-         round(ours["ttft_s"] * 1000, 1), ours["compiles_at_end"]],
-        ["transformers generate", round(theirs["tokens_per_s"], 1), round(theirs["total_s"], 3),
-         round(theirs["ttft_s"] * 1000, 1), "-"],
-    ]
+    cpu_speedup = min(r["cpu_ms_per_token"] for r in peers) / ours["cpu_ms_per_token"]
+    rows = [["areal-jax engine", round(ours["tokens_per_s"], 1), round(ours["total_s"], 3),
+             round(ours["cpu_ms_per_token"], 3), round(ours["ttft_s"] * 1000, 1),
+             ours["compiles_at_end"]]]
+    rows += [[f"transformers generate, torch {r['threads']} thread(s)",
+              round(r["tokens_per_s"], 1), round(r["total_s"], 3),
+              round(r["cpu_ms_per_token"], 3), round(r["ttft_s"] * 1000, 1), "-"]
+             for r in peers]
     return {
         "title": f"generate: batch {args.batch}, {args.new_tokens} new tokens, prompt "
                  f"{args.prompt_len}, greedy (Qwen2 h{args.hidden} L{args.layers} V{args.vocab})",
-        "columns": ["system", "tokens/s", "batch wall s", "TTFT ms", "compilations"],
+        "columns": ["system", "tokens/s", "batch wall s", "CPU ms/token", "TTFT ms",
+                    "compilations"],
         "rows": rows,
         "summary": {
             "speedup_vs_transformers": speedup,
+            "cpu_time_speedup_vs_transformers": cpu_speedup,
             "target_speedup": 5.0,
             "engine_tokens_per_s": ours["tokens_per_s"],
             "transformers_tokens_per_s": theirs["tokens_per_s"],
+            "transformers_best_threads": theirs["threads"],
             "engine_ttft_ms": ours["ttft_s"] * 1000,
             "transformers_ttft_ms": theirs["ttft_s"] * 1000,
             "engine_compilations_after_warmup": ours["compiles_after_warmup"],

@@ -17,7 +17,9 @@ class EngineConfig:
       max_seq_len: prompt + generated tokens per request (the context length).
       dtype: params and compute dtype; the KV cache uses it too unless cache_dtype is set.
       prefill_rows: prompts prefilled together in one call (fixed, padded with dummy rows).
-      decode_steps: tokens generated per slot per device call (1 = react every token).
+      decode_steps: tokens generated per slot per device call. More amortises the
+        per-call host work; a stop, abort or pause then takes effect up to this many
+        tokens late (extra tokens are discarded, never returned).
       seed: seeds the per-request seeds drawn for requests that send no sampling_seed.
       weight_version: reported in every response until an update changes it.
       warmup: compile every prefill bucket and the decode step at start-up.
@@ -29,7 +31,7 @@ class EngineConfig:
     dtype: str = "float32"
     cache_dtype: str | None = None
     prefill_rows: int = 4
-    decode_steps: int = 1
+    decode_steps: int = 8
     seed: int = 0
     weight_version: str = "0"
     warmup: bool = False

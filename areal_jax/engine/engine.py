@@ -269,6 +269,18 @@ class GenerationEngine:
 
         self._call(set_version)
 
+    def warmup(self) -> int:
+        """Compiles every prefill and decode shape now (on the engine thread, between
+        steps, once no request runs). Returns the compile count afterwards."""
+
+        def compile_all() -> int:
+            if any(s is not None for s in self._slots):
+                raise RuntimeError("warmup needs an idle engine")
+            self.runner.warmup()
+            return self.num_compilations
+
+        return self._call(compile_all)
+
     def flush_cache(self) -> bool:
         """Zeros the KV cache when nothing runs (no prefix cache to flush). False if busy."""
 
@@ -433,7 +445,10 @@ class GenerationEngine:
 
     def _decode(self) -> None:
         active = [s for s in self._slots if s is not None]
+        # The token each slot feeds next sits at position prompt_len + n_out - 1.
+        max_position = max(r.prompt_len + len(r.output_ids) - 1 for r in active)
         token_kb, logprob_kb = self.runner.decode(
+            self.runner.kv_bucket(max_position),
             any_truncation=any(r.params.truncates for r in active),
             any_random=any(not r.params.greedy for r in active))
         token_kb, logprob_kb = jax.device_get((token_kb, logprob_kb))

@@ -1,14 +1,16 @@
 """Device side of the engine: params, the slot KV cache, jitted prefill and decode.
 
-The cache holds one row per slot ([L, B_slots, S_max, K, Dh]). Besides the cache, the
+The cache holds one row per slot (see ``forward.SlotCache``). Besides the cache, the
 device keeps per-slot state (last token, its position, sampling parameters), so a decode
-step needs no host-to-device transfer at all and returns only the sampled tokens and
-their logprobs.
+step needs no host-to-device transfer and returns only the sampled tokens and their
+logprobs.
 
-Compiled shapes: one decode function (all slots, ``decode_steps`` tokens per call) and
-one prefill function per prompt-length bucket (``prefill_rows`` prompts at a time, padded
-with dummy rows). Weight swaps keep shapes, dtypes and shardings, so they never
-recompile. Every trace of a jitted function increments ``num_compilations``.
+Compiled shapes: one prefill function per prompt-length bucket (``prefill_rows`` prompts
+at a time, padded with dummy rows) and one decode function per attention-length bucket
+(all slots, ``decode_steps`` tokens per call, attending to the first ``kv_len`` cache
+positions). Both use the same power-of-two buckets up to max_seq_len. Weight swaps keep
+shapes, dtypes and shardings, so they never recompile. Every trace of a jitted function
+increments ``num_compilations``.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from areal_jax.engine.forward import decode_chunk, init_slot_cache, prefill_forward
 from areal_jax.engine.sampling import sample_tokens
-from model_defs.model import KVCache, init_cache
 
 MIN_PREFILL_BUCKET = 16
 
@@ -69,14 +71,15 @@ class ModelRunner:
         self.num_compilations = 0
         self.compiled: list[str] = []
         self._prefill = jax.jit(self._counted("prefill", self._prefill_impl), donate_argnums=(1, 2))
-        self._decode = jax.jit(self._counted("decode", self._decode_impl), donate_argnums=(1, 2))
+        self._decode = jax.jit(self._counted("decode", self._decode_impl), donate_argnums=(1, 2),
+                               static_argnums=(5,))
         self.reset()
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         """Fresh (zero) cache and slot state."""
         b = self.max_slots
-        self.cache = init_cache(self.cfg, b, self.max_seq_len, self.cache_dtype)
+        self.cache = init_slot_cache(self.cfg, b, self.max_seq_len, self.cache_dtype)
         self.slots = {
             "token": jnp.zeros((b,), jnp.int32),
             "position": jnp.zeros((b,), jnp.int32),
@@ -116,8 +119,10 @@ class ModelRunner:
     def _counted(self, name: str, fn: Callable) -> Callable:
         def traced(*args, **kwargs):
             self.num_compilations += 1
-            shapes = [tuple(a.shape) for a in args[3:4] if hasattr(a, "shape")]
-            self.compiled.append(f"{name}{shapes[0] if shapes else ''}")
+            if name == "prefill":
+                self.compiled.append(f"prefill(rows={args[3].shape[0]}, len={args[3].shape[1]})")
+            else:
+                self.compiled.append(f"decode(kv_len={args[5]}, steps={self.decode_steps})")
             return fn(*args, **kwargs)
 
         return traced
@@ -125,43 +130,30 @@ class ModelRunner:
     def _prefill_impl(self, state, cache, slots, prompt_pt, prompt_len_p, slot_p, temperature_p,
                       top_p_p, top_k_p, seed_p, any_truncation, any_random):
         model = nnx.merge(self.graphdef, state)
-        rows, bucket = prompt_pt.shape
-        positions_pt = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (rows, bucket))
-        row_cache = init_cache(self.cfg, rows, bucket, self.cache_dtype)
-        hidden_ptd, row_cache = model.hidden_states(prompt_pt, positions=positions_pt,
-                                                    cache=row_cache)
-        last_hidden_pd = jnp.take_along_axis(hidden_ptd, (prompt_len_p - 1)[:, None, None],
-                                             axis=1)[:, 0]
-        logits_pv = model.logits_from_hidden(last_hidden_pd[:, None, :])[:, 0]
+        logits_pv, cache = prefill_forward(model, prompt_pt, prompt_len_p, slot_p, cache)
         token_p, logprob_p = sample_tokens(logits_pv, temperature_p, top_p_p, top_k_p, seed_p,
                                            prompt_len_p, any_truncation, any_random)
-        # Rows whose slot is out of range (dummy padding rows) are dropped by the scatter.
-        cache = KVCache(
-            k=cache.k.at[:, slot_p, :bucket].set(row_cache.k, mode="drop"),
-            v=cache.v.at[:, slot_p, :bucket].set(row_cache.v, mode="drop"),
-        )
         updates = {"token": token_p, "position": prompt_len_p, "temperature": temperature_p,
                    "top_p": top_p_p, "top_k": top_k_p, "seed": seed_p}
+        # Rows whose slot is out of range (dummy padding rows) are dropped.
         slots = {k: v.at[slot_p].set(updates[k].astype(v.dtype), mode="drop")
                  for k, v in slots.items()}
         return cache, slots, token_p, logprob_p
 
-    def _decode_impl(self, state, cache, slots, any_truncation, any_random):
+    def _decode_impl(self, state, cache, slots, any_truncation, any_random, kv_len):
         model = nnx.merge(self.graphdef, state)
-        last_position = self.max_seq_len - 1
 
-        def one_step(carry, _):
-            cache, token_b, position_b = carry
-            logits_b1v, cache = model(token_b[:, None], positions=position_b[:, None], cache=cache)
-            next_position_b = jnp.minimum(position_b + 1, last_position)
-            new_token_b, logprob_b = sample_tokens(
-                logits_b1v[:, 0], slots["temperature"], slots["top_p"], slots["top_k"],
-                slots["seed"], position_b + 1, any_truncation, any_random)
-            return (cache, new_token_b, next_position_b), (new_token_b, logprob_b)
+        def choose(logits_bv, step, next_position_b):
+            token_b, logprob_b = sample_tokens(
+                logits_bv, slots["temperature"], slots["top_p"], slots["top_k"], slots["seed"],
+                next_position_b, any_truncation, any_random)
+            return token_b, (token_b, logprob_b)
 
-        (cache, token_b, position_b), (token_kb, logprob_kb) = jax.lax.scan(
-            one_step, (cache, slots["token"], slots["position"]), None, length=self.decode_steps)
-        slots = {**slots, "token": token_b, "position": position_b}
+        (token_kb, logprob_kb), cache = decode_chunk(
+            model, slots["token"], slots["position"], cache, kv_len, self.decode_steps, choose)
+        # Finished or free slots keep stepping until the host notices; keep them in range.
+        position_b = jnp.minimum(slots["position"] + self.decode_steps, self.max_seq_len - 1)
+        slots = {**slots, "token": token_kb[-1], "position": position_b}
         return cache, slots, token_kb, logprob_kb
 
     # ------------------------------------------------------------------ host API
@@ -197,16 +189,25 @@ class ModelRunner:
         token_p, logprob_p = jax.device_get((token_p, logprob_p))
         return token_p[: len(rows)], logprob_p[: len(rows)]
 
-    def decode(self, any_truncation: bool, any_random: bool) -> tuple[jax.Array, jax.Array]:
-        """Dispatches ``decode_steps`` steps over all slots; returns device arrays [k, B]."""
+    def kv_bucket(self, max_position: int) -> int:
+        """The attention-length bucket for a decode call whose highest active slot sits at
+        ``max_position`` (the call writes up to ``decode_steps`` more positions)."""
+        return bucket_for(min(max_position + self.decode_steps + 1, self.max_seq_len),
+                          self.buckets)
+
+    def decode(self, kv_len: int, any_truncation: bool, any_random: bool
+               ) -> tuple[jax.Array, jax.Array]:
+        """Dispatches ``decode_steps`` steps over all slots, attending to the first
+        ``kv_len`` cache positions; returns device arrays [k, B] (tokens, logprobs)."""
         self.cache, self.slots, token_kb, logprob_kb = self._decode(
-            self.state, self.cache, self.slots, np.bool_(any_truncation), np.bool_(any_random))
+            self.state, self.cache, self.slots, np.bool_(any_truncation), np.bool_(any_random),
+            kv_len)
         return token_kb, logprob_kb
 
     def warmup(self) -> None:
-        """Compiles the decode function and every prefill bucket, then clears the cache."""
+        """Compiles every prefill and decode bucket, then clears the cache."""
         for bucket in self.buckets:
             self.prefill(bucket, [{"input_ids": [0], "slot": 0, "temperature": 0.0,
                                    "top_p": 1.0, "top_k": -1, "seed": 0}], False, False)
-        jax.block_until_ready(self.decode(False, False))
+            jax.block_until_ready(self.decode(bucket, False, False))
         self.reset()

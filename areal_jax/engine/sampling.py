@@ -74,7 +74,6 @@ def sample_tokens(
     greedy_b = temperature_b <= 0.0
     safe_temperature_b = jnp.where(greedy_b, 1.0, temperature_b)
     scaled_bv = logits_bv / safe_temperature_b[:, None]
-    logprobs_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
     greedy_token_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
 
     def draw(scaled):
@@ -88,5 +87,7 @@ def sample_tokens(
 
     sampled_b = jax.lax.cond(any_random, draw, lambda s: greedy_token_b, scaled_bv)
     token_b = jnp.where(greedy_b, greedy_token_b, sampled_b)
-    logprob_b = jnp.take_along_axis(logprobs_bv, token_b[:, None], axis=-1)[:, 0]
+    # log_softmax(scaled)[token] without materialising the whole [B, V] log_softmax.
+    chosen_b = jnp.take_along_axis(scaled_bv, token_b[:, None], axis=-1)[:, 0]
+    logprob_b = chosen_b - jax.nn.logsumexp(scaled_bv, axis=-1)
     return token_b, logprob_b

@@ -196,7 +196,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float32")
     p.add_argument("--cache-dtype", choices=SUPPORTED_DTYPES, default=None)
     p.add_argument("--prefill-rows", type=int, default=4, help="prompts per prefill call")
-    p.add_argument("--decode-steps", type=int, default=1, help="tokens per slot per device call")
+    p.add_argument("--decode-steps", type=int, default=8, help="tokens per slot per device call")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--seed", type=int, default=0, help="seeds requests without sampling_seed")
     p.add_argument("--weight-version", default="0", help="initial weight_version (a string)")
