@@ -18,7 +18,6 @@ first or allowed to finish), so every response was produced by a single weight v
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -27,7 +26,6 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -35,6 +33,12 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.engine.config import EngineConfig
+from areal_jax.engine.model_dir import (
+    ModelPathError,
+    check_model_dir,
+    load_tokenizer,
+    read_eos_token_ids,
+)
 from areal_jax.engine.request import EngineRequest, SamplingParams
 from areal_jax.engine.runner import ModelRunner, bucket_for
 from model_defs import ModelConfig, load_hf
@@ -48,55 +52,6 @@ _UPDATE_IGNORED_CONFIG_KEYS = ("bos_token_id", "eos_token_id")
 
 class EngineRequestError(ValueError):
     """A request the engine cannot run (bad prompt, duplicate rid); maps to HTTP 400."""
-
-
-class ModelPathError(ValueError):
-    """A model directory that cannot be served (missing, no config.json, incompatible)."""
-
-
-def check_model_dir(path: str | Path) -> Path:
-    """Returns the path if it looks like an HF checkpoint directory, else raises ModelPathError."""
-    path = Path(path)
-    if not path.exists():
-        raise ModelPathError(f"model_path {path} does not exist")
-    if not path.is_dir():
-        raise ModelPathError(f"model_path {path} is not a directory")
-    if not (path / "config.json").is_file():
-        raise ModelPathError(f"model_path {path} has no config.json")
-    return path
-
-
-def read_eos_token_ids(path: Path, cfg: ModelConfig) -> tuple[int, ...]:
-    """EOS ids from config.json and generation_config.json (either may hold an int or list)."""
-    ids: list[int] = []
-
-    def add(value: Any) -> None:
-        if isinstance(value, int) and not isinstance(value, bool):
-            ids.append(value)
-        elif isinstance(value, list):
-            ids.extend(v for v in value if isinstance(v, int) and not isinstance(v, bool))
-
-    add(cfg.eos_token_id)
-    gen_cfg = path / "generation_config.json"
-    if gen_cfg.is_file():
-        try:
-            add(json.loads(gen_cfg.read_text()).get("eos_token_id"))
-        except (OSError, ValueError, AttributeError):
-            logger.warning("ignoring unreadable %s", gen_cfg)
-    return tuple(sorted(set(ids)))
-
-
-def _load_tokenizer(path: Path) -> Any:
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        return None
-    try:
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(str(tokenizer_file))
-    except Exception as e:  # noqa: BLE001 - text output is optional
-        logger.warning("could not load %s (%s); responses will have empty text", tokenizer_file, e)
-        return None
 
 
 class GenerationEngine:
@@ -116,7 +71,7 @@ class GenerationEngine:
         self.model_path = str(path)
         self.max_seq_len = max_seq_len
         self.eos_token_ids = read_eos_token_ids(path, cfg)
-        self.tokenizer = _load_tokenizer(path)
+        self.tokenizer = load_tokenizer(path)
         self.runner = ModelRunner(
             model,
             max_slots=config.max_slots,

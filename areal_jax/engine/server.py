@@ -48,18 +48,32 @@ def _error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
+class _ApiKeyMiddleware:
+    """Plain ASGI middleware (BaseHTTPMiddleware would hide client disconnects from the
+    /generate handler, which aborts requests whose client went away)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = _error(
+                    "missing or wrong API key (send 'Authorization: Bearer <key>')", 401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(engine: GenerationEngine, *, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``."""
     app = FastAPI(title="areal-jax generation engine", docs_url=None, redoc_url=None)
     app.state.engine = engine
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error("missing or wrong API key (send 'Authorization: Bearer <key>')", 401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):

@@ -1,0 +1,61 @@
+"""Reading what a served checkpoint directory holds besides weights: EOS ids, tokenizer."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from model_defs import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class ModelPathError(ValueError):
+    """A model directory that cannot be served (missing, no config.json, incompatible)."""
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """Returns the path if it looks like an HF checkpoint directory, else raises ModelPathError."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelPathError(f"model_path {path} does not exist")
+    if not path.is_dir():
+        raise ModelPathError(f"model_path {path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise ModelPathError(f"model_path {path} has no config.json")
+    return path
+
+
+def read_eos_token_ids(path: Path, cfg: ModelConfig) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (either may hold an int or list)."""
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            ids.append(value)
+        elif isinstance(value, list):
+            ids.extend(v for v in value if isinstance(v, int) and not isinstance(v, bool))
+
+    add(cfg.eos_token_id)
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.is_file():
+        try:
+            add(json.loads(gen_cfg.read_text()).get("eos_token_id"))
+        except (OSError, ValueError, AttributeError):
+            logger.warning("ignoring unreadable %s", gen_cfg)
+    return tuple(sorted(set(ids)))
+
+
+def load_tokenizer(path: Path) -> Any:
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(tokenizer_file))
+    except Exception as e:  # noqa: BLE001 - text output is optional
+        logger.warning("could not load %s (%s); responses will have empty text", tokenizer_file, e)
+        return None
