@@ -416,7 +416,7 @@ def test_no_loss_no_duplicates(n_prompts, fleet, tokenizer, tmp_path):
     client = RolloutClient([s.url for s in fleet], request_timeout=120,
                            health_check_interval=0.5, max_retries=5)
     inner = RLVRWorkflow(flaky_reward, n_samples=n_samples, tokenizer=tokenizer, answer_key="spec",
-                         gconfig=SamplingConfig(max_new_tokens=8))
+                         gconfig=SamplingConfig(max_new_tokens=40, ignore_eos=True))
     wf = RecordingWorkflow(inner, max_retries=2)
     prompts = load_prompt_dataset(str(data), seed=0, shard_index=0, shard_count=1)
     first_prompts = sorted(flaky)
@@ -424,19 +424,15 @@ def test_no_loss_no_duplicates(n_prompts, fleet, tokenizer, tmp_path):
     ex = RolloutExecutor(client, wf, itertools.islice(iter(prompts), n_prompts),
                          batch_size=B, max_concurrent=24, max_staleness=2, max_retries=2,
                          reward_pool=pool)
-    stop_aborts = asyncio.Event()
+    stop_aborts, aborted = asyncio.Event(), []
 
     async def random_aborts():
         rng = random.Random(0)
         while not stop_aborts.is_set():
-            await asyncio.sleep(rng.uniform(0.05, 0.3))
-            for _ in range(100):  # abort while something is decoding, when it soon is
-                infos = await client.server_infos()
-                if any(i.get("num_running_reqs", 0) > 0 for i in infos if i.get("up")):
-                    break
-                await asyncio.sleep(0.01)
-            await client.pause()  # in-flight requests return partial output as "abort"
-            await asyncio.sleep(rng.uniform(0.0, 0.05))
+            await asyncio.sleep(rng.uniform(0.01, 0.08))
+            replies = await client.pause()  # in-flight requests return partial output as abort
+            aborted.append(sum(r.get("num_aborted_requests", 0) for r in replies))
+            await asyncio.sleep(rng.uniform(0.0, 0.03))
             await client.continue_()
 
     consumed_groups, killed = [], False
@@ -477,7 +473,7 @@ def test_no_loss_no_duplicates(n_prompts, fleet, tokenizer, tmp_path):
     assert rejected == {p for p, mode in flaky.items() if mode != "ok"} - failed
     assert pool_m["errors"] >= 1 and pool_m["timeouts"] >= 1
     assert m["reward_failed_groups"] == len(rejected) > 0
-    assert sum(t.info["n_interruptions"] for t in trajs) > 0
+    assert sum(t.info["n_interruptions"] for t in trajs) > 0, aborted
     assert len(trajs) + n_samples * (len(rejected) + len(failed)) == n_samples * n_prompts
 
 
