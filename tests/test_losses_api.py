@@ -38,8 +38,9 @@ def test_import_pulls_in_only_jax_numpy_and_stdlib():
 
 
 def test_readme_example_runs():
-    text = (REPO / "docs" / "readme" / "losses.md").read_text()
-    assert "## Using the losses in your own JAX code" in text
+    readme = (REPO / "README.md").read_text()
+    assert "## Using the losses in your own JAX code" in readme
+    text = readme.split("## Using the losses in your own JAX code", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
     assert len(blocks) == 1
     result = _run(blocks[0])
