@@ -17,10 +17,10 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 MAX_SEQ_LEN = 32  # prefill/attention buckets 16 and 32
 
 
+@pytest.mark.slow  # Qwen2 is covered by the default tests/test_engine.py
 @pytest.mark.parametrize("arch,tie,extra", [
     ("qwen3", True, {}),
-    pytest.param("llama", False, {"rope_scaling": LLAMA3_SCALING, "rope_theta": 500000.0},
-                 marks=pytest.mark.slow),
+    ("llama", False, {"rope_scaling": LLAMA3_SCALING, "rope_theta": 500000.0}),
 ])
 def test_engine_matches_transformers_and_model_defs(tmp_path, arch, tie, extra):
     import torch
