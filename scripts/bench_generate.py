@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         path = Path(args.model_path) if args.model_path else _make_model(args, Path(tmp))
         from model_defs import ModelConfig
 
-        vocab = ModelConfig.from_pretrained_dir(path).vocab_size
+        model_cfg = ModelConfig.from_pretrained_dir(path)
+        vocab = model_cfg.vocab_size
         prompts = rng.integers(3, vocab, size=(args.batch, args.prompt_len)).astype(np.int32)
         ours = _bench_engine(path, prompts, args.new_tokens, args.repeats, args.decode_steps)
         import torch
@@ -155,7 +156,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              for r in peers]
     return {
         "title": f"generate: batch {args.batch}, {args.new_tokens} new tokens, prompt "
-                 f"{args.prompt_len}, greedy (Qwen2 h{args.hidden} L{args.layers} V{args.vocab})",
+                 f"{args.prompt_len}, greedy ({model_cfg.architecture} h{model_cfg.hidden_size} "
+                 f"L{model_cfg.num_hidden_layers} V{model_cfg.vocab_size})",
         "columns": ["system", "tokens/s", "batch wall s", "CPU ms/token", "TTFT ms",
                     "compilations"],
         "rows": rows,
