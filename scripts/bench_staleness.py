@@ -96,6 +96,8 @@ def _write_markdown(path: Path, columns, rows, initial: float, args) -> None:
     cmd = f"python scripts/bench.py staleness --config {args.config} --etas {args.etas} --seeds {args.seeds}"
     if args.versions:
         cmd += f" --versions {args.versions}"
+    if args.overrides:
+        cmd += " " + " ".join(args.overrides)
     text = (f"# Staleness ablation\n\nCommand: `{cmd}`\n\nEval accuracy before training: "
             f"{initial:.3f}.\n\n" + "\n".join(lines) + "\n")
     path.write_text(text)
