@@ -136,6 +136,7 @@ def check_batch(groups, v, eta, n_samples):
             tok_versions = t.versions[t.loss_mask == 1]
             assert len(tok_versions) > 0
             assert tok_versions.min() >= t.start_version and tok_versions.max() <= v
+            assert np.all(np.diff(tok_versions) >= 0)  # resumed under newer weights only
             assert np.all(t.versions[t.loss_mask == 0] == -1)
 
 
@@ -152,14 +153,13 @@ def test_staleness_bound_with_weight_updates_and_interruption(eta, fleet, ckpts,
     prompts = load_prompt_dataset(train_jsonl, seed=eta, shard_index=0, shard_count=1)
     ex = RolloutExecutor(client, wf, iter(prompts), batch_size=B, max_concurrent=32,
                          max_staleness=eta, reward_pool=reward_pool)
-    interrupted, mixed = 0, 0
+    interrupted = 0
     with ex:
         for v in range(n_versions):
             groups = ex.prepare_batch(timeout=120)
             check_batch(groups, v, eta, n)
             trajs = [t for g in groups for t in g]
             interrupted += sum(t.info["n_interruptions"] > 0 for t in trajs)
-            mixed += sum(len(set(t.versions[t.loss_mask == 1].tolist())) > 1 for t in trajs)
             if eta == 0:  # synchronous: generated entirely by the weights of version v
                 assert all(t.start_version == v and t.info["n_interruptions"] == 0 for t in trajs)
                 assert all(set(t.versions[t.loss_mask == 1].tolist()) == {v} for t in trajs)
@@ -171,7 +171,7 @@ def test_staleness_bound_with_weight_updates_and_interruption(eta, fleet, ckpts,
     assert m["stale_requeued"] == 0 and m["staleness_max"] <= eta
     if eta >= 1:  # overlap and interruption really happened
         assert m["staleness_max"] >= 1
-        assert interrupted > 0 and mixed > 0
+        assert interrupted > 0
 
 
 RESUME_SCRIPT = textwrap.dedent("""
