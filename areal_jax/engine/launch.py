@@ -151,8 +151,9 @@ def launch_server(
       wait: False returns at once; call ``wait_healthy([handle])`` later.
       compilation_cache_dir: JAX persistent compilation cache shared by servers that
         serve the same shapes (a restart or a second server then skips most compiling).
-      die_with_parent: on Linux the server gets SIGTERM when the launching thread's
-        process dies (also by SIGKILL), so a killed trainer leaves no orphan servers.
+      die_with_parent: the server shuts down when the launching process dies (also by
+        SIGKILL; it watches its parent pid), so a killed trainer leaves no orphan
+        servers. Launching from a thread that later exits is fine.
 
     Raises:
       ServerStartError: the process exited during start-up or was not healthy in time
@@ -180,8 +181,8 @@ def launch_server(
         cmd += ["--compilation-cache-dir", str(compilation_cache_dir)]
     cmd += list(extra_args)
 
-    # Affinity and the parent-death signal are applied by the server itself at start-up
-    # (no preexec_fn: Python code between fork and exec can deadlock a threaded parent).
+    # Affinity and the parent watch are set up by the server itself at start-up (no
+    # preexec_fn: Python code between fork and exec can deadlock a threaded parent).
     if cpu_affinity:
         cmd += ["--cpu-affinity", ",".join(str(c) for c in cpu_affinity)]
     if die_with_parent:

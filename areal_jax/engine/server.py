@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hmac
 import logging
 import os
 import signal
 import sys
+import threading
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,6 +43,7 @@ from areal_jax.engine.request import EngineRequest
 
 logger = logging.getLogger("areal_jax.engine.server")
 DISCONNECT_POLL_S = 1.0
+PARENT_POLL_S = 0.5
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
@@ -220,7 +222,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-affinity", default=None,
                    help="comma-separated CPU ids to run on (set before JAX starts its threads)")
     p.add_argument("--parent-pid", type=int, default=None,
-                   help="Linux: exit (SIGTERM) when this parent process dies, even by SIGKILL")
+                   help="shut down when this parent process dies, even by SIGKILL")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -233,13 +235,16 @@ def _apply_process_settings(cpu_affinity: str | None, parent_pid: int | None) ->
         except (ValueError, OSError) as e:
             raise ValueError(f"--cpu-affinity {cpu_affinity!r}: {e}") from None
     if parent_pid is not None:
-        with contextlib.suppress(OSError, AttributeError):
-            import ctypes
-
-            pr_set_pdeathsig = 1
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        if os.getppid() != parent_pid:
             raise SystemExit(f"parent process {parent_pid} is gone; not starting")
+
+        def watch_parent() -> None:  # orphaned: the parent process died (even by SIGKILL)
+            while os.getppid() == parent_pid:
+                time.sleep(PARENT_POLL_S)
+            logger.warning("parent process %d died; shutting down", parent_pid)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
