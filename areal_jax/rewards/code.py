@@ -108,11 +108,14 @@ def run_python(source: str, *, stdin: str = "", timeout_s: float = 5.0,
             proc = subprocess.Popen(
                 cmd, cwd=tmp, env=env, stdin=subprocess.PIPE, stdout=out, stderr=err,
                 start_new_session=True,
-                preexec_fn=_limits(memory_mb, max(1, int(timeout_s + 0.999))),
+                preexec_fn=_limits(memory_mb, max(1, int(timeout_s + 0.999)) + 1),
             )
             try:
                 proc.communicate(stdin.encode(), timeout=timeout_s)
-                status = "ok" if proc.returncode == 0 else "error"
+                if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+                    status = "timeout"  # the CPU-time limit fired before the wall clock
+                else:
+                    status = "ok" if proc.returncode == 0 else "error"
             except subprocess.TimeoutExpired:
                 status = "timeout"
             finally:
