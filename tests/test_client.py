@@ -144,12 +144,16 @@ def test_interrupted_update_stitches_versions(servers, ckpt_a, ckpt_b):
     assert partial["meta_info"]["finish_reason"]["type"] == "abort"
     assert 0 < len(partial["output_ids"]) < n_new
     assert partial["meta_info"]["weight_version"] == "0"
+    assert sum(res.n_interruptions >= 1 for res in results) >= len(results) // 2
     for prompt, res in zip(prompts, results, strict=True):
         versions = np.asarray(res.output_versions)
         assert len(res.output_ids) == n_new and res.finish_reason == "length"
-        assert res.n_interruptions >= 1
         n_old = int((versions == 0).sum())
-        assert 0 < n_old < n_new and (versions[n_old:] == 1).all()  # 0...0 1...1
+        assert (versions[n_old:] == 1).all()  # 0...0 1...1
+        if res.n_interruptions == 0:  # not yet admitted at the pause: all under v1
+            assert n_old == 0
+            continue
+        assert 0 < n_old < n_new
         seq = prompt + res.output_ids
         lp_a = learner_logprobs(ckpt_a, seq, temperature)[len(prompt) - 1:]
         lp_b = learner_logprobs(ckpt_b, seq, temperature)[len(prompt) - 1:]
