@@ -35,7 +35,6 @@ from jax.sharding import Mesh
 
 from areal_jax.learner.config import OptimizerConfig, PPOConfig
 from areal_jax.learner.learner import LOGP_KEYS, Learner, MicroBatch, _get
-from areal_jax.learner.optimizer import learning_rate_at
 from areal_jax.learner.packing import PackedBatch, unpack_per_token
 from areal_jax.learner.steps import cast_params
 from areal_jax.learner.token_logp import predicted_mask, shift_right
@@ -280,19 +279,8 @@ class Critic(Learner):
         t0 = time.perf_counter()
         views = self._value_micro_batches(micro_batches, returns, old_values)
         groups = self.minibatches(views)
-        lrs = [learning_rate_at(self.optim_cfg, self.step + i) for i in range(len(groups))]
         version = jnp.asarray(self.version, jnp.float32)
-        per_step = []
-        with use_mesh(self.mesh):
-            for group in groups:
-                grads, sums = self._accumulate(group, VALUE_TRAIN_KEYS, version)
-                self.params, self.opt_state, grad_norm, applied = self._apply(
-                    self.params, self.opt_state, grads)
-                self.step += 1
-                per_step.append((sums, grad_norm, applied))
-            per_step = jax.device_get(per_step)
-        self.version += 1
-        metrics = self._metrics(per_step, lrs)
+        metrics = self._optimizer_steps(groups, VALUE_TRAIN_KEYS, version)
         metrics["step_time_s"] = time.perf_counter() - t0
         return metrics
 

@@ -325,8 +325,21 @@ class Learner:
         groups = self.minibatches(micro_batches)
         version = jnp.asarray(self.version if current_version is None else current_version,
                               jnp.float32)
-        lrs = [learning_rate_at(self.optim_cfg, self.step + i) for i in range(len(groups))]
+        metrics = self._optimizer_steps(groups, keys, version)
+        metrics["n_micro_batches"] = float(len(micro_batches))
+        metrics["step_time_s"] = time.perf_counter() - t0
+        metrics["tokens_per_s"] = metrics["n_tokens"] / max(metrics["step_time_s"], 1e-9)
+        return metrics
 
+    def _require_trainable(self, what: str) -> None:
+        if not self.trainable:
+            raise RuntimeError(f"Learner.{what}: this learner was built with trainable=False "
+                               "(a frozen reference model); it only computes logprobs")
+
+    def _optimizer_steps(self, groups: Sequence[Sequence[MicroBatch]], keys: Sequence[str],
+                         version: jax.Array) -> dict[str, float]:
+        """One AdamW step per minibatch group, then bump the version; returns the metrics."""
+        lrs = [learning_rate_at(self.optim_cfg, self.step + i) for i in range(len(groups))]
         per_step = []
         with use_mesh(self.mesh):
             for group in groups:
@@ -337,16 +350,7 @@ class Learner:
                 per_step.append((sums, grad_norm, applied))
             per_step = jax.device_get(per_step)
         self.version += 1
-        metrics = self._metrics(per_step, lrs)
-        metrics["n_micro_batches"] = float(len(micro_batches))
-        metrics["step_time_s"] = time.perf_counter() - t0
-        metrics["tokens_per_s"] = metrics["n_tokens"] / max(metrics["step_time_s"], 1e-9)
-        return metrics
-
-    def _require_trainable(self, what: str) -> None:
-        if not self.trainable:
-            raise RuntimeError(f"Learner.{what}: this learner was built with trainable=False "
-                               "(a frozen reference model); it only computes logprobs")
+        return self._metrics(per_step, lrs)
 
     def _train_keys(self) -> list[str]:
         keys = list(TRAIN_KEYS)
