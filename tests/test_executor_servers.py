@@ -433,6 +433,10 @@ def test_no_loss_no_duplicates(n_prompts, fleet, tokenizer, tmp_path):
         rng = random.Random(0)
         while not stop_aborts.is_set():
             await asyncio.sleep(rng.uniform(0.01, 0.08))
+            # Pause while requests are out (when rewards hang, the executor can sit idle at
+            # its staleness gate, and a pause then would interrupt nothing).
+            while not any(s.inflight for s in client.servers) and not stop_aborts.is_set():
+                await asyncio.sleep(0.002)
             replies = await client.pause()  # in-flight requests return partial output as abort
             aborted.append(sum(r.get("num_aborted_requests", 0) for r in replies))
             await asyncio.sleep(rng.uniform(0.0, 0.03))
