@@ -7,7 +7,7 @@ right, so that rewards are informative from the first batch. This script trains 
 split for a fixed number of steps, stopping early, on purpose, while accuracy is still
 low: the rest is RL's job.
 
-The SFT data is deliberately noisy: with ``--answer-noise 0.6``, 60% of the training
+The SFT data is deliberately noisy: with ``--answer-noise 0.7`` (the default), 70% of the training
 solutions end in a random wrong answer (the steps stay right). The warm start therefore
 knows the format and the arithmetic but often samples a wrong final answer; RL with
 the verifier's reward teaches it to trust its own steps. This is what pretraining on
@@ -137,13 +137,13 @@ def accuracy(model, items, temperature, key, max_new=48) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="areal_jax/data/assets/arith_sft")
-    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-prompts", type=int, default=128)
-    p.add_argument("--answer-noise", type=float, default=0.6,
+    p.add_argument("--answer-noise", type=float, default=0.7,
                    help="fraction of SFT solutions whose final answer is replaced by a random one")
     args = p.parse_args()
 

@@ -9,8 +9,12 @@ long tail of long answers exists::
     prompt:      Q:17+5-8=
     completion:  17+5=22;22-8=14;A:14<eos>
 
-Operands are 1..9 and running values stay in [0, 40] by default, so a tiny model
-learns the format in a short SFT and RL has room to improve accuracy.
+The first number is 0..40, later operands are 1..9, and running values stay in
+[0, 40] by default, so a tiny model learns the format in a short SFT and RL has room to
+improve accuracy. The first number spans the whole value range on purpose: with
+single-digit starts there are only ~150 one-step questions, the eval split takes about
+half of them, and a model trained on the rest memorises them instead of learning to add
+(its held-out one-step accuracy was 0.36 against 1.0 on training questions).
 
 Every intermediate result stays in ``[0, max_value]``. The tokenizer is character
 level, saved in HF ``tokenizer.json`` form, so the generic tokenizer loader, the
@@ -53,7 +57,7 @@ class ArithmeticTaskConfig:
 def make_problem(rng: random.Random, cfg: ArithmeticTaskConfig) -> dict:
     """One problem: question, step-by-step solution and integer answer."""
     n = rng.randint(cfg.min_operands, cfg.max_operands)
-    value = rng.randint(0, cfg.max_operand)
+    value = rng.randint(0, cfg.max_value)
     question = str(value)
     steps = []
     for _ in range(n - 1):
