@@ -19,6 +19,11 @@ What it does beyond one HTTP call:
   ``/health`` every ``health_check_interval`` seconds; one that comes back is brought to
   the fleet's latest weights (and paused, if the fleet is) before it gets requests again.
 
+HTTP goes through aiohttp, one keep-alive connection pool for the client's lifetime. (It
+was httpx until profiling the trainer showed httpcore's connection-pool bookkeeping
+taking most of a core at ~60 concurrent requests, GIL time that the learner thread in
+the same process then lacked.)
+
 Only SGLang's documented fields are used: ``/generate`` with ``input_ids``,
 ``sampling_params``, ``return_logprob``, ``rid``; tokens and logprobs are read from
 ``meta_info.output_token_logprobs`` (entries ``[logprob, token_id, text_or_null]``).
@@ -28,13 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 from areal_jax.rollout.types import (
     FINISH_ABORT,
@@ -81,7 +87,68 @@ def _normalize_address(address: str) -> str:
     return address
 
 
-def _error_message(resp: httpx.Response) -> str:
+# What a failed connection, a reset or a timeout raises; such a server is marked down.
+TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+@dataclass
+class _Reply:
+    """A whole HTTP reply (the body is read before the connection goes back to the pool)."""
+
+    status_code: int
+    body: bytes
+    reason_phrase: str = ""
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        """The JSON body; ValueError if it is not JSON."""
+        return json.loads(self.body)
+
+
+class _Http:
+    """The few HTTP calls the client makes, on one aiohttp session created lazily inside
+    the running event loop."""
+
+    def __init__(self, request_timeout: float, connect_timeout: float, headers: dict[str, str]):
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout, connect=connect_timeout)
+        self._connect_timeout = connect_timeout
+        self._headers = headers
+        self._session: aiohttp.ClientSession | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
+                                                  headers=self._headers)
+        return self._session
+
+    async def request(self, method: str, url: str, json_body: Any = None,
+                      timeout: float | None = None) -> _Reply:
+        kwargs: dict[str, Any] = {}
+        if json_body is not None:
+            kwargs["data"] = json.dumps(json_body)
+            kwargs["headers"] = {"Content-Type": "application/json"}
+        if timeout is not None:
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout,
+                                                      connect=min(timeout, self._connect_timeout))
+        async with self._get_session().request(method, url, **kwargs) as resp:
+            return _Reply(resp.status, await resp.read(), resp.reason or "")
+
+    async def post(self, url: str, json: Any = None, timeout: float | None = None) -> _Reply:
+        return await self.request("POST", url, {} if json is None else json, timeout)
+
+    async def get(self, url: str, timeout: float | None = None) -> _Reply:
+        return await self.request("GET", url, None, timeout)
+
+    async def aclose(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+
+
+def _error_message(resp: _Reply) -> str:
     """The message of an error reply, in our shape ({"error": msg}) or SGLang's."""
     try:
         body = resp.json()
@@ -141,11 +208,7 @@ class RolloutClient:
         self.max_interruptions = max_interruptions
         self.control_timeout = control_timeout
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(request_timeout, connect=connect_timeout),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            headers=headers,
-        )
+        self._http = _Http(request_timeout, connect_timeout, headers)
         self._rr = itertools.count()
         self._paused = False
         self._latest_weights: tuple[str, int] | None = None
@@ -182,7 +245,7 @@ class RolloutClient:
             server.inflight += 1
             try:
                 resp = await self._http.post(f"{server.url}/generate", json=payload)
-            except httpx.TransportError as e:
+            except TRANSPORT_ERRORS as e:
                 self._mark_down(server, f"{type(e).__name__}: {e}")
                 resp = None
             finally:
@@ -234,7 +297,7 @@ class RolloutClient:
             rid=base_rid,
         )
 
-    def _parse_reply(self, resp: httpx.Response, server: ServerState
+    def _parse_reply(self, resp: _Reply, server: ServerState
                      ) -> tuple[list[int], list[float], int, Any]:
         try:
             data = resp.json()
@@ -327,7 +390,7 @@ class RolloutClient:
                             return
                 if self._paused:
                     await self._post(server, "/pause_generation", {"mode": "abort"})
-            except (httpx.HTTPError, ValueError) as e:
+            except (*TRANSPORT_ERRORS, ValueError) as e:
                 server.last_error = f"{type(e).__name__}: {e}"
                 return
             logger.info("rollout server %s is back up", server.url)
@@ -337,7 +400,7 @@ class RolloutClient:
 
     # ================================================================== fleet control
     async def _post(self, server: ServerState, route: str, body: dict[str, Any] | None = None
-                    ) -> httpx.Response:
+                    ) -> _Reply:
         return await self._http.post(f"{server.url}{route}", json=body or {},
                                      timeout=self.control_timeout)
 
@@ -351,7 +414,7 @@ class RolloutClient:
         async def one(s: ServerState) -> dict[str, Any] | None:
             try:
                 r = await self._post(s, route, body)
-            except httpx.TransportError as e:
+            except TRANSPORT_ERRORS as e:
                 self._mark_down(s, f"{route}: {type(e).__name__}: {e}")
                 return None
             try:
@@ -403,7 +466,7 @@ class RolloutClient:
             try:
                 r = await self._http.get(f"{s.url}/get_server_info", timeout=self.control_timeout)
                 info = r.json() if r.status_code == 200 else {"error": _error_message(r)}
-            except (httpx.HTTPError, ValueError) as e:
+            except (*TRANSPORT_ERRORS, ValueError) as e:
                 self._mark_down(s, f"/get_server_info: {type(e).__name__}: {e}")
                 return {"url": s.url, "up": False, "last_error": s.last_error}
             return {**info, "url": s.url, "up": True, "client_inflight": s.inflight}
