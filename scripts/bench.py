@@ -48,9 +48,9 @@ def format_table(columns: list[str], rows: list[list]) -> str:
     text_rows = [[cell(v) for v in r] for r in rows]
     widths = [max(len(c), *(len(r[i]) for r in text_rows)) if text_rows else len(c)
               for i, c in enumerate(columns)]
-    line = " | ".join(c.ljust(w) for c, w in zip(columns, widths))
+    line = " | ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))
     sep = "-+-".join("-" * w for w in widths)
-    body = "\n".join(" | ".join(v.ljust(w) for v, w in zip(r, widths)) for r in text_rows)
+    body = "\n".join(" | ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in text_rows)
     return f"{line}\n{sep}\n{body}"
 
 

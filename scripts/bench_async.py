@@ -4,19 +4,24 @@
 
 Runs, each as its own ``scripts/train.py`` process (fresh run dirs under ``--work-dir``):
 
-1. ``sync``: mode=sync (eta = 0, no overlap). Generation and training alternate, so each
-   phase may use both CPU cores: no core pinning.
-2. ``async``: mode=async with the config's eta; the rollout server is pinned to core 0
-   and the learner to core 1 (``rollout.server_cpu_cores`` / ``learner_cpu_cores``), so
+1. ``sync``: mode=sync (eta = 0, no overlap), unpinned. Generation and training
+   alternate, so each phase may use both CPU cores: the strongest synchronous run this
+   machine allows.
+2. ``sync-pinned``: mode=sync with the async runs' allocation (server on
+   ``--server-cores``, learner on ``--learner-cores``). This is the disaggregated
+   setting of AReaL, where generation and training own separate devices; a synchronous
+   run leaves one side idle while the other works.
+3. ``async``: mode=async with the config's eta, server and learner pinned as in 2, so
    the two overlap without competing.
-3. ``async-nointerrupt`` (unless ``--skip-nointerrupt``): as 2 with
+4. ``async-nointerrupt`` (unless ``--skip-nointerrupt``): as 3 with
    ``rollout.interruptible=false``: a weight update waits for in-flight requests.
 
 Effective throughput is trajectory tokens consumed by the learner per wall second,
-measured between the end of the first version (so start-up and compilation are
-excluded equally) and the end of the last. The overlap bound is computed from the sync
-run's measured components: T_gen (the learner's wait for a batch) and T_train (the
-rest of a version), bound = (T_gen + T_train) / max(T_gen, T_train).
+measured in steady state: from the end of version ``--warmup-versions`` (start-up and
+the compilations of the first versions are excluded equally) to the end of the last.
+The overlap bound is computed from a synchronous run's measured components, T_gen (the
+learner's wait for a batch) and T_train (the rest of a version):
+bound = (T_gen + T_train) / max(T_gen, T_train).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ def add_arguments(p) -> None:
     p.add_argument("--versions", type=int, default=None, help="train.total_versions (default: config)")
     p.add_argument("--work-dir", default="bench_results/async_vs_sync")
     p.add_argument("--skip-nointerrupt", action="store_true")
+    p.add_argument("--warmup-versions", type=int, default=4,
+                   help="versions excluded from the throughput window (compilation)")
     p.add_argument("--server-cores", default="0", help="async runs: server cores, e.g. 0")
     p.add_argument("--learner-cores", default="1", help="async runs: learner cores, e.g. 1")
     p.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
@@ -67,14 +74,17 @@ def train_run(config: str, overrides: list[str], run_dir: Path, log_path: Path,
     return rows
 
 
-def summarize(rows: list[dict]) -> dict:
-    """Throughput between the first and last version, final accuracy, phase times."""
+def summarize(rows: list[dict], warmup_versions: int = 1) -> dict:
+    """Steady-state throughput (after ``warmup_versions``), final accuracy, phase times."""
     train_rows = [r for r in rows if "reward_mean" in r]
     evals = [r for r in rows if "eval_accuracy" in r]
-    first, last = train_rows[0], train_rows[-1]
+    skip = min(max(warmup_versions, 1), len(train_rows) - 2)
+    if skip < 1:
+        raise ValueError(f"need at least 3 versions for a throughput window, got {len(train_rows)}")
+    first, last = train_rows[skip - 1], train_rows[-1]
     dt = last["wall_time_s"] - first["wall_time_s"]
     dtok = last["tokens_consumed"] - first["tokens_consumed"]
-    steady = train_rows[1:]
+    steady = train_rows[skip:]
     wait = float(np.mean([r["rollout_wait_s"] for r in steady]))
     version_time = float(np.mean([r["step_time_s"] for r in steady]))
     return {
@@ -101,6 +111,7 @@ def run(args) -> dict:
     unpinned = ["rollout.server_cpu_cores=null", "rollout.learner_cpu_cores=null"]
     runs = {
         "sync": common + ["mode=sync", *unpinned],
+        "sync-pinned": common + ["mode=sync", *pin],
         "async": common + ["mode=async", *pin],
     }
     if not args.skip_nointerrupt:
@@ -109,25 +120,36 @@ def run(args) -> dict:
     for name, overrides in runs.items():
         print(f"running {name} ...", flush=True)
         rows = train_run(args.config, overrides, work / name, work / f"{name}.log")
-        results[name] = summarize(rows)
+        results[name] = summarize(rows, args.warmup_versions)
     sync = results["sync"]
-    bound = (sync["t_gen_s"] + sync["t_train_s"]) / max(sync["t_gen_s"], sync["t_train_s"], 1e-9)
-    columns = ["run", "tokens/s", "speedup vs sync", "final eval acc", "initial eval acc",
-               "version time s", "T_gen s", "T_train s", "staleness mean"]
+
+    def bound_of(r: dict) -> float:
+        return (r["t_gen_s"] + r["t_train_s"]) / max(r["t_gen_s"], r["t_train_s"], 1e-9)
+
+    bound = bound_of(sync)
+    columns = ["run", "tokens/s", "vs sync", "vs sync-pinned", "final eval acc",
+               "initial eval acc", "version time s", "T_gen s", "T_train s", "staleness mean"]
     table = []
     for name, r in results.items():
         table.append([name, r["tokens_per_s"], r["tokens_per_s"] / sync["tokens_per_s"],
+                      r["tokens_per_s"] / results["sync-pinned"]["tokens_per_s"],
                       r["final_eval_accuracy"], r["initial_eval_accuracy"], r["version_time_s"],
                       r["t_gen_s"], r["t_train_s"], r["staleness_mean"]])
     speedup = results["async"]["tokens_per_s"] / sync["tokens_per_s"]
+    pinned = results["sync-pinned"]
+    speedup_pinned = results["async"]["tokens_per_s"] / pinned["tokens_per_s"]
     summary = {
         "async_over_sync": speedup,
         "overlap_bound": bound,
         "async_fraction_of_bound": speedup / bound,
+        "async_over_sync_same_cores": speedup_pinned,
+        "overlap_bound_same_cores": bound_of(pinned),
+        "async_fraction_of_bound_same_cores": speedup_pinned / bound_of(pinned),
         "accuracy_sync": sync["final_eval_accuracy"],
         "accuracy_async": results["async"]["final_eval_accuracy"],
-        "core_allocation": f"sync: unpinned (phases alternate on both cores); async: server "
-                           f"cores [{args.server_cores}], learner cores [{args.learner_cores}]",
+        "core_allocation": f"sync: unpinned (phases alternate on both cores); sync-pinned and "
+                           f"async: server cores [{args.server_cores}], learner cores "
+                           f"[{args.learner_cores}]",
     }
     if "async-nointerrupt" in results:
         summary["interruption_gain"] = (results["async"]["tokens_per_s"]
