@@ -5,10 +5,19 @@ A background thread runs the step loop:
 1. run control commands (abort, pause, continue, weight swap) posted by other threads;
 2. admit waiting requests into free slots: prefill them in length buckets, which also
    samples each one's first token;
-3. one jitted decode call over all slots (sampling on device), one device-to-host
-   transfer of the sampled tokens and logprobs;
-4. append tokens, finish requests on stop / eos / max_new_tokens / context length, free
+3. dispatch one jitted decode call over all slots (``decode_steps`` tokens each,
+   sampling on device);
+4. then, while that call runs, fetch the previous call's tokens and logprobs, append
+   them, and finish requests on stop / eos / max_new_tokens / context length, freeing
    their slots.
+
+Steps 3 and 4 are pipelined: the host's bookkeeping for call N overlaps the device's
+call N+1, so the device never waits for Python. The cost is that a request which
+finishes in call N has its slot stepped once more in call N+1. Each call remembers
+which request occupied each slot when it was dispatched, and its tokens go only to
+requests that still occupy the same slot: a slot freed or refilled in the meantime
+discards them. (A refilled slot is prefilled after the in-flight call, in device order,
+because both update the donated cache.)
 
 Requests therefore join and leave the running batch between steps. Weight swaps happen
 only between steps and only when no request is running (requests are either aborted
@@ -89,6 +98,9 @@ class GenerationEngine:
         self._commands: deque[Callable[[], None]] = deque()  # guarded by _lock
         self._inflight: dict[str, EngineRequest] = {}  # rid -> request, guarded by _lock
         self._slots: list[EngineRequest | None] = [None] * config.max_slots  # engine thread
+        # The decode call in flight: (device tokens [k, B], device logprobs [k, B], the
+        # request in each slot when it was dispatched). Engine thread only.
+        self._in_flight: tuple[Any, Any, list[EngineRequest | None]] | None = None
         self._paused = False
         self._pending_update: tuple[nnx.State, str | None, Future, int] | None = None
         self._update_lock = threading.Lock()
@@ -338,15 +350,18 @@ class GenerationEngine:
                     command()
                 self._maybe_swap_weights()
                 self._admit()
+                previous, self._in_flight = self._in_flight, None
                 if any(s is not None for s in self._slots):
-                    self._decode()
+                    self._in_flight = self._dispatch_decode(previous)
+                if previous is not None:
+                    self._collect(previous)
         except BaseException as e:  # noqa: BLE001 - reported via /health and failed requests
             self.fatal_error = f"{type(e).__name__}: {e}"
             logger.error("engine step loop crashed:\n%s", traceback.format_exc())
             self._fail_all(f"engine error: {self.fatal_error}")
 
     def _has_work(self) -> bool:
-        if any(s is not None for s in self._slots):
+        if self._in_flight is not None or any(s is not None for s in self._slots):
             return True
         if self._pending_update is not None:
             return True
@@ -398,19 +413,34 @@ class GenerationEngine:
                     req.first_token_time = now
                     self._append_token(slot, int(token), float(logprob))
 
-    def _decode(self) -> None:
+    def _dispatch_decode(self, previous: tuple[Any, Any, list] | None
+                         ) -> tuple[Any, Any, list[EngineRequest | None]]:
+        """Dispatches a decode call over all slots (asynchronously) and returns its handle.
+
+        ``previous`` is the call still in flight, whose tokens the host has not seen yet:
+        a request it carries will sit ``decode_steps`` further when this call starts.
+        """
         active = [s for s in self._slots if s is not None]
+        pending = {id(r) for r in previous[2] if r is not None} if previous is not None else set()
         # The token each slot feeds next sits at position prompt_len + n_out - 1.
-        max_position = max(r.prompt_len + len(r.output_ids) - 1 for r in active)
+        max_position = max(
+            r.prompt_len + len(r.output_ids) - 1
+            + (self.config.decode_steps if id(r) in pending else 0)
+            for r in active)
         token_kb, logprob_kb = self.runner.decode(
             self.runner.kv_bucket(max_position),
             any_truncation=any(r.params.truncates for r in active),
             any_random=any(not r.params.greedy for r in active))
-        token_kb, logprob_kb = jax.device_get((token_kb, logprob_kb))
         self.stats["decode_calls"] += 1
+        return token_kb, logprob_kb, list(self._slots)
+
+    def _collect(self, call: tuple[Any, Any, list[EngineRequest | None]]) -> None:
+        """Appends a finished decode call's tokens to the requests it was dispatched for."""
+        token_kb, logprob_kb, owners = call
+        token_kb, logprob_kb = jax.device_get((token_kb, logprob_kb))
         for step in range(token_kb.shape[0]):
-            for slot, req in enumerate(self._slots):
-                if req is not None:
+            for slot, owner in enumerate(owners):
+                if owner is not None and self._slots[slot] is owner:
                     self._append_token(slot, int(token_kb[step, slot]),
                                        float(logprob_kb[step, slot]))
 
