@@ -244,3 +244,42 @@ def test_config_and_model_path_errors(tmp_path):
         GenerationEngine(EngineConfig(str(tmp_path / "missing")))
     with pytest.raises(ModelPathError, match="has no config.json"):
         GenerationEngine(EngineConfig(str(tmp_path)))
+
+
+def test_data_parallel_slots_give_the_same_tokens_and_logprobs(engine, ckpt_a):
+    """Slots split over 2 and 4 devices (conftest makes 8 CPU devices): every request,
+    greedy or seeded-sampled, more requests than slots so slots are refilled, gets the
+    same tokens and logprobs as on one device; greedy still equals transformers."""
+    prompts = [[3 + i, 7, 11 + 2 * i, 5][: 2 + i % 3] for i in range(12)]
+    params = [SamplingParams(max_new_tokens=10 + 3 * (i % 4), temperature=0.0 if i % 2 else 0.9,
+                             seed=i, ignore_eos=True) for i in range(12)]
+
+    def run(eng):
+        reqs = [eng.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        for r in reqs:
+            assert r.done.wait(120)
+        return [(r.output_ids, r.output_logprobs) for r in reqs]
+
+    expected = run(engine)
+    for dp in (2, 4):
+        eng = GenerationEngine(EngineConfig(str(ckpt_a), max_slots=8, max_seq_len=MAX_SEQ_LEN,
+                                            data_parallel=dp))
+        try:
+            got = run(eng)
+            assert eng.info()["data_parallel"] == dp
+            assert eng.generate([5, 9, 17, 3, 44], greedy(24)).output_ids == hf_greedy(
+                ckpt_a, [5, 9, 17, 3, 44], 24)
+        finally:
+            eng.shutdown()
+        for (ids, lps), (ids_ref, lps_ref) in zip(got, expected, strict=True):
+            assert ids == ids_ref
+            np.testing.assert_allclose(lps, lps_ref, rtol=0, atol=1e-5)
+
+
+def test_data_parallel_errors(ckpt_a):
+    with pytest.raises(ValueError, match="data_parallel must be a positive int"):
+        EngineConfig("x", data_parallel=0)
+    with pytest.raises(ValueError, match="must be a multiple of data_parallel=3"):
+        GenerationEngine(EngineConfig(str(ckpt_a), max_slots=8, data_parallel=3))
+    with pytest.raises(ValueError, match="needs that many local devices"):
+        GenerationEngine(EngineConfig(str(ckpt_a), max_slots=64, data_parallel=64))

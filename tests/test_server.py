@@ -192,3 +192,17 @@ def test_malformed_requests_get_4xx_and_server_stays_up(http, server, tmp_path):
 def test_bad_model_path_fails_startup_with_message(tmp_path):
     with pytest.raises(ServerStartError, match="does not exist"):
         launch_server(tmp_path / "missing", startup_timeout=120)
+
+
+def test_data_parallel_server_matches_single_device_server(http, ckpt):
+    """``--data-parallel 2`` makes its own two CPU devices and splits the slots; a seeded
+    sampled request and a greedy one come back identical to the one-device server's."""
+    bodies = [gen_body(max_new_tokens=12, ignore_eos=True),
+              gen_body(temperature=1.0, sampling_seed=7, max_new_tokens=12, ignore_eos=True)]
+    expected = [http.post("/generate", json=b).json()["output_ids"] for b in bodies]
+    with launch_server(ckpt, max_slots=16, max_seq_len=MAX_SEQ_LEN,
+                       extra_args=["--data-parallel", "2"]) as dp_server:
+        with httpx.Client(base_url=dp_server.url, timeout=120.0) as dp_http:
+            assert dp_http.get("/get_server_info").json()["data_parallel"] == 2
+            got = [dp_http.post("/generate", json=b).json()["output_ids"] for b in bodies]
+    assert got == expected

@@ -20,6 +20,9 @@ class EngineConfig:
       decode_steps: tokens generated per slot per device call. More amortises the
         per-call host work; a stop, abort or pause then takes effect up to this many
         tokens late (extra tokens are discarded, never returned).
+      data_parallel: split the slots over this many local devices, each with a copy of
+        the params (see ``runner``). On CPU the server makes one XLA device per unit, so
+        ``--data-parallel 2`` decodes on two cores; max_slots must be a multiple.
       seed: seeds the per-request seeds drawn for requests that send no sampling_seed.
       weight_version: reported in every response until an update changes it.
       warmup: compile every prefill bucket and the decode step at start-up.
@@ -32,12 +35,13 @@ class EngineConfig:
     cache_dtype: str | None = None
     prefill_rows: int = 4
     decode_steps: int = 8
+    data_parallel: int = 1
     seed: int = 0
     weight_version: str = "0"
     warmup: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("max_slots", "prefill_rows", "decode_steps"):
+        for key in ("max_slots", "prefill_rows", "decode_steps", "data_parallel"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"EngineConfig.{key} must be a positive int, got {value!r}")

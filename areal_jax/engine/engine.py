@@ -88,6 +88,7 @@ class GenerationEngine:
             cache_dtype=config.cache_dtype or config.dtype,
             prefill_rows=min(config.prefill_rows, config.max_slots),
             decode_steps=config.decode_steps,
+            data_parallel=config.data_parallel,
         )
         del model
         self.weight_version = config.weight_version
@@ -272,6 +273,7 @@ class GenerationEngine:
             "dtype": self.config.dtype,
             "prefill_rows": self.runner.prefill_rows,
             "decode_steps": self.config.decode_steps,
+            "data_parallel": self.config.data_parallel,
             "prefill_buckets": list(self.runner.buckets),
             "num_compilations": self.num_compilations,
             "compiled_functions": list(self.runner.compiled),

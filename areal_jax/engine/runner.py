@@ -11,6 +11,15 @@ at a time, padded with dummy rows) and one decode function per attention-length 
 positions). Both use the same power-of-two buckets up to max_seq_len. Weight swaps keep
 shapes, dtypes and shardings, so they never recompile. Every trace of a jitted function
 increments ``num_compilations``.
+
+Data parallelism (``data_parallel=n``): the slots are split over the first n local
+devices, each holding a full copy of the params and its own share of the cache and slot
+state. Both step functions run under ``shard_map`` with no communication: decode is
+per-slot anyway, and prefill runs the (few, replicated) prompt rows on every device,
+each device keeping the rows whose slots it owns. On a CPU host the n devices are
+``--xla_force_host_platform_device_count`` devices, one per core, which is how a
+small-batch decode uses more than one core (XLA does not split its small matmuls
+across threads); on a multi-GPU host they are GPUs.
 """
 
 from __future__ import annotations
@@ -22,8 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from areal_jax.engine.forward import decode_chunk, init_slot_cache, prefill_forward
+from areal_jax.engine.forward import SlotCache, decode_chunk, init_slot_cache, prefill_forward
 from areal_jax.engine.sampling import sample_tokens
 
 MIN_PREFILL_BUCKET = 16
@@ -59,9 +70,24 @@ class ModelRunner:
         cache_dtype: Any = jnp.float32,
         prefill_rows: int = 4,
         decode_steps: int = 1,
+        data_parallel: int = 1,
     ):
         self.cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
+        self.data_parallel = data_parallel
+        self.mesh: Mesh | None = None
+        if data_parallel > 1:
+            devices = jax.local_devices()
+            if len(devices) < data_parallel:
+                raise ValueError(
+                    f"data_parallel={data_parallel} needs that many local devices, found "
+                    f"{len(devices)} ({devices[0].platform}); on CPU start the process with "
+                    f"XLA_FLAGS=--xla_force_host_platform_device_count={data_parallel}")
+            if max_slots % data_parallel:
+                raise ValueError(f"max_slots={max_slots} must be a multiple of "
+                                 f"data_parallel={data_parallel}")
+            self.mesh = Mesh(np.array(devices[:data_parallel]), ("slots",))
+            self.state = jax.device_put(self.state, NamedSharding(self.mesh, P()))
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.cache_dtype = jnp.dtype(cache_dtype)
@@ -70,24 +96,63 @@ class ModelRunner:
         self.buckets = prefill_buckets(max_seq_len)
         self.num_compilations = 0
         self.compiled: list[str] = []
-        self._prefill = jax.jit(self._counted("prefill", self._prefill_impl), donate_argnums=(1, 2))
-        self._decode = jax.jit(self._counted("decode", self._decode_impl), donate_argnums=(1, 2),
+        prefill_impl, decode_impl = self._prefill_impl, self._decode_impl
+        if self.mesh is not None:
+            prefill_impl, decode_impl = self._sharded(prefill_impl, decode_impl)
+        self._prefill = jax.jit(self._counted("prefill", prefill_impl), donate_argnums=(1, 2))
+        self._decode = jax.jit(self._counted("decode", decode_impl), donate_argnums=(1, 2),
                                static_argnums=(5,))
         self.reset()
+
+    def _sharded(self, prefill_impl: Callable, decode_impl: Callable) -> tuple[Callable, Callable]:
+        """The step functions under shard_map over the slot axis (see the module doc)."""
+        mesh, n = self.mesh, self.data_parallel
+        local_slots = self.max_slots // n
+        row = P("slots")
+        layers = range(self.cfg.num_hidden_layers)
+        cache_spec = SlotCache(k=tuple(row for _ in layers), v=tuple(row for _ in layers))
+        slot_specs = dict.fromkeys(("token", "position", "temperature", "top_p", "top_k", "seed"), row)
+
+        def prefill_local(state, cache, slots, prompt_pt, prompt_len_p, slot_p, *rest):
+            local = slot_p - jax.lax.axis_index("slots") * local_slots
+            local = jnp.where((local >= 0) & (local < local_slots), local, local_slots)  # drop
+            return prefill_impl(state, cache, slots, prompt_pt, prompt_len_p, local, *rest)
+
+        # Prefill returns the same first tokens on every device (same rows, same seeds).
+        prefill = jax.shard_map(
+            prefill_local, mesh=mesh,
+            in_specs=(P(), cache_spec, slot_specs, *([P()] * 9)),
+            out_specs=(cache_spec, slot_specs, P(), P()), check_vma=False)
+
+        def decode(state, cache, slots, any_truncation, any_random, kv_len):
+            return jax.shard_map(
+                lambda st, c, sl, t, r: decode_impl(st, c, sl, t, r, kv_len), mesh=mesh,
+                in_specs=(P(), cache_spec, slot_specs, P(), P()),
+                out_specs=(cache_spec, slot_specs, P(None, "slots"), P(None, "slots")),
+                check_vma=False)(state, cache, slots, any_truncation, any_random)
+
+        return prefill, decode
+
+    def _place_rows(self, tree: Any) -> Any:
+        """Slot-indexed arrays onto the mesh, split over the slot axis (no-op without one)."""
+        if self.mesh is None:
+            return tree
+        return jax.device_put(tree, NamedSharding(self.mesh, P("slots")))
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         """Fresh (zero) cache and slot state."""
         b = self.max_slots
-        self.cache = init_slot_cache(self.cfg, b, self.max_seq_len, self.cache_dtype)
-        self.slots = {
+        self.cache = self._place_rows(
+            init_slot_cache(self.cfg, b, self.max_seq_len, self.cache_dtype))
+        self.slots = self._place_rows({
             "token": jnp.zeros((b,), jnp.int32),
             "position": jnp.zeros((b,), jnp.int32),
             "temperature": jnp.zeros((b,), jnp.float32),
             "top_p": jnp.ones((b,), jnp.float32),
             "top_k": jnp.full((b,), -1, jnp.int32),
             "seed": jnp.zeros((b,), jnp.uint32),
-        }
+        })
 
     def check_compatible(self, new_state: nnx.State) -> str | None:
         """None if ``new_state`` can replace the params without recompiling, else why not."""

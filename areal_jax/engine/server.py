@@ -213,6 +213,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dtype", choices=SUPPORTED_DTYPES, default=None)
     p.add_argument("--prefill-rows", type=int, default=4, help="prompts per prefill call")
     p.add_argument("--decode-steps", type=int, default=8, help="tokens per slot per device call")
+    p.add_argument("--data-parallel", type=int, default=1,
+                   help="split the slots over this many devices (on CPU: this many XLA CPU "
+                        "devices, one core each); max-slots must be a multiple")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--seed", type=int, default=0, help="seeds requests without sampling_seed")
     p.add_argument("--weight-version", default="0", help="initial weight_version (a string)")
@@ -256,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.data_parallel > 1:  # CPU devices for the slot shards (before JAX starts)
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "--xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = (
+                f"{flags} --xla_force_host_platform_device_count={args.data_parallel}").strip()
     if args.compilation_cache_dir:
         import jax
 
@@ -265,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(
             model_path=args.model_path, max_slots=args.max_slots, max_seq_len=args.max_seq_len,
             dtype=args.dtype, cache_dtype=args.cache_dtype, prefill_rows=args.prefill_rows,
-            decode_steps=args.decode_steps, seed=args.seed, weight_version=args.weight_version,
+            decode_steps=args.decode_steps, data_parallel=args.data_parallel, seed=args.seed, weight_version=args.weight_version,
             warmup=args.warmup)
         engine = GenerationEngine(config)
     except (ModelPathError, ValueError, FileNotFoundError) as e:
