@@ -127,16 +127,16 @@ def run(args) -> dict:
         return (r["t_gen_s"] + r["t_train_s"]) / max(r["t_gen_s"], r["t_train_s"], 1e-9)
 
     bound = bound_of(sync)
+    pinned = results["sync-pinned"]
     columns = ["run", "tokens/s", "vs sync", "vs sync-pinned", "final eval acc",
                "initial eval acc", "version time s", "T_gen s", "T_train s", "staleness mean"]
     table = []
     for name, r in results.items():
         table.append([name, r["tokens_per_s"], r["tokens_per_s"] / sync["tokens_per_s"],
-                      r["tokens_per_s"] / results["sync-pinned"]["tokens_per_s"],
+                      r["tokens_per_s"] / pinned["tokens_per_s"],
                       r["final_eval_accuracy"], r["initial_eval_accuracy"], r["version_time_s"],
                       r["t_gen_s"], r["t_train_s"], r["staleness_mean"]])
     speedup = results["async"]["tokens_per_s"] / sync["tokens_per_s"]
-    pinned = results["sync-pinned"]
     speedup_pinned = results["async"]["tokens_per_s"] / pinned["tokens_per_s"]
     summary = {
         "async_over_sync": speedup,

@@ -146,10 +146,9 @@ def _data_parallel_values(spec: str, batch: int) -> list[int]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     dps = _data_parallel_values(args.data_parallel, args.batch)
-    if max(dps) > 1:  # one XLA CPU device per slot shard; set before JAX starts its backend
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "--xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(dps)}"
+    from areal_jax.engine.config import request_cpu_devices
+
+    request_cpu_devices(max(dps))  # one XLA CPU device per slot shard, before JAX starts
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.model_path) if args.model_path else _make_model(args, Path(tmp))
         from model_defs import ModelConfig

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
+CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def request_cpu_devices(n: int) -> None:
+    """Asks XLA for ``n`` CPU devices (for ``data_parallel=n`` on a CPU host).
+
+    Takes effect only if called before JAX creates its CPU backend; an XLA_FLAGS that
+    already sets a device count is left as it is.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and CPU_DEVICE_COUNT_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_DEVICE_COUNT_FLAG}={n}".strip()
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,7 @@ from typing import Any
 
 import httpx
 
-# A fake multi-device host (tests set it for mesh tests) would split one server's CPU.
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+from areal_jax.engine.config import CPU_DEVICE_COUNT_FLAG
 
 
 class ServerStartError(RuntimeError):
@@ -98,7 +97,9 @@ class ServerHandle:
 def _child_env(jax_platforms: str | None, xla_cpu_threads: int | None,
                extra_env: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+    # A fake multi-device host (tests set it for mesh tests) would split one server's CPU;
+    # a server asks for its own devices with --data-parallel.
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(CPU_DEVICE_COUNT_FLAG)]
     if xla_cpu_threads is not None:
         if xla_cpu_threads < 1:
             raise ValueError(f"xla_cpu_threads must be >= 1, got {xla_cpu_threads}")

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import areal_jax
-from areal_jax.engine.config import SUPPORTED_DTYPES, EngineConfig
+from areal_jax.engine.config import SUPPORTED_DTYPES, EngineConfig, request_cpu_devices
 from areal_jax.engine.engine import EngineRequestError, GenerationEngine, ModelPathError
 from areal_jax.engine.protocol import (
     ProtocolError,
@@ -259,11 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.data_parallel > 1:  # CPU devices for the slot shards (before JAX starts)
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "--xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = (
-                f"{flags} --xla_force_host_platform_device_count={args.data_parallel}").strip()
+    request_cpu_devices(args.data_parallel)  # CPU devices for the slot shards
     if args.compilation_cache_dir:
         import jax
 
@@ -273,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(
             model_path=args.model_path, max_slots=args.max_slots, max_seq_len=args.max_seq_len,
             dtype=args.dtype, cache_dtype=args.cache_dtype, prefill_rows=args.prefill_rows,
-            decode_steps=args.decode_steps, data_parallel=args.data_parallel, seed=args.seed, weight_version=args.weight_version,
-            warmup=args.warmup)
+            decode_steps=args.decode_steps, data_parallel=args.data_parallel, seed=args.seed,
+            weight_version=args.weight_version, warmup=args.warmup)
         engine = GenerationEngine(config)
     except (ModelPathError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
