@@ -14,6 +14,7 @@ from areal_jax.engine.config import EngineConfig
 from areal_jax.engine.engine import EngineRequestError, GenerationEngine, ModelPathError
 from areal_jax.engine.request import SamplingParams
 from areal_jax.engine.runner import bucket_for, prefill_buckets
+from areal_jax.engine.sampling import first_argmax, sample_tokens
 from model_defs import load_hf
 from tests.hf_fixtures import make_tiny_hf_checkpoint
 
@@ -79,6 +80,27 @@ def test_buckets():
     assert bucket_for(17, [16, 32]) == 32
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
         bucket_for(33, [16, 32])
+
+
+def test_first_argmax_and_greedy_logprob_match_the_reference_ops():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 300)).astype(np.float32)
+    x[3, [5, 9, 200]] = 10.0  # ties: the first index wins, as jnp.argmax
+    x[4, :] = -1.0  # all equal
+    x[5, 17] = np.inf
+    np.testing.assert_array_equal(first_argmax(jnp.asarray(x)), jnp.argmax(x, -1))
+    assert first_argmax(jnp.asarray(x)).dtype == jnp.int32
+    # The shared-max logsumexp equals jax.nn.log_softmax at several temperatures.
+    x[5, 17] = 0.0
+    temps = np.array([0.0, 0.5, 1.0, 2.0] * 4, np.float32)
+    token_b, logprob_b = sample_tokens(
+        jnp.asarray(x), jnp.asarray(temps), jnp.ones(16), jnp.full(16, -1), jnp.arange(16, dtype=jnp.uint32),
+        jnp.zeros(16, jnp.int32), jnp.bool_(False), jnp.bool_(True))
+    scaled = x / np.where(temps > 0, temps, 1.0)[:, None]
+    ref = jax.nn.log_softmax(jnp.asarray(scaled), -1)[np.arange(16), np.asarray(token_b)]
+    np.testing.assert_allclose(logprob_b, ref, atol=1e-5)
+    greedy = temps == 0
+    np.testing.assert_array_equal(np.asarray(token_b)[greedy], np.argmax(x, -1)[greedy])
 
 
 def test_greedy_matches_transformers_generate(engine, ckpt_a):

@@ -4,9 +4,12 @@ They run the model_defs modules and parameters (embedding, norms, q/k/v/o projec
 q/k norms, RoPE, MLP, unembedding) and own only what serving needs differently from the
 learner: the cache layout and how much of it attention reads.
 
-* The slot cache is head-major, ``[B_slots, K, S_max, Dh]`` per layer, so decode attention
-  reads each (slot, kv-head) as one contiguous ``[S, Dh]`` block, without the per-step
-  transpose a ``[.., S, K, Dh]`` layout costs.
+* The slot cache is head-major: values ``[B_slots, K, S_max, Dh]`` and keys stored
+  transposed, ``[B_slots, K, Dh, S_max]``, per layer. Decode attention is then two plain
+  matrix products per (slot, kv-head), ``q[G, Dh] @ k[Dh, S]`` and ``p[G, S] @ v[S, Dh]``,
+  each reading its operand in its natural layout. (With keys as ``[S, Dh]`` the score
+  product contracts the minor axis of both operands, which XLA's CPU dot runs 2-3x
+  slower on these shapes: it was the largest op of a decode step.)
 * Decode attends to the first ``kv_len`` cache positions only (a static bucket that
   covers every active slot), so a step costs what the live sequences need, not S_max.
   A call runs several steps; it reads that prefix once and writes the cache once.
@@ -24,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from areal_jax.engine.sampling import first_argmax
 from model_defs.model import apply_rope, rope_cos_sin, rope_inv_freq
 
 Array = jax.Array
@@ -33,7 +37,8 @@ PREFILL_QUERY_BLOCK = 256
 
 @struct.dataclass
 class SlotCache:
-    """Keys/values of every slot, one array per layer: ``k[l]``/``v[l]`` [B_slots, K, S_max, Dh].
+    """Keys/values of every slot, one array per layer: ``k[l]`` [B_slots, K, Dh, S_max]
+    (transposed, see the module doc) and ``v[l]`` [B_slots, K, S_max, Dh].
 
     Separate per-layer buffers let each layer's write happen in place and let attention
     over the whole cache read a buffer directly instead of a copied slice.
@@ -44,10 +49,11 @@ class SlotCache:
 
 
 def init_slot_cache(cfg: Any, slots: int, max_len: int, dtype: Any) -> SlotCache:
-    shape = (slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
+    v_shape = (slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
+    k_shape = (slots, cfg.num_key_value_heads, cfg.head_dim, max_len)
     layers = range(cfg.num_hidden_layers)
-    return SlotCache(k=tuple(jnp.zeros(shape, dtype) for _ in layers),
-                     v=tuple(jnp.zeros(shape, dtype) for _ in layers))
+    return SlotCache(k=tuple(jnp.zeros(k_shape, dtype) for _ in layers),
+                     v=tuple(jnp.zeros(v_shape, dtype) for _ in layers))
 
 
 def _qkv(layer: Any, x_btd: Array, cos_btd: Array, sin_btd: Array
@@ -79,16 +85,17 @@ def _attend(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, mask_bts: Array) -> Ar
     return jnp.einsum("bkgts,bksd->bkgtd", probs_bkgts, v_bksd)
 
 
-def _attend_two(q_bkgtd: Array, keys: tuple[Array, Array], values: tuple[Array, Array],
+def _attend_two(q_bkgtd: Array, keys_t: tuple[Array, Array], values: tuple[Array, Array],
                 mask_bts: Array) -> Array:
     """``_attend`` over the concatenation of two key/value sets, without concatenating
-    the (large) keys: scores are computed per set and only the scores are joined."""
+    the (large) keys: scores are computed per set and only the scores are joined. Keys
+    are transposed, [B, K, Dh, S] (the cache layout)."""
     scores_bkgts = jnp.concatenate(
-        [jnp.einsum("bkgtd,bksd->bkgts", q_bkgtd, k, preferred_element_type=jnp.float32)
-         for k in keys], axis=-1)
+        [jnp.einsum("bkgtd,bkds->bkgts", q_bkgtd, k, preferred_element_type=jnp.float32)
+         for k in keys_t], axis=-1)
     scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, _MASK_VALUE)
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(q_bkgtd.dtype)
-    split = keys[0].shape[2]
+    split = keys_t[0].shape[3]
     return (jnp.einsum("bkgts,bksd->bkgtd", probs_bkgts[..., :split], values[0])
             + jnp.einsum("bkgts,bksd->bkgtd", probs_bkgts[..., split:], values[1]))
 
@@ -130,7 +137,7 @@ def prefill_forward(model: Any, prompt_pt: Array, prompt_len_p: Array, slot_p: A
         out_pkgtd = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
         x_ptd = _finish_layer(layer, x_ptd, out_pkgtd)
     cache = SlotCache(
-        k=tuple(c.at[slot_p, :, :bucket].set(n.astype(c.dtype), mode="drop")
+        k=tuple(c.at[slot_p, :, :, :bucket].set(n.swapaxes(2, 3).astype(c.dtype), mode="drop")
                 for c, n in zip(cache.k, new_k, strict=True)),
         v=tuple(c.at[slot_p, :, :bucket].set(n.astype(c.dtype), mode="drop")
                 for c, n in zip(cache.v, new_v, strict=True)),
@@ -146,7 +153,7 @@ def decode_forward(model: Any, token_b: Array, position_b: Array, cache: SlotCac
     (A one-step ``decode_chunk``; kept as the simple reference path.)"""
     logits_kbv, cache = decode_chunk(model, token_b, position_b, cache, kv_len, 1,
                                      lambda logits_bv, step, position_b: (
-                                         jnp.argmax(logits_bv, -1).astype(jnp.int32), logits_bv))
+                                         first_argmax(logits_bv), logits_bv))
     return logits_kbv[0], cache
 
 
@@ -164,11 +171,12 @@ def decode_chunk(model: Any, token_b: Array, position_b: Array, cache: SlotCache
     """
     b = token_b.shape[0]
     start_b = position_b
-    prefix_k = [k[:, :, :kv_len].astype(model.dtype) for k in cache.k]  # [B, K, P, Dh]
-    prefix_v = [v[:, :, :kv_len].astype(model.dtype) for v in cache.v]
+    prefix_k = [k[..., :kv_len].astype(model.dtype) for k in cache.k]  # [B, K, Dh, P]
+    prefix_v = [v[:, :, :kv_len].astype(model.dtype) for v in cache.v]  # [B, K, P, Dh]
     prefix_mask_b1p = (jnp.arange(kv_len)[None, :] < start_b[:, None])[:, None, :]
-    kv, dh = cache.k[0].shape[1], cache.k[0].shape[3]
-    local0 = tuple(jnp.zeros((b, kv, steps, dh), model.dtype) for _ in model.layers)
+    kv, dh = cache.v[0].shape[1], cache.v[0].shape[3]
+    local_k0 = tuple(jnp.zeros((b, kv, dh, steps), model.dtype) for _ in model.layers)
+    local_v0 = tuple(jnp.zeros((b, kv, steps, dh), model.dtype) for _ in model.layers)
     inv_freq = rope_inv_freq(model.cfg)
 
     def one_step(carry, step):
@@ -181,7 +189,7 @@ def decode_chunk(model: Any, token_b: Array, position_b: Array, cache: SlotCache
         for layer, pk, pv, lk, lv in zip(model.layers, prefix_k, prefix_v, local_k, local_v,
                                          strict=True):
             q_bkg1d, k_bk1d, v_bk1d = _qkv(layer, x_b1d, cos_b1d, sin_b1d)
-            lk = jax.lax.dynamic_update_slice_in_dim(lk, k_bk1d, step, axis=2)
+            lk = jax.lax.dynamic_update_slice_in_dim(lk, k_bk1d.swapaxes(2, 3), step, axis=3)
             lv = jax.lax.dynamic_update_slice_in_dim(lv, v_bk1d, step, axis=2)
             new_local_k.append(lk)
             new_local_v.append(lv)
@@ -193,15 +201,19 @@ def decode_chunk(model: Any, token_b: Array, position_b: Array, cache: SlotCache
         return carry, extra
 
     (local_k, local_v, _, _), extras = jax.lax.scan(
-        one_step, (local0, local0, token_b, position_b), jnp.arange(steps))
+        one_step, (local_k0, local_v0, token_b, position_b), jnp.arange(steps))
     # Write this call's keys/values at positions start_b + [0, steps); beyond S_max: dropped.
     rows_bc = jnp.broadcast_to(jnp.arange(b)[:, None], (b, steps))
     pos_bc = start_b[:, None] + jnp.arange(steps)[None, :]
 
-    def commit(c, local_bkcd):
+    def commit_k(c, local_bkdc):
+        return c.at[rows_bc, :, :, pos_bc].set(local_bkdc.transpose(0, 3, 1, 2).astype(c.dtype),
+                                                mode="drop")
+
+    def commit_v(c, local_bkcd):
         return c.at[rows_bc, :, pos_bc].set(local_bkcd.transpose(0, 2, 1, 3).astype(c.dtype),
                                              mode="drop")
 
-    cache = SlotCache(k=tuple(commit(c, lk) for c, lk in zip(cache.k, local_k, strict=True)),
-                      v=tuple(commit(c, lv) for c, lv in zip(cache.v, local_v, strict=True)))
+    cache = SlotCache(k=tuple(commit_k(c, lk) for c, lk in zip(cache.k, local_k, strict=True)),
+                      v=tuple(commit_v(c, lv) for c, lv in zip(cache.v, local_v, strict=True)))
     return extras, cache

@@ -25,6 +25,20 @@ import jax
 import jax.numpy as jnp
 
 
+def first_argmax(x_bv: jax.Array, max_b1: jax.Array | None = None) -> jax.Array:
+    """``jnp.argmax(x, -1)`` (first index of the maximum) as int32, from the row maximum.
+
+    XLA's CPU backend lowers argmax to a (value, index) pair reduction that is not
+    vectorised; a max and a min over matching indices is ~4x faster on [32, 4096], and
+    the max can be shared with the logsumexp. Rows with a NaN give index V-1.
+    """
+    if max_b1 is None:
+        max_b1 = jnp.max(x_bv, axis=-1, keepdims=True)
+    vocab = x_bv.shape[-1]
+    index_bv = jnp.where(x_bv == max_b1, jnp.arange(vocab, dtype=jnp.int32), vocab)
+    return jnp.minimum(jnp.min(index_bv, axis=-1), vocab - 1)
+
+
 def _truncate_top_k_top_p(scaled_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array) -> jax.Array:
     """Sets logits outside each row's top-k / top-p set to -inf. top_k <= 0 disables top-k."""
     vocab = scaled_bv.shape[-1]
@@ -74,7 +88,8 @@ def sample_tokens(
     greedy_b = temperature_b <= 0.0
     safe_temperature_b = jnp.where(greedy_b, 1.0, temperature_b)
     scaled_bv = logits_bv / safe_temperature_b[:, None]
-    greedy_token_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    max_b1 = jnp.max(logits_bv, axis=-1, keepdims=True)
+    greedy_token_b = first_argmax(logits_bv, max_b1)
 
     def draw(scaled):
         masked = jax.lax.cond(
@@ -88,6 +103,10 @@ def sample_tokens(
     sampled_b = jax.lax.cond(any_random, draw, lambda s: greedy_token_b, scaled_bv)
     token_b = jnp.where(greedy_b, greedy_token_b, sampled_b)
     # log_softmax(scaled)[token] without materialising the whole [B, V] log_softmax.
+    # max(logits / T) == max(logits) / T exactly (division by T > 0 is monotone).
     chosen_b = jnp.take_along_axis(scaled_bv, token_b[:, None], axis=-1)[:, 0]
-    logprob_b = chosen_b - jax.nn.logsumexp(scaled_bv, axis=-1)
+    scaled_max_b1 = max_b1 / safe_temperature_b[:, None]
+    scaled_max_b1 = jnp.where(jnp.isfinite(scaled_max_b1), scaled_max_b1, 0.0)
+    logsumexp_b = jnp.log(jnp.sum(jnp.exp(scaled_bv - scaled_max_b1), axis=-1)) + scaled_max_b1[:, 0]
+    logprob_b = chosen_b - logsumexp_b
     return token_b, logprob_b
