@@ -24,6 +24,7 @@ across threads); on a multi-GPU host they are GPUs.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,21 @@ from areal_jax.engine.forward import SlotCache, decode_chunk, init_slot_cache, p
 from areal_jax.engine.sampling import sample_tokens
 
 MIN_PREFILL_BUCKET = 16
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compile_watch = threading.local()  # .hit: set while a step call runs on this thread
+_listener_installed = False
+
+
+def _on_duration_event(event: str, duration: float, **kwargs: Any) -> None:
+    if event == _BACKEND_COMPILE_EVENT and getattr(_compile_watch, "hit", None) is not None:
+        _compile_watch.hit[0] = True
+
+
+def _install_compile_listener() -> None:
+    global _listener_installed
+    if not _listener_installed:
+        jax.monitoring.register_event_duration_secs_listener(_on_duration_event)
+        _listener_installed = True
 
 
 def prefill_buckets(max_seq_len: int, min_bucket: int = MIN_PREFILL_BUCKET) -> list[int]:
@@ -76,6 +92,7 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.data_parallel = data_parallel
         self.mesh: Mesh | None = None
+        self.device = jax.local_devices()[0]
         if data_parallel > 1:
             devices = jax.local_devices()
             if len(devices) < data_parallel:
@@ -88,6 +105,8 @@ class ModelRunner:
                                  f"data_parallel={data_parallel}")
             self.mesh = Mesh(np.array(devices[:data_parallel]), ("slots",))
             self.state = jax.device_put(self.state, NamedSharding(self.mesh, P()))
+        else:
+            self.state = jax.device_put(self.state, self.device)  # committed, see module doc
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.cache_dtype = jnp.dtype(cache_dtype)
@@ -102,6 +121,7 @@ class ModelRunner:
         self._prefill = jax.jit(self._counted("prefill", prefill_impl), donate_argnums=(1, 2))
         self._decode = jax.jit(self._counted("decode", decode_impl), donate_argnums=(1, 2),
                                static_argnums=(5,))
+        _install_compile_listener()
         self.reset()
 
     def _sharded(self, prefill_impl: Callable, decode_impl: Callable) -> tuple[Callable, Callable]:
@@ -134,9 +154,10 @@ class ModelRunner:
         return prefill, decode
 
     def _place_rows(self, tree: Any) -> Any:
-        """Slot-indexed arrays onto the mesh, split over the slot axis (no-op without one)."""
+        """Slot-indexed arrays onto the mesh, split over the slot axis, or committed to the
+        one device."""
         if self.mesh is None:
-            return tree
+            return jax.device_put(tree, self.device)
         return jax.device_put(tree, NamedSharding(self.mesh, P("slots")))
 
     # ------------------------------------------------------------------ state
@@ -181,9 +202,21 @@ class ModelRunner:
         self.state = new_state
 
     # ------------------------------------------------------------------ compiled fns
+    def _watched(self, fn: Callable, *args: Any) -> Any:
+        """Calls a step function, counting the call in ``num_compilations`` if it traced
+        or compiled (on this thread)."""
+        _compile_watch.hit = [False]
+        try:
+            return fn(*args)
+        finally:
+            if _compile_watch.hit[0]:
+                self.num_compilations += 1
+            _compile_watch.hit = None
+
     def _counted(self, name: str, fn: Callable) -> Callable:
         def traced(*args, **kwargs):
-            self.num_compilations += 1
+            if getattr(_compile_watch, "hit", None) is not None:
+                _compile_watch.hit[0] = True
             if name == "prefill":
                 self.compiled.append(f"prefill(rows={args[3].shape[0]}, len={args[3].shape[1]})")
             else:
@@ -248,8 +281,8 @@ class ModelRunner:
             top_p_p[i] = row["top_p"]
             top_k_p[i] = row["top_k"]
             seed_p[i] = row["seed"]
-        self.cache, self.slots, token_p, logprob_p = self._prefill(
-            self.state, self.cache, self.slots, prompt_pt, prompt_len_p, slot_p, temperature_p,
+        self.cache, self.slots, token_p, logprob_p = self._watched(
+            self._prefill, self.state, self.cache, self.slots, prompt_pt, prompt_len_p, slot_p, temperature_p,
             top_p_p, top_k_p, seed_p, np.bool_(any_truncation), np.bool_(any_random))
         token_p, logprob_p = jax.device_get((token_p, logprob_p))
         return token_p[: len(rows)], logprob_p[: len(rows)]
@@ -264,8 +297,8 @@ class ModelRunner:
                ) -> tuple[jax.Array, jax.Array]:
         """Dispatches ``decode_steps`` steps over all slots, attending to the first
         ``kv_len`` cache positions; returns device arrays [k, B] (tokens, logprobs)."""
-        self.cache, self.slots, token_kb, logprob_kb = self._decode(
-            self.state, self.cache, self.slots, np.bool_(any_truncation), np.bool_(any_random),
+        self.cache, self.slots, token_kb, logprob_kb = self._watched(
+            self._decode, self.state, self.cache, self.slots, np.bool_(any_truncation), np.bool_(any_random),
             kv_len)
         return token_kb, logprob_kb
 
