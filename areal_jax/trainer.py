@@ -106,7 +106,8 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
             "tokens_consumed": ctx.consumed_tokens,
             "step_time_s": time.perf_counter() - t_step,
             "rollout_wait_s": wait_s,
-            "publish_s": publish_s,
+            "publish_s": publish_s,  # the learner's share: the weight export
+            "publish_update_s": ctx.last_update_s,  # the previous version's server update
             "wall_time_s": ctx.elapsed(),
             "token_version_max": int(max(int(t.versions.max()) for t in trajs)),
             "start_staleness_max": float(max(version - min(g[0].start_version for g in groups), 0)),

@@ -178,6 +178,8 @@ class RunContext:
     reward_fn: str
     eval_items: list[dict]
     ref_learner: Any = None
+    _pending_publish: Any = None  # (version, Future) of the last publish's server update
+    last_update_s: float = 0.0  # how long the previous publish took on the servers' side
     critic: Any = None  # algo.name == "ppo": the value model
     critic_ckpt: Any = None
     start_version: int = 0
@@ -202,30 +204,65 @@ class RunContext:
 
     # -- step 5: publishing
     def publish(self, version: int) -> None:
-        """Pause servers (abort in-flight), export weights v{version}, update, continue."""
-        ex, client = self.executor, self.executor.client
-        interruptible = self.cfg.rollout.interruptible
-        ex.pause()
-        if interruptible:
-            ex.run_coroutine(client.pause())
-        else:  # wait for in-flight workflows to finish under the old weights
-            while ex.metrics()["running"] > 0:
-                time.sleep(0.01)
+        """Exports weights v{version} and hands them to the servers.
+
+        The export blocks (the next train step changes the params); the server side does
+        not. Pausing the servers (aborting in-flight requests when ``interruptible``, else
+        waiting for them to finish), the weight update, ``executor.set_version`` and the
+        resume run as one coroutine on the executor's loop while the learner trains on
+        its next batch. In sync mode (η = 0) nothing starts under v{version} before
+        ``set_version``, so sync runs stay exactly on-policy. The update must be done
+        before the next one, an eval, a checkpoint or the end: ``wait_published``.
+        """
+        self.last_update_s = self.wait_published()
         path = self.publisher.publish(self.learner.model, self.learner.model_cfg, version,
                                       tokenizer_dir=self.tokenizer_dir)
-        results = ex.run_coroutine(client.update_weights_from_disk(str(path), version))
-        failed = [r for r in (results or []) if isinstance(r, dict) and r.get("success") is False]
-        if failed:
-            raise TrainerError(f"weight update to v{version} failed on a server: {failed[0]}")
-        ex.set_version(version)
-        if interruptible:
-            ex.run_coroutine(client.continue_())
-        ex.resume()
+        self._pending_publish = (version, self.executor.submit_coroutine(
+            self._update_servers(str(path), version)))
+
+    async def _update_servers(self, path: str, version: int) -> float:
+        """Runs on the executor's loop. Returns the seconds it took."""
+        import asyncio
+
+        t0 = time.perf_counter()
+        ex, client = self.executor, self.executor.client
+        ex.pause()  # no new runs until the servers have v{version}
+        try:
+            if self.cfg.rollout.interruptible:
+                await client.pause()  # in-flight requests return as abort and are resubmitted
+            else:  # let in-flight runs finish under the old weights
+                while ex.metrics()["running"] > 0:
+                    await asyncio.sleep(0.005)
+            results = await client.update_weights_from_disk(path, version)
+            failed = [r for r in (results or []) if isinstance(r, dict) and r.get("success") is False]
+            if failed:
+                raise TrainerError(f"weight update to v{version} failed on a server: {failed[0]}")
+            ex.set_version(version)
+        finally:
+            if self.cfg.rollout.interruptible:
+                await client.continue_()
+            ex.resume()
+        return time.perf_counter() - t0
+
+    def wait_published(self) -> float:
+        """Waits for the last ``publish`` to reach the servers; returns the seconds it took
+        there (0.0 if none was pending). Raises TrainerError if the update failed."""
+        if self._pending_publish is None:
+            return 0.0
+        version, future = self._pending_publish
+        self._pending_publish = None
+        try:
+            return future.result()
+        except TrainerError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a transport or server error, reported as such
+            raise TrainerError(f"weight update to v{version} failed: {type(e).__name__}: {e}") from e
 
     # -- step 6: checkpointing
     def save_checkpoint(self) -> None:
         import jax
 
+        self.wait_published()  # the executor state must be at the published version
         from areal_jax.checkpoint.orbax_ckpt import rng_to_json
 
         st = self.learner.state_dict()
@@ -250,6 +287,7 @@ class RunContext:
         from areal_jax.rollout.evaluate import evaluate_prompts
         from areal_jax.rollout.workflows import SamplingConfig
 
+        self.wait_published()  # evaluate the latest weights
         e = self.cfg.eval
         sampling = SamplingConfig(max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
                                   temperature=e.temperature, top_p=1.0 if e.temperature else 1.0)
@@ -260,6 +298,7 @@ class RunContext:
         return {f"{prefix}{k}": v for k, v in out.items()}
 
     def finish(self) -> None:
+        self.wait_published()
         self.checkpointer.wait()
         if self.critic_ckpt is not None:
             self.critic_ckpt.wait()
@@ -421,7 +460,13 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
     executor.start()
     stack.callback(executor.stop, 30.0, True)
     if cfg.rollout.servers:  # external servers: bring them to the current weights
-        executor.run_coroutine(client.update_weights_from_disk(str(first), start_version))
+        from areal_jax.rollout.client import RolloutError
+
+        try:
+            executor.run_coroutine(client.update_weights_from_disk(str(first), start_version))
+        except RolloutError as e:
+            raise TrainerError(f"rollout.servers cannot load this run's weights v{start_version} "
+                               f"(do they serve the same model as model.path?): {e}") from None
 
     writer = MetricsWriter(run_dir, cfg.train.total_versions, start_version, cfg.progress_bar)
     stack.callback(writer.close)

@@ -162,3 +162,23 @@ def test_resume_after_sigkill(tmp_path):
     ids = [i for v in sorted(consumed) for i in consumed[v]]
     assert len(ids) == 5 * 4
     assert len(set(ids)) == len(ids)
+
+
+def test_external_server_with_another_model_fails_with_a_clear_error(tmp_path):
+    """An external server that serves a different model refuses the run's weights at
+    start-up: a one-line error naming the mismatch, before any training."""
+    from areal_jax.engine.launch import launch_server
+    from tests.hf_fixtures import make_tiny_hf_checkpoint
+
+    other = make_tiny_hf_checkpoint(tmp_path, vocab_size=32, hidden_size=48, seed=3)
+    server = launch_server(other, max_slots=16, max_seq_len=96, log_path=tmp_path / "server.log")
+    try:
+        run_dir = tmp_path / "run"
+        res = _run([f"run_dir={run_dir}", "train.total_versions=3", f"rollout.servers=[{server.url}]"])
+    finally:
+        server.terminate()
+    assert res.returncode != 0
+    assert "rollout.servers cannot load this run's weights v0" in res.stderr, res.stderr[-3000:]
+    assert "hidden_size=128 but the server runs hidden_size=48" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert _rows(run_dir) == []
