@@ -182,3 +182,17 @@ def test_external_server_with_another_model_fails_with_a_clear_error(tmp_path):
     assert "hidden_size=128 but the server runs hidden_size=48" in res.stderr
     assert "Traceback" not in res.stderr
     assert _rows(run_dir) == []
+
+
+def test_sync_mode_stays_on_policy_with_background_publishing(tmp_path):
+    """mode=sync: every batch is generated entirely under the weights of its version,
+    although the servers' weight update runs in the background of the learner."""
+    run_dir = tmp_path / "run"
+    res = _run([f"run_dir={run_dir}", "train.total_versions=4", "mode=sync"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = _rows(run_dir)
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:  # batch for version v was generated under weights v - 1, no older
+        assert r["token_version_max"] == r["version"] - 1, r
+        assert r["staleness_max"] == 0 and r["start_staleness_max"] == 0, r
+    assert all(r["publish_update_s"] > 0 for r in rows[1:])  # the previous update was waited for
