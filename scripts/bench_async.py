@@ -22,6 +22,11 @@ the compilations of the first versions are excluded equally) to the end of the l
 The overlap bound is computed from a synchronous run's measured components, T_gen (the
 learner's wait for a batch) and T_train (the rest of a version):
 bound = (T_gen + T_train) / max(T_gen, T_train).
+
+``--repeats N`` runs the whole set N times, interleaved (sync, sync-pinned, async, ...,
+then again), so slow drifts of the machine hit every kind alike. Each row is then the
+run with the median tokens/s of its kind, and the table adds the min-max range.
+Run-to-run spread on a 2-core machine is ~10-20%, so single runs decide little.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ def add_arguments(p) -> None:
     p.add_argument("--skip-nointerrupt", action="store_true")
     p.add_argument("--warmup-versions", type=int, default=4,
                    help="versions excluded from the throughput window (compilation)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the whole set this many times, interleaved; rows are medians")
     p.add_argument("--server-cores", default="0", help="async runs: server cores, e.g. 0")
     p.add_argument("--learner-cores", default="1", help="async runs: learner cores, e.g. 1")
     p.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
@@ -116,11 +123,20 @@ def run(args) -> dict:
     }
     if not args.skip_nointerrupt:
         runs["async-nointerrupt"] = common + ["mode=async", "rollout.interruptible=false", *pin]
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    every: dict[str, list[dict]] = {name: [] for name in runs}
+    for rep in range(args.repeats):
+        for name, overrides in runs.items():
+            tag = name if args.repeats == 1 else f"{name}-r{rep}"
+            print(f"running {tag} ...", flush=True)
+            rows = train_run(args.config, overrides, work / tag, work / f"{tag}.log")
+            every[name].append(summarize(rows, args.warmup_versions))
     results = {}
-    for name, overrides in runs.items():
-        print(f"running {name} ...", flush=True)
-        rows = train_run(args.config, overrides, work / name, work / f"{name}.log")
-        results[name] = summarize(rows, args.warmup_versions)
+    for name, summaries in every.items():  # the median run of each kind
+        ordered = sorted(summaries, key=lambda r: r["tokens_per_s"])
+        results[name] = {**ordered[(len(ordered) - 1) // 2],
+                         "tokens_per_s_all": [r["tokens_per_s"] for r in summaries]}
     sync = results["sync"]
 
     def bound_of(r: dict) -> float:
@@ -128,11 +144,12 @@ def run(args) -> dict:
 
     bound = bound_of(sync)
     pinned = results["sync-pinned"]
-    columns = ["run", "tokens/s", "vs sync", "vs sync-pinned", "final eval acc",
+    columns = ["run", "tokens/s", "range", "vs sync", "vs sync-pinned", "final eval acc",
                "initial eval acc", "version time s", "T_gen s", "T_train s", "staleness mean"]
     table = []
     for name, r in results.items():
-        table.append([name, r["tokens_per_s"], r["tokens_per_s"] / sync["tokens_per_s"],
+        spread = f"{min(r['tokens_per_s_all']):.0f}-{max(r['tokens_per_s_all']):.0f}"
+        table.append([name, r["tokens_per_s"], spread, r["tokens_per_s"] / sync["tokens_per_s"],
                       r["tokens_per_s"] / pinned["tokens_per_s"],
                       r["final_eval_accuracy"], r["initial_eval_accuracy"], r["version_time_s"],
                       r["t_gen_s"], r["t_train_s"], r["staleness_mean"]])
@@ -154,5 +171,6 @@ def run(args) -> dict:
     if "async-nointerrupt" in results:
         summary["interruption_gain"] = (results["async"]["tokens_per_s"]
                                         / results["async-nointerrupt"]["tokens_per_s"])
+    summary["repeats"] = args.repeats
     return {"title": "async vs sync (effective training throughput)", "columns": columns,
             "rows": table, "summary": summary, "runs": results}
