@@ -180,21 +180,31 @@ def test_finish_reasons(engine):
 
 
 def test_abort_pause_and_continue(engine):
-    req = engine.submit([3, 4], greedy(120))
+    # A request can end by length (max_seq_len) before the abort lands: retry until the
+    # abort catches it running.
     deadline = time.monotonic() + 60
-    while len(req.output_ids) < 2 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert engine.abort(req.rid) == 1
-    assert req.done.wait(10)
-    assert req.finish_reason["type"] == "abort"
+    for _ in range(50):
+        req = engine.submit([3, 4], greedy(120))
+        while len(req.output_ids) < 2 and not req.done.is_set() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        aborted = engine.abort(req.rid)
+        assert req.done.wait(10)
+        if aborted == 1:
+            break
+    assert aborted == 1 and req.finish_reason["type"] == "abort"
     assert 2 <= len(req.output_ids) < MAX_SEQ_LEN - 2  # stopped before its context ran out
     assert len(req.output_logprobs) == len(req.output_ids)
 
-    running = engine.submit([3, 4, 5], greedy(120))
-    while not running.output_ids and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert engine.pause() >= 0
-    assert running.done.wait(10) and running.finish_reason["type"] == "abort"
+    for _ in range(50):
+        running = engine.submit([3, 4, 5], greedy(120))
+        while not running.output_ids and time.monotonic() < deadline:
+            time.sleep(0.001)
+        paused = engine.pause()
+        assert running.done.wait(10)
+        if paused == 1:
+            break
+        engine.continue_generation()  # it ended by length first; try again
+    assert paused == 1 and running.finish_reason["type"] == "abort"
     queued = engine.submit([6, 7], greedy(5), rid="queued-while-paused")
     with pytest.raises(EngineRequestError, match="already in flight"):
         engine.submit([6, 7], greedy(5), rid="queued-while-paused")
@@ -246,13 +256,22 @@ def test_no_recompilation_after_warmup_and_weight_swap(engine, ckpt_a, ckpt_b, t
     assert engine.weight_version == "7"
     assert engine.generate(prompt, greedy(12)).output_ids == req.output_ids
 
-    # Back to A; update with abort_all_requests aborts a running request.
-    running = engine.submit([3, 4], greedy(120))
-    while not running.output_ids:
-        time.sleep(0.001)
-    back = engine.update_weights_from_disk(str(ckpt_a), "9", abort_all_requests=True)
-    assert back["success"] and back["num_paused_requests"] == 1
-    assert running.finish_reason["type"] == "abort" and running.weight_version == "7"
+    # Back to A; update with abort_all_requests aborts a running request. The request
+    # can end by length (max_seq_len) while the update loads the checkpoint, so retry
+    # until the abort catches it running.
+    for _ in range(50):
+        before = engine.weight_version
+        running = engine.submit([3, 4], greedy(120))
+        while not running.output_ids:
+            time.sleep(0.001)
+        back = engine.update_weights_from_disk(str(ckpt_a), "9", abort_all_requests=True)
+        assert back["success"], back
+        if back["num_paused_requests"] == 1:
+            break
+        assert back["num_paused_requests"] == 0 and running.finish_reason["type"] == "length"
+    assert back["num_paused_requests"] == 1, "no running request was ever aborted"
+    assert running.finish_reason["type"] == "abort" and running.weight_version == before
+    assert 0 < len(running.output_ids) < MAX_SEQ_LEN - 2  # partial output returned
     assert engine.generate(prompt, greedy(12)).output_ids == hf_greedy(ckpt_a, prompt, 12)
     assert engine.num_compilations == count
 

@@ -80,7 +80,7 @@ def test_control_routes(http):
     result = {}
 
     def run():
-        body = gen_body(max_new_tokens=200, ignore_eos=True)
+        body = gen_body(max_new_tokens=500, ignore_eos=True)  # long: the abort lands mid-run
         result["reply"] = http.post("/generate", json={**body, "rid": "to-abort"}).json()
 
     t = threading.Thread(target=run)
