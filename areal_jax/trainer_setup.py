@@ -233,10 +233,7 @@ class RunContext:
             else:  # let in-flight runs finish under the old weights
                 while ex.metrics()["running"] > 0:
                     await asyncio.sleep(0.005)
-            results = await client.update_weights_from_disk(path, version)
-            failed = [r for r in (results or []) if isinstance(r, dict) and r.get("success") is False]
-            if failed:
-                raise TrainerError(f"weight update to v{version} failed on a server: {failed[0]}")
+            await client.update_weights_from_disk(path, version)  # raises if a server refuses
             ex.set_version(version)
         finally:
             if self.cfg.rollout.interruptible:
@@ -253,8 +250,6 @@ class RunContext:
         self._pending_publish = None
         try:
             return future.result()
-        except TrainerError:
-            raise
         except Exception as e:  # noqa: BLE001 - a transport or server error, reported as such
             raise TrainerError(f"weight update to v{version} failed: {type(e).__name__}: {e}") from e
 
@@ -262,8 +257,9 @@ class RunContext:
     def save_checkpoint(self) -> None:
         import jax
 
-        self.wait_published()  # the executor state must be at the published version
         from areal_jax.checkpoint.orbax_ckpt import rng_to_json
+
+        self.wait_published()  # the executor state must be at the published version
 
         st = self.learner.state_dict()
         meta = {

@@ -9,8 +9,14 @@ Compiled shapes: one prefill function per prompt-length bucket (``prefill_rows``
 at a time, padded with dummy rows) and one decode function per attention-length bucket
 (all slots, ``decode_steps`` tokens per call, attending to the first ``kv_len`` cache
 positions). Both use the same power-of-two buckets up to max_seq_len. Weight swaps keep
-shapes, dtypes and shardings, so they never recompile. Every trace of a jitted function
-increments ``num_compilations``.
+shapes, dtypes and shardings, so they never recompile. ``num_compilations`` counts step
+calls that traced or compiled anything: a trace, or an XLA compile without one (which is
+what an input placed differently costs, e.g. one committed to a device where the
+compiled call saw an uncommitted array).
+
+Params, cache and slot state are therefore committed to their device(s) when created,
+like the swapped-in weights (``place_like_current``). Left uncommitted, the first weight
+swap silently recompiled every shape: seconds per bucket.
 
 Data parallelism (``data_parallel=n``): the slots are split over the first n local
 devices, each holding a full copy of the params and its own share of the cache and slot
@@ -92,9 +98,9 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.data_parallel = data_parallel
         self.mesh: Mesh | None = None
-        self.device = jax.local_devices()[0]
+        devices = jax.local_devices()
+        self.device = devices[0]
         if data_parallel > 1:
-            devices = jax.local_devices()
             if len(devices) < data_parallel:
                 raise ValueError(
                     f"data_parallel={data_parallel} needs that many local devices, found "
@@ -282,8 +288,9 @@ class ModelRunner:
             top_k_p[i] = row["top_k"]
             seed_p[i] = row["seed"]
         self.cache, self.slots, token_p, logprob_p = self._watched(
-            self._prefill, self.state, self.cache, self.slots, prompt_pt, prompt_len_p, slot_p, temperature_p,
-            top_p_p, top_k_p, seed_p, np.bool_(any_truncation), np.bool_(any_random))
+            self._prefill, self.state, self.cache, self.slots, prompt_pt, prompt_len_p, slot_p,
+            temperature_p, top_p_p, top_k_p, seed_p, np.bool_(any_truncation),
+            np.bool_(any_random))
         token_p, logprob_p = jax.device_get((token_p, logprob_p))
         return token_p[: len(rows)], logprob_p[: len(rows)]
 
@@ -298,8 +305,8 @@ class ModelRunner:
         """Dispatches ``decode_steps`` steps over all slots, attending to the first
         ``kv_len`` cache positions; returns device arrays [k, B] (tokens, logprobs)."""
         self.cache, self.slots, token_kb, logprob_kb = self._watched(
-            self._decode, self.state, self.cache, self.slots, np.bool_(any_truncation), np.bool_(any_random),
-            kv_len)
+            self._decode, self.state, self.cache, self.slots, np.bool_(any_truncation),
+            np.bool_(any_random), kv_len)
         return token_kb, logprob_kb
 
     def warmup(self) -> None:
