@@ -43,7 +43,16 @@ def _is_url(path: str) -> bool:
 
 
 def require_gcs_support(path: str) -> None:
-    """``gs://`` directories go through etils.epath, which needs the gcsfs package."""
+    """Checks the scheme (local or ``gs://``, see ``areal_jax.storage``) and, for ``gs://``,
+    that gcsfs is installed (Orbax's directory operations use it through etils.epath);
+    points tensorstore at ``STORAGE_EMULATOR_HOST`` when that is set."""
+    from areal_jax import storage
+
+    try:
+        storage.scheme_of(path)
+    except storage.StorageError as e:
+        raise CheckpointError(str(e)) from None
+    storage.configure_environment()
     if path.startswith("gs://"):
         try:
             import gcsfs  # noqa: F401

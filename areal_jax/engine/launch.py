@@ -160,7 +160,7 @@ def launch_server(
       ServerStartError: the process exited during start-up or was not healthy in time
         (the message includes the tail of its log).
     """
-    model_path = Path(model_path)
+    model_path = os.fspath(model_path)  # a local dir or a gs:// URL (the server downloads it)
     chosen_port = port if port is not None else free_port(host)
     if log_path is None:
         import tempfile

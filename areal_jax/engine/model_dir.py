@@ -17,7 +17,19 @@ class ModelPathError(ValueError):
 
 
 def check_model_dir(path: str | Path) -> Path:
-    """Returns the path if it looks like an HF checkpoint directory, else raises ModelPathError."""
+    """Returns the path if it looks like an HF checkpoint directory, else raises ModelPathError.
+
+    A ``gs://`` directory is downloaded first into this process's slot of the local
+    weight cache (``<cache>/weights/pid<PID>``, see ``areal_jax.storage``); the slot holds
+    one model at a time, as loads are sequential and a loaded model lives in memory.
+    """
+    from areal_jax import storage
+
+    try:
+        if storage.is_url(path):
+            return check_model_dir(_download_to_slot(str(path)))
+    except storage.StorageError as e:
+        raise ModelPathError(f"model_path {e}") from None
     path = Path(path)
     if not path.exists():
         raise ModelPathError(f"model_path {path} does not exist")
@@ -26,6 +38,38 @@ def check_model_dir(path: str | Path) -> Path:
     if not (path / "config.json").is_file():
         raise ModelPathError(f"model_path {path} has no config.json")
     return path
+
+
+def _download_to_slot(url: str) -> Path:
+    import os
+    import shutil
+
+    from areal_jax import storage
+
+    root = storage.cache_root() / "weights"
+    slot = root / f"pid{os.getpid()}"
+    if root.is_dir():  # slots of processes that are gone
+        for other in root.glob("pid*"):
+            pid = other.name[3:]
+            if other != slot and pid.isdigit() and not _pid_alive(int(pid)):
+                shutil.rmtree(other, ignore_errors=True)
+    shutil.rmtree(slot, ignore_errors=True)
+    if not storage.isdir(url):
+        raise storage.StorageError(f"{url} does not exist or is not a directory")
+    storage.download(url, slot / storage.name_of(url))
+    return slot / storage.name_of(url)
+
+
+def _pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def read_eos_token_ids(path: Path, cfg: ModelConfig) -> tuple[int, ...]:
