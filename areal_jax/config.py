@@ -26,6 +26,7 @@ __all__ = [
     "RolloutConfig",
     "TrainConfig",
     "TrainLoopConfig",
+    "WatchdogConfig",
     "from_dict",
     "load_config",
     "to_dict",
@@ -34,8 +35,14 @@ __all__ = [
 
 def _positive(section: str, **values: float | int | None) -> None:
     for key, v in values.items():
-        if v is not None and v <= 0:
+        if v is not None and not v > 0:  # also rejects NaN
             raise ValueError(f"{section}.{key} must be > 0, got {v}")
+
+
+def _non_negative(section: str, **values: float | int | None) -> None:
+    for key, v in values.items():
+        if v is not None and not v >= 0:
+            raise ValueError(f"{section}.{key} must be >= 0, got {v}")
 
 
 @dataclass(frozen=True)
@@ -74,10 +81,17 @@ class RewardConfig:
     clip: float | None = None  # clip |reward| to this after scale and bias
     overlong_penalty_tokens: int | None = None  # DAPO: soft penalty zone length, in tokens
     overlong_penalty_factor: float = 1.0
+    # A reward outside [-max_abs, max_abs] counts as a failed reward (like one that raises);
+    # the default keeps group statistics far inside float32.
+    max_abs: float = 1.0e6
 
     def __post_init__(self) -> None:
         _positive("reward", num_workers=self.num_workers, timeout_s=self.timeout_s,
-                  clip=self.clip, overlong_penalty_tokens=self.overlong_penalty_tokens)
+                  clip=self.clip, overlong_penalty_tokens=self.overlong_penalty_tokens,
+                  max_abs=self.max_abs)
+        if self.max_abs > 1e30:
+            raise ValueError(f"reward.max_abs must be <= 1e30 (float32 overflows near 3.4e38 "
+                             f"once rewards are squared or summed), got {self.max_abs}")
 
 
 @dataclass(frozen=True)
@@ -97,14 +111,24 @@ class RolloutConfig:
     max_staleness: int | None = 2  # eta; None: unbounded (still capped by max_concurrent)
     interruptible: bool = True  # abort in-flight requests on a weight update (else wait for them)
     request_timeout_s: float = 600.0
+    server_startup_timeout_s: float = 600.0  # embedded servers: load + compile every shape
     api_key: str | None = None
 
     def __post_init__(self) -> None:
         _positive("rollout", num_servers=self.num_servers, max_slots=self.max_slots,
                   max_seq_len=self.max_seq_len, n_samples=self.n_samples,
                   max_new_tokens=self.max_new_tokens, max_concurrent=self.max_concurrent,
-                  top_p=self.top_p, request_timeout_s=self.request_timeout_s)
-        if self.temperature <= 0:
+                  top_p=self.top_p, request_timeout_s=self.request_timeout_s,
+                  server_startup_timeout_s=self.server_startup_timeout_s)
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"rollout.top_k must be -1 (disabled) or >= 1, got {self.top_k} "
+                             "(servers reject every request with top_k=0)")
+        for key in ("server_cpu_cores", "learner_cpu_cores"):
+            cores = getattr(self, key)
+            if cores is not None and (not cores or any(c < 0 for c in cores)):
+                raise ValueError(f"rollout.{key} must be null or a non-empty list of core ids "
+                                 f">= 0, got {cores}")
+        if not self.temperature > 0:
             raise ValueError(f"rollout.temperature must be > 0 for RL sampling, got {self.temperature}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"rollout.max_staleness must be >= 0 or null, got {self.max_staleness}")
@@ -135,11 +159,15 @@ class AlgoConfig:
 
     def __post_init__(self) -> None:
         _positive("algo", eps_clip=self.eps_clip, ppo_n_minibatches=self.ppo_n_minibatches,
-                  behav_imp_weight_cap=self.behav_imp_weight_cap)
-        if self.c_clip is not None and self.c_clip <= 1:
+                  behav_imp_weight_cap=self.behav_imp_weight_cap,
+                  eps_clip_higher=self.eps_clip_higher)
+        if self.c_clip is not None and not self.c_clip > 1:
             raise ValueError(f"algo.c_clip must be > 1 (or null), got {self.c_clip}")
-        if self.kl_coef < 0:
-            raise ValueError(f"algo.kl_coef must be >= 0, got {self.kl_coef}")
+        _non_negative("algo", kl_coef=self.kl_coef, value_eps_clip=self.value_eps_clip,
+                      value_coef=self.value_coef)
+        for key in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ValueError(f"algo.{key} must be in [0, 1], got {getattr(self, key)}")
 
 
 @dataclass(frozen=True)
@@ -154,9 +182,11 @@ class OptimConfig:
     max_grad_norm: float | None = 1.0
 
     def __post_init__(self) -> None:
-        _positive("optim", lr=self.lr, max_grad_norm=self.max_grad_norm)
-        if self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _positive("optim", lr=self.lr, max_grad_norm=self.max_grad_norm, eps=self.eps)
+        _non_negative("optim", warmup_steps=self.warmup_steps, weight_decay=self.weight_decay)
+        for key in ("b1", "b2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"optim.{key} must be in [0, 1), got {getattr(self, key)}")
 
 
 @dataclass(frozen=True)
@@ -195,11 +225,35 @@ class CheckpointConfig:
     keep_weights: int = 3  # published serving-weight versions kept
     async_save: bool = True
     dir: str | None = None  # default: RUN_DIR/checkpoints (local path or gs://)
+    on_interrupt: bool = False  # SIGINT/SIGTERM: also save a checkpoint of the current version
 
     def __post_init__(self) -> None:
         _positive("checkpoint", keep=self.keep, keep_weights=self.keep_weights)
         if self.every_versions < 0:
             raise ValueError(f"checkpoint.every_versions must be >= 0, got {self.every_versions}")
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    """When a run that cannot progress stops, and how long a shutdown may take."""
+
+    # Stop when this many workflow attempts in a row end without an accepted group
+    # (failed requests, failed rewards, rejected groups); 0: never.
+    max_attempts_without_progress: int = 200
+    # Stop when the learner has waited this long for a batch without any group being
+    # accepted; 0: never.
+    max_seconds_without_progress: float = 1800.0
+    # Stop when the training loss is not finite this many versions in a row; 0: never.
+    max_nonfinite_versions: int = 3
+    # SIGINT/SIGTERM and the end of a run: the whole shutdown takes at most this long,
+    # then the process exits anyway.
+    shutdown_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        _non_negative("watchdog", max_attempts_without_progress=self.max_attempts_without_progress,
+                      max_seconds_without_progress=self.max_seconds_without_progress,
+                      max_nonfinite_versions=self.max_nonfinite_versions)
+        _positive("watchdog", shutdown_timeout_s=self.shutdown_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -225,6 +279,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     log_every: int = 1
     progress_bar: bool = True
 
@@ -234,8 +289,16 @@ class TrainConfig:
                 f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) must be smaller than "
                 f"rollout.max_seq_len ({self.rollout.max_seq_len})"
             )
-        if self.mode == "sync" and self.rollout.max_staleness not in (0, None):
-            pass  # sync mode ignores max_staleness: it is 0 by construction
+        if self.train.seq_len <= self.rollout.max_new_tokens:
+            raise ValueError(
+                f"train.seq_len ({self.train.seq_len}) must be larger than rollout.max_new_tokens "
+                f"({self.rollout.max_new_tokens}): a packed row holds a whole prompt + completion")
+        o = self.optim
+        if o.schedule == "cosine" and self.train.total_versions * self.algo.ppo_n_minibatches <= o.warmup_steps:
+            raise ValueError(
+                f"optim.warmup_steps ({o.warmup_steps}) must be smaller than the run's optimizer "
+                f"steps for the cosine schedule (train.total_versions x algo.ppo_n_minibatches = "
+                f"{self.train.total_versions * self.algo.ppo_n_minibatches})")
 
     @property
     def max_concurrent(self) -> int:

@@ -93,6 +93,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if value != value:  # NaN passes every comparison check downstream
+            raise ConfigError(f"{key}: expected a number, got nan")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,28 +31,73 @@ import numpy as np
 
 from areal_jax.config import TrainConfig, to_dict
 from areal_jax.trainer_setup import (
+    LIVE_SERVERS,
     MetricsWriter,
     RunContext,
+    RunStopped,
     TrainerError,
     build_components,
     group_advantages_for,
     shaped_rewards_for,
 )
 
-__all__ = ["TrainerError", "run_training"]
+__all__ = ["EXIT_CODES", "Interrupted", "RunStopped", "TrainerError", "main_guarded", "run_training"]
+
+# scripts/train.py's exit status (README, "When things go wrong").
+EXIT_CODES = {
+    "done": 0,
+    "crash": 1,  # an unexpected error (a traceback)
+    "bad_input": 2,  # config or input error, found before training starts
+    "stopped": 3,  # the run could not go on: no progress, non-finite loss, failed weight update
+    "shutdown_timeout": 4,  # shutdown took longer than watchdog.shutdown_timeout_s
+}  # and 128 + signal number after SIGINT (130) or SIGTERM (143)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM: the run shuts down gracefully."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 logger = logging.getLogger("areal_jax.trainer")
 
 
-def run_training(cfg: TrainConfig, resume: bool | None = None) -> dict[str, Any]:
+def run_training(cfg: TrainConfig, resume: bool | None = None, *,
+                 exit_deadline: bool = False) -> dict[str, Any]:
     """Runs (or resumes) a training run; returns the last metrics row.
 
     ``resume``: None resumes when the run dir has a checkpoint, True requires one,
-    False refuses a run dir that already has one.
+    False refuses a run dir that already has one. ``exit_deadline`` (scripts/train.py):
+    once the run ends, the process has ``watchdog.shutdown_timeout_s`` to exit, or it
+    kills its servers and exits with status 4.
     """
     with contextlib.ExitStack() as stack:
         ctx: RunContext = build_components(cfg, resume, stack)
-        return _train_loop(cfg, ctx)
+        # Runs first when the stack unwinds: every shutdown step after it is time-bounded.
+        if exit_deadline:
+            stack.callback(arm_shutdown_deadline, cfg.watchdog.shutdown_timeout_s,
+                           EXIT_CODES["shutdown_timeout"])
+        try:
+            return _train_loop(cfg, ctx)
+        except Interrupted:
+            if cfg.checkpoint.on_interrupt:
+                _checkpoint_on_interrupt(cfg, ctx)
+            raise
+
+
+def _checkpoint_on_interrupt(cfg: TrainConfig, ctx: RunContext) -> None:
+    """checkpoint.on_interrupt: save the current version before shutting down."""
+    arm_shutdown_deadline(cfg.watchdog.shutdown_timeout_s, EXIT_CODES["shutdown_timeout"])
+    try:
+        if ctx.learner.version != ctx.last_saved_version:
+            ctx.save_checkpoint()
+            print(f"saved a checkpoint of version {ctx.learner.version} before stopping",
+                  file=sys.stderr, flush=True)
+        ctx.checkpointer.wait()
+    except Exception as e:  # noqa: BLE001 - the last completed checkpoint is still there
+        logger.error("checkpoint on interrupt failed (%s: %s); the last completed one is kept",
+                     type(e).__name__, e)
 
 
 def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
@@ -57,6 +105,7 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
     writer: MetricsWriter = ctx.writer
     total = cfg.train.total_versions
     row: dict[str, Any] = {}
+    nonfinite = 0  # versions in a row with a non-finite loss
     if ctx.start_version == 0 and cfg.eval.at_start and ctx.eval_items:
         row = writer.log({"version": 0, "step": 0, **ctx.evaluate("eval_")})
 
@@ -64,23 +113,43 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
         t_step = time.perf_counter()
         # Steps 1-3: the executor has been generating all along; take the B oldest groups.
         t0 = time.perf_counter()
-        groups = executor.prepare_batch(cfg.train.batch_size)
+        from areal_jax.rollout.executor import NoProgressError
+
+        try:
+            groups = executor.prepare_batch(cfg.train.batch_size)
+        except NoProgressError as e:
+            raise RunStopped(str(e)) from None
         wait_s = time.perf_counter() - t0
         trajs = [t for g in groups for t in g]
         writer.log_consumed(version + 1, [g[0].prompt_id for g in groups])
         rewards = np.array([t.reward for t in trajs], np.float32)
-        if ctx.critic is not None:  # PPO: GAE advantages from the critic's values
-            batches = ctx.pack(trajs, np.zeros(len(trajs), np.float32))
-            targets = ctx.critic.gae_targets(batches, trajs, gamma=cfg.algo.gamma, lam=cfg.algo.lam,
-                                             rewards=shaped_rewards_for(cfg, trajs), normalize=True)
-        else:  # GRPO / RLOO / Dr.GRPO: group baselines
-            batches = ctx.pack(trajs, group_advantages_for(cfg, trajs, len(groups[0])))
+        try:
+            if ctx.critic is not None:  # PPO: GAE advantages from the critic's values
+                batches = ctx.pack(trajs, np.zeros(len(trajs), np.float32))
+                targets = ctx.critic.gae_targets(batches, trajs, gamma=cfg.algo.gamma,
+                                                 lam=cfg.algo.lam, normalize=True,
+                                                 rewards=shaped_rewards_for(cfg, trajs))
+            else:  # GRPO / RLOO / Dr.GRPO: group baselines
+                batches = ctx.pack(trajs, group_advantages_for(cfg, trajs, len(groups[0])))
+        except ValueError as e:  # e.g. a trajectory longer than a packed row
+            raise RunStopped(f"cannot pack the batch of version {version + 1}: {e} "
+                             f"(train.seq_len={cfg.train.seq_len})") from None
 
         # Step 4: train (prox_logp recompute happens inside train_step when decoupled).
         if ctx.ref_learner is not None:
             for mb, ref in zip(batches, ctx.ref_learner.compute_logp(batches), strict=True):
                 mb["ref_logp"] = ref
         train_metrics = learner.train_step(batches, current_version=version)
+        nonfinite = 0 if math.isfinite(float(train_metrics.get("loss", 0.0))) else nonfinite + 1
+        limit = cfg.watchdog.max_nonfinite_versions
+        if limit and nonfinite >= limit:
+            raise RunStopped(
+                f"the training loss was not finite for {nonfinite} versions in a row (versions "
+                f"{version + 2 - nonfinite}-{version + 1}; rewards this batch: min "
+                f"{rewards.min():g}, max {rewards.max():g}); the weights are no longer "
+                f"trustworthy. Check the reward scale (reward.max_abs, reward.scale) and "
+                f"optim.lr, then resume from the last checkpoint "
+                f"(watchdog.max_nonfinite_versions={limit})")
         if ctx.critic is not None:
             critic_metrics = ctx.critic.train_step(batches, returns=targets.returns,
                                                    old_values=targets.old_values)
@@ -107,7 +176,9 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
             "step_time_s": time.perf_counter() - t_step,
             "rollout_wait_s": wait_s,
             "publish_s": publish_s,  # the learner's share: the weight export
-            "publish_update_s": ctx.last_update_s,  # the previous version's server update
+            # the server update of the weights this version trained from (v`version`),
+            # whoever waited for it (this publish, an eval or a checkpoint)
+            "publish_update_s": ctx.update_s.pop(version, 0.0),
             "wall_time_s": ctx.elapsed(),
             "token_version_max": int(max(int(t.versions.max()) for t in trajs)),
             "start_staleness_max": float(max(version - min(g[0].start_version for g in groups), 0)),
@@ -132,12 +203,74 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
     return row
 
 
+def _hard_exit(code: int, why: str) -> None:
+    """Kills the embedded servers and leaves at once (no cleanup handlers run)."""
+    print(f"{why}; exiting now with status {code}", file=sys.stderr, flush=True)
+    for handle in list(LIVE_SERVERS):
+        with contextlib.suppress(Exception):
+            handle.kill()
+    os._exit(code)
+
+
+_deadline_lock = threading.Lock()
+_deadline_armed = False
+
+
+def arm_shutdown_deadline(seconds: float, code: int) -> None:
+    """From now on the process has ``seconds`` to exit; then it kills its servers and exits
+    with ``code``. Idempotent: the first call sets the deadline."""
+    global _deadline_armed
+    with _deadline_lock:
+        if _deadline_armed:
+            return
+        _deadline_armed = True
+    timer = threading.Timer(seconds, _hard_exit,
+                            (code, f"shutdown took longer than {seconds:g}s "
+                                   "(watchdog.shutdown_timeout_s)"))
+    timer.daemon = True
+    timer.start()
+
+
+def install_signal_handlers(shutdown_timeout_s: float) -> None:
+    """SIGINT and SIGTERM: the first raises :class:`Interrupted` in the main thread (a
+    graceful shutdown, bounded by ``shutdown_timeout_s``); a second one exits at once."""
+    received: list[int] = []
+
+    def handler(signum: int, _frame: Any) -> None:
+        if received:
+            _hard_exit(128 + signum, f"second signal ({signal.Signals(signum).name})")
+        received.append(signum)
+        print(f"{signal.Signals(signum).name}: stopping (servers, executor, files; at most "
+              f"{shutdown_timeout_s:g}s); send it again to exit at once",
+              file=sys.stderr, flush=True)
+        arm_shutdown_deadline(shutdown_timeout_s, 128 + signum)
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main_guarded(cfg: TrainConfig, resume: bool | None) -> int:
-    """Entry point used by scripts/train.py: SIGTERM behaves like Ctrl-C."""
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    """Entry point used by scripts/train.py: runs training and returns its exit status
+    (``EXIT_CODES``; 128 + signal number after SIGINT/SIGTERM). Errors for users are
+    printed as one line, never a traceback."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_training(cfg, resume)
-    return 0
+    if threading.current_thread() is threading.main_thread():
+        install_signal_handlers(cfg.watchdog.shutdown_timeout_s)
+    try:
+        run_training(cfg, resume, exit_deadline=True)
+    except Interrupted as e:
+        saved = " (and a checkpoint of this version)" if cfg.checkpoint.on_interrupt else ""
+        print(f"interrupted by {signal.Signals(e.signum).name}: servers, executor and files "
+              f"closed; the last completed checkpoint is kept{saved}", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    except RunStopped as e:
+        print(f"stopped: {e}", file=sys.stderr, flush=True)
+        return EXIT_CODES["stopped"]
+    except TrainerError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CODES["bad_input"]
+    return EXIT_CODES["done"]
 
 
 def resolved_config_text(cfg: TrainConfig) -> str:

@@ -30,6 +30,20 @@ class TrainerError(RuntimeError):
     """A problem with the run's inputs or environment, reported before long work starts."""
 
 
+class RunStopped(TrainerError):
+    """The run started but cannot go on (no progress, a non-finite loss, a failed weight
+    update); the message says why. scripts/train.py exits with status 3."""
+
+
+def user_key_message(message: str) -> str:
+    """Learner config errors name the learner's fields; say the run config's keys instead."""
+    for internal, user in (("ppo.temperature", "rollout.temperature"), ("ppo.", "algo."),
+                           ("optimizer.total_steps", "train.total_versions x algo.ppo_n_minibatches"),
+                           ("optimizer.", "optim.")):
+        message = message.replace(internal, user)
+    return message
+
+
 # ----------------------------------------------------------------------------- paths
 def resolve_model_path(spec: str) -> Path:
     """``builtin:NAME`` -> the packaged asset; otherwise a local HF directory."""
@@ -64,6 +78,50 @@ def resolve_dataset(spec: str, run_dir: Path, key: str) -> str:
     return spec
 
 
+def check_writable(path: Path, key: str) -> None:
+    """Creates ``path`` if needed and proves a file can be written there."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_probe_{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise TrainerError(f"{key} {path} is not writable: {e.strerror or e}") from None
+
+
+def check_prompt_lengths(cfg: TrainConfig, tokenizer: Any, train_path: str,
+                         max_rows: int = 512) -> None:
+    """The longest of the first ``max_rows`` prompts + ``rollout.max_new_tokens`` must fit a
+    packed row (``train.seq_len``) and, with embedded servers, their context. (A longer
+    prompt further on stops the run when it is packed, naming train.seq_len.)"""
+    from areal_jax.data.prompts import read_records
+
+    rows = read_records(train_path)[:max_rows]
+    key, ro = cfg.data.prompt_key, cfg.rollout
+    longest, where = 0, None
+    for i, row in enumerate(rows):
+        if key not in row:
+            raise TrainerError(f"data.train {train_path}: row {i} has no {key!r} key "
+                               f"(data.prompt_key); keys: {sorted(row)}")
+        n = len(tokenizer.encode_prompt(row[key]))
+        if n > longest:
+            longest, where = n, i
+    if where is None:
+        raise TrainerError(f"data.train {train_path} holds no prompts")
+    if not ro.servers and longest >= ro.max_seq_len:
+        raise TrainerError(f"rollout.max_seq_len ({ro.max_seq_len}) is too small: prompt {where} "
+                           f"of data.train has {longest} tokens; raise rollout.max_seq_len above "
+                           f"{longest + ro.max_new_tokens}")
+    need = longest + ro.max_new_tokens
+    if not ro.servers:  # the embedded engine stops a sequence at its context length
+        need = min(need, ro.max_seq_len)
+    if cfg.train.seq_len < need:
+        raise TrainerError(f"train.seq_len ({cfg.train.seq_len}) is shorter than the longest "
+                           f"prompt ({longest} tokens, row {where} of data.train) + "
+                           f"rollout.max_new_tokens ({ro.max_new_tokens}); raise train.seq_len "
+                           f"to at least {need}")
+
+
 def check_servers_reachable(urls: list[str], api_key: str | None, timeout: float = 5.0) -> None:
     import httpx
 
@@ -82,10 +140,15 @@ def check_servers_reachable(urls: list[str], api_key: str | None, timeout: float
 class MetricsWriter:
     """metrics.jsonl (one row per version), TensorBoard events and a progress bar."""
 
-    def __init__(self, run_dir: Path, total: int, initial: int, progress_bar: bool) -> None:
+    def __init__(self, run_dir: Path, total: int, initial: int, progress_bar: bool,
+                 resumed: bool = False) -> None:
         self.path = run_dir / "metrics.jsonl"
+        prompts_path = run_dir / "consumed_prompts.jsonl"
+        if resumed:  # versions after the checkpoint are trained again: drop their old rows
+            for path in (self.path, prompts_path):
+                _drop_rows_after(path, initial)
         self._file = self.path.open("a")
-        self._prompts_file = (run_dir / "consumed_prompts.jsonl").open("a")
+        self._prompts_file = prompts_path.open("a")
         self._tb = None
         try:
             from tensorboardX import SummaryWriter
@@ -138,6 +201,29 @@ class MetricsWriter:
         self._file.close()
 
 
+def _drop_rows_after(path: Path, version: int) -> None:
+    """Rewrites a JSONL of per-version rows without those of versions > ``version``
+    (atomically: a kill mid-way leaves the old file). Unparsable lines are kept."""
+    if not path.exists():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            row_version = int(json.loads(line).get("version", -1))
+        except (ValueError, AttributeError, TypeError):
+            row_version = -1
+        if row_version > version:
+            dropped += 1
+        else:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+        logger.info("%s: dropped %d rows of versions after %d (they are trained again)",
+                    path.name, dropped, version)
+
+
 # ----------------------------------------------------------------------------- advantages
 def shaped_rewards_for(cfg: TrainConfig, trajs: list) -> np.ndarray:
     """Rewards after scale/bias/clip and the optional DAPO overlong penalty, [N] fp32."""
@@ -179,7 +265,7 @@ class RunContext:
     eval_items: list[dict]
     ref_learner: Any = None
     _pending_publish: Any = None  # (version, Future) of the last publish's server update
-    last_update_s: float = 0.0  # how long the previous publish took on the servers' side
+    update_s: dict[int, float] = field(default_factory=dict)  # version -> its server update's s
     critic: Any = None  # algo.name == "ppo": the value model
     critic_ckpt: Any = None
     start_version: int = 0
@@ -214,7 +300,7 @@ class RunContext:
         ``set_version``, so sync runs stay exactly on-policy. The update must be done
         before the next one, an eval, a checkpoint or the end: ``wait_published``.
         """
-        self.last_update_s = self.wait_published()
+        self.wait_published()
         path = self.publisher.publish(self.learner.model, self.learner.model_cfg, version,
                                       tokenizer_dir=self.tokenizer_dir)
         self._pending_publish = (version, self.executor.submit_coroutine(
@@ -243,15 +329,18 @@ class RunContext:
 
     def wait_published(self) -> float:
         """Waits for the last ``publish`` to reach the servers; returns the seconds it took
-        there (0.0 if none was pending). Raises TrainerError if the update failed."""
+        there (0.0 if none was pending) and records them in ``update_s``, whoever waits
+        (the next publish, an eval or a checkpoint). Raises RunStopped if the update failed."""
         if self._pending_publish is None:
             return 0.0
         version, future = self._pending_publish
         self._pending_publish = None
         try:
-            return future.result()
+            seconds = future.result()
         except Exception as e:  # noqa: BLE001 - a transport or server error, reported as such
-            raise TrainerError(f"weight update to v{version} failed: {type(e).__name__}: {e}") from e
+            raise RunStopped(f"weight update to v{version} failed: {type(e).__name__}: {e}") from e
+        self.update_s[version] = seconds
+        return seconds
 
     # -- step 6: checkpointing
     def save_checkpoint(self) -> None:
@@ -302,11 +391,10 @@ class RunContext:
 
 def _prepare_run_dir(cfg: TrainConfig, resume: bool | None) -> tuple[Path, Path, bool]:
     run_dir = Path(cfg.run_dir)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise TrainerError(f"run_dir {run_dir} cannot be created: {e}") from None
+    check_writable(run_dir, "run_dir")
     ckpt_dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
+    if "://" not in ckpt_dir:
+        check_writable(Path(ckpt_dir), "checkpoint.dir" if cfg.checkpoint.dir else "run_dir")
     from areal_jax.checkpoint import TrainCheckpointer
 
     has_ckpt = False
@@ -338,12 +426,19 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
 
     try:
         tokenizer = load_tokenizer(tokenizer_dir)
+    except (ValueError, FileNotFoundError, ImportError, AttributeError) as e:
+        raise TrainerError(f"tokenizer {tokenizer_dir}: {e}") from None
+    try:
         reward_fn = reward_fn_spec(cfg.reward.fn)
         from areal_jax.rewards.pool import resolve_reward_fn
 
         resolve_reward_fn(reward_fn)
-    except (ValueError, FileNotFoundError, ImportError, AttributeError) as e:
-        raise TrainerError(str(e)) from None
+    except (ValueError, ImportError, AttributeError) as e:
+        raise TrainerError(f"reward.fn {cfg.reward.fn!r}: {e}") from None
+    try:
+        check_prompt_lengths(cfg, tokenizer, train_path)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise TrainerError(f"data.train: {e}") from None
     if cfg.rollout.learner_cpu_cores:
         with contextlib.suppress(AttributeError, OSError):
             os.sched_setaffinity(0, set(cfg.rollout.learner_cpu_cores))
@@ -368,7 +463,7 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
                                   logp_chunk_size=cfg.train.logp_chunk_size,
                                   seq_token_sum_normalizer=seq_norm)
     except ValueError as e:
-        raise TrainerError(str(e)) from None
+        raise TrainerError(user_key_message(str(e))) from None
     learner = Learner.from_hf(str(model_path), optim, ppo, mesh=mesh, compute_dtype=cfg.model.dtype,
                               remat=cfg.model.remat)
     ref_learner = None
@@ -422,7 +517,8 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
     from areal_jax.rollout.executor import RolloutExecutor
     from areal_jax.rollout.workflows import RLVRWorkflow, SamplingConfig
 
-    reward_pool = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s)
+    reward_pool = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s,
+                             max_abs=cfg.reward.max_abs)
     stack.callback(reward_pool.close)
     ro = cfg.rollout
     sampling = SamplingConfig(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
@@ -449,7 +545,9 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
     executor = RolloutExecutor(client, workflow, iter(prompts), batch_size=cfg.train.batch_size,
                                max_concurrent=cfg.max_concurrent, max_staleness=cfg.eta,
                                seed=cfg.seed, reward_pool=reward_pool, tokenizer=tokenizer,
-                               reward_timeout_s=cfg.reward.timeout_s)
+                               reward_timeout_s=cfg.reward.timeout_s,
+                               max_attempts_without_progress=cfg.watchdog.max_attempts_without_progress,
+                               max_seconds_without_progress=cfg.watchdog.max_seconds_without_progress)
     if meta.get("executor"):
         executor.load_state_dict(meta["executor"])
     executor.set_version(start_version)
@@ -464,7 +562,8 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
             raise TrainerError(f"rollout.servers cannot load this run's weights v{start_version} "
                                f"(do they serve the same model as model.path?): {e}") from None
 
-    writer = MetricsWriter(run_dir, cfg.train.total_versions, start_version, cfg.progress_bar)
+    writer = MetricsWriter(run_dir, cfg.train.total_versions, start_version, cfg.progress_bar,
+                           resumed=bool(meta))
     stack.callback(writer.close)
     return RunContext(
         cfg=cfg, run_dir=run_dir, learner=learner, executor=executor, publisher=publisher,
@@ -490,12 +589,29 @@ def _launch_servers(cfg: TrainConfig, weights: Path, version: int, run_dir: Path
                                    cpu_affinity=ro.server_cpu_cores, api_key=ro.api_key,
                                    warmup=True,  # compile every shape now, not mid-run
                                    log_path=logs / f"server{i}.log",
+                                   startup_timeout=ro.server_startup_timeout_s,
                                    extra_args=["--weight-version", str(version)])
         except ServerStartError as e:
-            raise TrainerError(f"embedded rollout server {i} failed to start: {e}") from None
+            first, _, tail = str(e).partition("\n")
+            hint = ""
+            if "not healthy after" in first:
+                hint = (f"; it may still be compiling: raise rollout.server_startup_timeout_s "
+                        f"(now {ro.server_startup_timeout_s:g}s)")
+            raise TrainerError(f"embedded rollout server {i} failed to start: {first}{hint}"
+                               + (f"\n{tail}" if tail else "")) from None
+        LIVE_SERVERS.append(handle)
+        stack.callback(_forget_server, handle)
         stack.callback(handle.terminate)
         urls.append(handle.url)
     return urls
+
+
+LIVE_SERVERS: list[Any] = []  # embedded servers of the running trainer (for a hard exit)
+
+
+def _forget_server(handle: Any) -> None:
+    with contextlib.suppress(ValueError):
+        LIVE_SERVERS.remove(handle)
 
 
 def copy_tree(src: Path, dst: Path) -> None:

@@ -8,6 +8,11 @@ Overrides use dotted keys of the config schema (``areal_jax/config.py``), e.g.
 (``run_dir``) receives the resolved config, ``metrics.jsonl``, TensorBoard events,
 checkpoints and the published serving weights. By default a run dir that already
 holds a checkpoint is resumed from it; ``--no-resume`` refuses to touch it instead.
+
+Exit status: 0 done; 1 unexpected crash; 2 bad config or input (found before training);
+3 the run stopped because it could not go on (no progress, non-finite loss, failed weight
+update); 4 shutdown exceeded ``watchdog.shutdown_timeout_s``; 130 / 143 after SIGINT /
+SIGTERM (graceful shutdown; a second signal exits at once).
 """
 
 from __future__ import annotations
@@ -42,17 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
 
-    from areal_jax.trainer import TrainerError, run_training
+    from areal_jax.trainer import main_guarded
 
-    try:
-        run_training(cfg, resume=args.resume)
-    except TrainerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; servers stopped, last checkpoint kept", file=sys.stderr)
-        return 130
-    return 0
+    return main_guarded(cfg, args.resume)
 
 
 if __name__ == "__main__":

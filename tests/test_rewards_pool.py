@@ -185,3 +185,44 @@ def test_importing_the_function_does_not_count_against_the_timeout(tmp_path, mon
     with RewardPool(num_workers=1, timeout_s=1.0) as pool:
         assert pool.score_sync("slow_import_reward:fast", 1.0) == 2.0
         assert pool.metrics()["timeouts"] == 0
+
+
+def returns_value(kind: str):
+    """Reward results of every type a user's function might return."""
+    import numpy as np
+
+    return {"str": "1.0", "huge": 1e39, "nan": float("nan"), "none": None, "complex": 1 + 0j,
+            "list": [1.0], "array2": np.ones(2), "bool": True, "np_bool": np.bool_(False),
+            "np_f32": np.float32(0.5), "np_i64": np.int64(3), "array0": np.array(0.25),
+            "big_ok": -1e5, "just_over": 2e6}[kind]
+
+
+def test_rewards_must_be_finite_real_numbers_within_range(pool):
+    """A string such as "1.0", 1e39 (inf in float32), NaN, None, complex or an array is a
+    failed reward with a message naming it; Python/NumPy numbers and bools pass."""
+    kinds = ["str", "huge", "nan", "none", "complex", "list", "array2", "bool", "np_bool",
+             "np_f32", "np_i64", "array0", "big_ok", "just_over"]
+
+    async def main():
+        return await asyncio.gather(*(pool.score_or_error(returns_value, k) for k in kinds))
+
+    got = dict(zip(kinds, asyncio.run(main()), strict=True))
+    for kind in ("str", "huge", "nan", "none", "complex", "list", "array2", "just_over"):
+        value, problem = got[kind]
+        assert value is None and problem is not None, (kind, got[kind])
+        assert "ValueError" in problem, problem
+    assert "got str '1.0'" in got["str"][1]
+    assert "outside [-1e+06, 1e+06]" in got["huge"][1] and "reward.max_abs" in got["huge"][1]
+    assert "not finite" in got["nan"][1]
+    assert {k: got[k] for k in ("bool", "np_bool", "np_f32", "np_i64", "array0", "big_ok")} == {
+        "bool": (1.0, None), "np_bool": (0.0, None), "np_f32": (0.5, None), "np_i64": (3.0, None),
+        "array0": (0.25, None), "big_ok": (-1e5, None)}
+
+
+def test_reward_range_is_configurable():
+    with RewardPool(num_workers=1, timeout_s=5.0, max_abs=10.0) as small:
+        assert small.score_sync(square, 3.0) == 9.0
+        value, problem = asyncio.run(small.score_or_error(square, 4.0))
+        assert value is None and "outside [-10, 10]" in problem
+    with pytest.raises(ValueError, match="max_abs"):
+        RewardPool(max_abs=0.0)

@@ -67,6 +67,8 @@ def test_config_errors_name_the_key():
         ("model.path=/does/not/exist", "/does/not/exist does not exist"),
         ("data.train=/no/such/prompts.jsonl", "/no/such/prompts.jsonl does not exist"),
         ("rollout.servers=[http://127.0.0.1:9]", "unreachable"),
+        ("train.seq_len=50", "train.seq_len (50) is shorter than the longest prompt"),
+        ("reward.fn=no_such_module_xyz:fn", "reward.fn 'no_such_module_xyz:fn'"),
     ],
 )
 def test_cli_fails_early_with_a_clear_message(tmp_path, override, message):
@@ -78,6 +80,14 @@ def test_cli_fails_early_with_a_clear_message(tmp_path, override, message):
     # Nothing long started: no weights were published, no checkpoint written.
     assert not (tmp_path / "run" / "weights").exists()
     assert time.monotonic() - t0 < 120
+
+
+def test_unwritable_run_dir_fails_early(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    res = _run([f"run_dir={tmp_path / 'a_file' / 'run'}"], timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "run_dir" in res.stderr and "is not writable" in res.stderr
+    assert "Traceback" not in res.stderr
 
 
 def test_no_resume_refuses_existing_checkpoints(tmp_path):
@@ -196,3 +206,55 @@ def test_sync_mode_stays_on_policy_with_background_publishing(tmp_path):
         assert r["token_version_max"] == r["version"] - 1, r
         assert r["staleness_max"] == 0 and r["start_staleness_max"] == 0, r
     assert all(r["publish_update_s"] > 0 for r in rows[1:])  # the previous update was waited for
+
+
+# ----------------------------------------------------------------------------- configs
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load_and_validate_as_shipped(path):
+    """Every shipped config loads and validates unchanged, and holds no placeholder that
+    would fail late (a bucket name to fill in)."""
+    cfg = load_config(path)
+    text = path.read_text()
+    assert "YOUR_" not in text and "<your" not in text.split("#")[0]
+    for line in text.splitlines():
+        value = line.split("#", 1)[0]
+        assert "<" not in value and "YOUR" not in value, f"placeholder in {path.name}: {line}"
+    assert cfg.checkpoint.dir is None or "://" not in cfg.checkpoint.dir, \
+        "a shipped config must not need cloud credentials to run"
+    assert cfg.train.seq_len > cfg.rollout.max_new_tokens
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.temperature=.nan", "rollout.temperature"),
+    ("optim.lr=.nan", "optim.lr"),
+    ("optim.eps=0", "optim.eps"),
+    ("optim.b2=1.0", "optim.b2"),
+    ("algo.eps_clip_higher=-0.1", "algo.eps_clip_higher"),
+    ("rollout.top_k=0", "rollout.top_k"),
+    ("train.seq_len=40", "train.seq_len"),
+    ("algo.gamma=1.5", "algo.gamma"),
+    ("watchdog.shutdown_timeout_s=0", "watchdog.shutdown_timeout_s"),
+    ("reward.max_abs=1e39", "reward.max_abs"),
+])
+def test_config_errors_name_the_users_key(override, key):
+    """Values that used to pass the config and fail inside the learner under its own names
+    (ppo.temperature, optimizer.lr) now fail at load time, naming the run config's key."""
+    with pytest.raises(ConfigError) as info:
+        load_config(REPO / "configs" / "tiny_demo.yaml", [override, "optim.schedule=cosine"])
+    assert key in str(info.value)
+    assert "ppo." not in str(info.value) and "optimizer." not in str(info.value)
+
+
+def test_cosine_warmup_longer_than_the_run_names_the_users_keys():
+    with pytest.raises(ConfigError, match=r"optim.warmup_steps \(50\).*train.total_versions"):
+        load_config(REPO / "configs" / "tiny_demo.yaml",
+                    ["optim.schedule=cosine", "optim.warmup_steps=50", "train.total_versions=10"])
+
+
+def test_learner_config_errors_are_translated_to_run_config_keys():
+    from areal_jax.trainer_setup import user_key_message
+
+    assert user_key_message("ppo.temperature must be > 0, got nan") == \
+        "rollout.temperature must be > 0, got nan"
+    assert user_key_message("optimizer.lr must be > 0") == "optim.lr must be > 0"
+    assert user_key_message("ppo.c_clip must be > 1") == "algo.c_clip must be > 1"

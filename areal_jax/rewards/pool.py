@@ -5,7 +5,8 @@
     reward = await pool.score("my_pkg.rewards:judge", text, answer)   # "module:function" works too
 
 ``score`` never raises for a bad sample: an exception in the reward function, a result
-that is not a finite number, a worker that dies (segfault, ``os._exit``) or a call that
+that is not a real finite number within ``[-max_abs, max_abs]`` (a string such as
+``"1.0"`` included; bools count as 0/1), a worker that dies (segfault, ``os._exit``) or a call that
 runs past ``timeout_s`` all give None and are counted in :meth:`RewardPool.metrics`.
 The timeout covers the call itself; importing the function's module in a fresh worker
 (at most ``startup_timeout_s``) is not counted against it.
@@ -63,13 +64,44 @@ def resolve_reward_fn(spec: RewardFn) -> Callable[..., Any]:
     return fn
 
 
+DEFAULT_MAX_ABS = 1.0e6  # |reward| above this is a failure (RewardConfig.max_abs)
+
+
+def check_reward_value(value: Any, max_abs: float = DEFAULT_MAX_ABS) -> float:
+    """``value`` as a float if it is a real, finite number within ``[-max_abs, max_abs]``.
+
+    Python and NumPy ints, floats and bools (and 0-d NumPy arrays of them) pass; strings,
+    None, complex numbers, arrays with more than one element and anything else raise
+    ValueError with a message that names what was returned.
+    """
+    import numbers
+
+    if hasattr(value, "ndim") and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()  # 0-d NumPy / JAX arrays
+    if isinstance(value, bool) or (isinstance(value, numbers.Real) and not isinstance(value, str)):
+        try:
+            number = float(value)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ValueError(f"reward {value!r} is not a usable number ({e})") from None
+    else:
+        raise ValueError(f"reward must be a real number (int, float or bool), got "
+                         f"{type(value).__name__} {value!r:.80}")
+    if not math.isfinite(number):
+        raise ValueError(f"reward is not finite: {number}")
+    if abs(number) > max_abs:
+        raise ValueError(f"reward {number:g} is outside [-{max_abs:g}, {max_abs:g}] "
+                         "(raise reward.max_abs if that is intended)")
+    return number
+
+
 def _exit_when_orphaned(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     os._exit(0)
 
 
-def _worker_main(fd: int, parent_pid: int, preload: tuple[str, ...] = ()) -> None:
+def _worker_main(fd: int, parent_pid: int, preload: tuple[str, ...] = (),
+                 max_abs: float = DEFAULT_MAX_ABS) -> None:
     """Runs in the worker process: (fn, args, kwargs) in, ("ok", float) | ("err", str) out."""
     if os.getppid() != parent_pid:
         return
@@ -100,10 +132,7 @@ def _worker_main(fd: int, parent_pid: int, preload: tuple[str, ...] = ()) -> Non
             continue
         conn.send(("started", None))  # the timeout runs from here: loading is not counted
         try:
-            value = float(fn(*args, **kwargs))
-            if not math.isfinite(value):
-                raise ValueError(f"reward is not finite: {value}")
-            reply = ("ok", value)
+            reply = ("ok", check_reward_value(fn(*args, **kwargs), max_abs))
         except BaseException as e:  # noqa: BLE001 - report every failure to the parent
             reply = ("err", f"{type(e).__name__}: {e}")
         try:
@@ -119,26 +148,28 @@ class _Worker:
     parent's ``__main__``, so scripts need no ``if __name__ == "__main__"`` guard.
     """
 
-    def __init__(self, preload: tuple[str, ...]) -> None:
+    def __init__(self, preload: tuple[str, ...], max_abs: float = DEFAULT_MAX_ABS) -> None:
         self.ready = False
         parent_sock, child_sock = socket.socketpair()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         code = (f"from areal_jax.rewards.pool import _worker_main; "
-                f"_worker_main({child_sock.fileno()}, {os.getpid()}, {preload!r})")
+                f"_worker_main({child_sock.fileno()}, {os.getpid()}, {preload!r}, {max_abs!r})")
         self.process = subprocess.Popen([sys.executable, "-c", code], env=env,
                                         pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL)
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
 
     def kill(self) -> None:
+        """SIGKILL without waiting: this runs on event loops, and a loaded machine can take
+        seconds to reap a process; a daemon thread collects the exit status."""
         try:
             self.process.kill()
-            self.process.wait(timeout=5)
-        except (OSError, subprocess.TimeoutExpired):
+        except OSError:
             pass
         finally:
             self.conn.close()
+        threading.Thread(target=self.process.wait, name="reward-worker-reaper", daemon=True).start()
 
     def stop(self) -> None:
         try:
@@ -154,11 +185,15 @@ class RewardPool:
     """Runs reward functions in ``num_workers`` processes, each call limited to ``timeout_s``."""
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, *,
-                 preload: tuple[str, ...] = (), startup_timeout_s: float = 120.0) -> None:
+                 preload: tuple[str, ...] = (), startup_timeout_s: float = 120.0,
+                 max_abs: float = DEFAULT_MAX_ABS) -> None:
         if num_workers < 1:
             raise ValueError(f"RewardPool num_workers must be >= 1, got {num_workers}")
         if not timeout_s > 0:
             raise ValueError(f"RewardPool timeout_s must be > 0, got {timeout_s}")
+        if not max_abs > 0:
+            raise ValueError(f"RewardPool max_abs must be > 0, got {max_abs}")
+        self.max_abs = float(max_abs)  # |reward| above this counts as an error
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.preload = tuple(preload)  # modules each worker imports before its first call
@@ -189,7 +224,7 @@ class RewardPool:
                 fut: asyncio.Future = loop.create_future()
                 self._waiters.append(fut)
         if start_new:
-            return _Worker(self.preload)
+            return _Worker(self.preload, self.max_abs)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -217,7 +252,7 @@ class RewardPool:
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
         self._counts["workers_replaced"] += 1
-        self._release(_Worker(self.preload))
+        self._release(_Worker(self.preload, self.max_abs))
 
     def _record_error(self, kind: str, message: str) -> None:
         self._counts[kind] += 1
@@ -228,6 +263,12 @@ class RewardPool:
     # --- public API ---------------------------------------------------------------------
     async def score(self, fn: RewardFn, *args: Any, **kwargs: Any) -> float | None:
         """The reward, or None when the call raised, crashed or timed out (counted)."""
+        return (await self.score_or_error(fn, *args, **kwargs))[0]
+
+    async def score_or_error(self, fn: RewardFn, *args: Any, **kwargs: Any
+                             ) -> tuple[float | None, str | None]:
+        """``(reward, None)``, or ``(None, why)`` when the call raised, returned something
+        that is not a finite number within ``max_abs``, crashed or timed out (counted)."""
         if not (callable(fn) or isinstance(fn, str)):
             raise TypeError(f"reward function must be callable or 'module:function', got {fn!r}")
         try:
@@ -251,15 +292,16 @@ class RewardPool:
             if status == "started":
                 status, value = await _recv(worker, self.timeout_s)
         except TimeoutError:
-            self._record_error("timeouts", f"{_name(fn)} ran past {self.timeout_s}s; "
-                                           "worker killed")
+            message = f"{_name(fn)} ran past {self.timeout_s}s; worker killed"
+            self._record_error("timeouts", message)
             self._replace(worker)
-            return None
+            return None, f"reward timeout: {message}"
         except (EOFError, OSError) as e:
-            self._record_error("crashes", f"{_name(fn)}: worker died ({type(e).__name__}, "
-                                          f"exit code {worker.process.poll()})")
+            message = (f"{_name(fn)}: worker died ({type(e).__name__}, "
+                       f"exit code {worker.process.poll()})")
+            self._record_error("crashes", message)
             self._replace(worker)
-            return None
+            return None, f"reward crash: {message}"
         except BaseException:  # cancelled, or failed to start: never reuse a half-read worker
             self._replace(worker)
             raise
@@ -268,9 +310,9 @@ class RewardPool:
         self._release(worker)
         if status == "ok":
             self._counts["ok"] += 1
-            return value
+            return value, None
         self._record_error("errors", f"{_name(fn)}: {value}")
-        return None
+        return None, f"reward {_name(fn)} failed: {value}"
 
     async def _start(self, worker: _Worker) -> None:
         try:

@@ -37,6 +37,15 @@ is generated entirely at version v, and nothing is generated while the learner t
 Every prompt taken from the iterator ends up exactly once as consumed, rejected or
 failed, or is still accepted/in flight/queued.
 
+**Progress watchdog.** A run that can never progress must not look like one that is
+running. ``prepare_batch`` raises :class:`NoProgressError` when
+``max_attempts_without_progress`` runs in a row ended without an accepted group
+(failed, or rejected: e.g. every request refused by the server, a reward that always
+raises), or when it has waited ``max_seconds_without_progress`` without any group being
+accepted. The message names the cause seen most often since the last accepted group:
+the server's or the reward's error with its type, or "all samples rejected by the
+workflow". 0 disables either limit.
+
 **Checkpoints.** :meth:`state_dict` is JSON-serialisable: the counters, the prompt
 iterator's state, the accepted-but-unconsumed groups (as data), and the prompt items of
 every run in flight or queued for retry. :meth:`load_state_dict` restores all of it into a
@@ -50,8 +59,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import re
+import sys
 import threading
 import time
+import traceback
 from collections import Counter, deque
 from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass
@@ -69,10 +81,26 @@ from areal_jax.rollout.workflows import WorkflowContext, as_workflow_fn
 logger = logging.getLogger(__name__)
 
 _MAX_LOGGED_TRACEBACKS = 5
+_STOP_GRACE_S = 10.0  # stop(): how long cancelled tasks and the client's close may take
 
 
 class PromptsExhausted(RuntimeError):
     """The prompt iterator ended and fewer groups than requested can still be produced."""
+
+
+class NoProgressError(RuntimeError):
+    """No group was accepted for too many attempts or too long (see the module doc)."""
+
+
+_REJECTED = "all samples rejected by the workflow"
+_CAUSE_CHARS = 500
+
+
+def _cause_key(cause: str) -> str:
+    """Causes are counted by their shape: quoted text and words holding digits (request
+    ids, addresses, values) are blanked, so "prompt 'p3' ... rid a1#2" and "prompt 'p9'
+    ... rid b4#0" count as one cause."""
+    return re.sub(r"'[^']*'|\"[^\"]*\"|\S*\d\S*", "_", cause)[:200]
 
 
 @dataclass
@@ -82,6 +110,7 @@ class _Run:
     attempt: int
     start_version: int
     task: asyncio.Task | None = None
+    problem: str | None = None  # why the run may end without a group (ctx.note_problem)
 
 
 class RolloutExecutor:
@@ -90,7 +119,10 @@ class RolloutExecutor:
     def __init__(self, client: Any, workflow: Any, prompts: Iterable[dict] | None = None, *,
                  batch_size: int, max_concurrent: int = 64, max_staleness: int | None = 0,
                  seed: int = 0, max_retries: int = 2, reward_pool: RewardPool | None = None,
-                 tokenizer: Any = None, reward_timeout_s: float = 30.0) -> None:
+                 tokenizer: Any = None, reward_timeout_s: float = 30.0,
+                 reward_max_abs: float | None = None,
+                 max_attempts_without_progress: int = 0,
+                 max_seconds_without_progress: float = 0.0) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_concurrent < 1:
@@ -99,6 +131,10 @@ class RolloutExecutor:
             raise ValueError(f"max_staleness must be >= 0 or None (unbounded), got {max_staleness}")
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if max_attempts_without_progress < 0 or not max_seconds_without_progress >= 0:
+            raise ValueError("max_attempts_without_progress and max_seconds_without_progress "
+                             f"must be >= 0 (0: no limit), got {max_attempts_without_progress} "
+                             f"and {max_seconds_without_progress}")
         self.client = client
         self.workflow = workflow
         self._workflow_fn = as_workflow_fn(workflow)
@@ -111,6 +147,10 @@ class RolloutExecutor:
         self.reward_pool = reward_pool
         self.tokenizer = tokenizer
         self.reward_timeout_s = reward_timeout_s
+        self.reward_max_abs = (reward_max_abs if reward_max_abs is not None
+                               else getattr(reward_pool, "max_abs", None))
+        self.max_attempts_without_progress = max_attempts_without_progress
+        self.max_seconds_without_progress = max_seconds_without_progress
 
         self._cond = threading.Condition()
         self._version = 0
@@ -128,6 +168,11 @@ class RolloutExecutor:
         self._counts: Counter[str] = Counter()
         self._staleness_hist: Counter[int] = Counter()
         self.last_errors: deque[str] = deque(maxlen=20)
+        # Progress: finished runs since the last accepted group, and why they ended so.
+        self._attempts_without_progress = 0
+        self._causes: Counter[str] = Counter()  # _cause_key -> count
+        self._cause_example: dict[str, str] = {}  # _cause_key -> the latest full message
+        self._last_progress = time.monotonic()
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -167,7 +212,10 @@ class RolloutExecutor:
         self._wake()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            logger.warning("rollout executor thread did not stop within %ss", timeout)
+            frame = sys._current_frames().get(self._thread.ident)
+            where = "".join(traceback.format_stack(frame)) if frame is not None else "?"
+            logger.warning("rollout executor thread did not stop within %ss; it is at:\n%s",
+                           timeout, where)
         self._thread = None
 
     def __enter__(self) -> RolloutExecutor:
@@ -198,13 +246,29 @@ class RolloutExecutor:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
-        tasks = [r.task for r in self._running.values() if r.task is not None]
+        await self._cancel_everything()
+
+    async def _cancel_everything(self) -> None:
+        """Cancels every task on this loop, not only the workflow runs: a coroutine handed
+        over with ``submit_coroutine`` (a weight update, an eval) or a client probe left
+        pending would otherwise keep running, or be destroyed mid-request when the loop
+        closes. Each wait is bounded; a task that ignores its cancellation is logged with
+        its stack, not waited for."""
+        grace = _STOP_GRACE_S
+        me = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not me]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=grace)
+            for task in stuck:
+                stack = "".join(f"\n  {f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}"
+                                for f in task.get_stack())
+                logger.warning("rollout executor: task %s ignored cancellation for %ss; "
+                               "leaving it%s", task.get_name(), grace, stack)
         if self._close_client and hasattr(self.client, "aclose"):
             try:
-                await self.client.aclose()
+                await asyncio.wait_for(self.client.aclose(), grace)
             except Exception:  # noqa: BLE001 - closing is best effort
                 logger.exception("closing the rollout client failed")
 
@@ -281,7 +345,9 @@ class RolloutExecutor:
             start_version=run.start_version, seed=(self.seed * 1_000_003 + run.seq * 7919) % 2**31,
             group_id=f"{run.item['prompt_id']}#{run.seq}", attempt=run.attempt,
             reward_pool=self.reward_pool, tokenizer=self.tokenizer,
-            reward_timeout_s=self.reward_timeout_s, _count=self._count)
+            reward_timeout_s=self.reward_timeout_s, _count=self._count,
+            _note=lambda cause: setattr(run, "problem", cause),
+            **({} if self.reward_max_abs is None else {"reward_max_abs": self.reward_max_abs}))
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._cond:
@@ -304,18 +370,33 @@ class RolloutExecutor:
             self._running.pop(run.seq, None)
             if group is None:
                 self._counts["rejected"] += 1
+                self._no_progress_locked(run.problem or _REJECTED)
             else:
                 _stamp_group(group, run)
                 self._accepted.append(AcceptedGroup(run.seq, run.start_version, run.item, group))
                 self._gate_accepted += 1
                 self._counts["accepted"] += 1
+                self._progress_locked()
             self._cond.notify_all()
+
+    def _progress_locked(self) -> None:
+        self._attempts_without_progress = 0
+        self._causes.clear()
+        self._cause_example.clear()
+        self._last_progress = time.monotonic()
+
+    def _no_progress_locked(self, cause: str) -> None:
+        self._attempts_without_progress += 1
+        key = _cause_key(cause)
+        self._causes[key] += 1
+        self._cause_example[key] = cause[:_CAUSE_CHARS]
 
     def _record_failure(self, run: _Run, error: Exception) -> bool:
         """Counts and logs a failed attempt; True when the prompt gets another attempt."""
         prompt_id = run.item.get("prompt_id")
         message = f"prompt {prompt_id!r} attempt {run.attempt}: {type(error).__name__}: {error}"
         with self._cond:
+            self._no_progress_locked(f"{type(error).__name__}: {error}")
             self._counts["attempt_errors"] += 1
             self.last_errors.append(message)
             retry = run.attempt < self.max_retries
@@ -387,6 +468,32 @@ class RolloutExecutor:
             raise RuntimeError(f"the rollout executor loop died: {type(self._error).__name__}: "
                                f"{self._error}") from self._error
 
+    def no_progress_report(self) -> str:
+        """Finished runs since the last accepted group, and their most frequent cause."""
+        with self._cond:
+            return self._no_progress_report_locked()
+
+    def _no_progress_report_locked(self) -> str:
+        n = self._attempts_without_progress
+        if not self._causes:
+            return f"{n} attempts ended without an accepted group"
+        key, count = self._causes.most_common(1)[0]
+        return (f"{n} attempts in a row ended without an accepted group; most frequent cause "
+                f"({count}x): {self._cause_example[key]}")
+
+    def _raise_if_stalled_locked(self, t_wait: float) -> None:
+        """NoProgressError when the watchdog limits of the module doc are reached. The clock
+        runs only while the learner waits: a long train step is not a stall."""
+        limit_n, limit_s = self.max_attempts_without_progress, self.max_seconds_without_progress
+        if limit_n and self._attempts_without_progress >= limit_n:
+            raise NoProgressError(f"no progress: {self._no_progress_report_locked()} "
+                                  f"(watchdog.max_attempts_without_progress={limit_n})")
+        waited = time.monotonic() - max(self._last_progress, t_wait)
+        if limit_s and waited >= limit_s:
+            raise NoProgressError(f"no progress: no group accepted for {waited:.0f}s while the "
+                                  f"learner waited; {self._no_progress_report_locked()} "
+                                  f"(watchdog.max_seconds_without_progress={limit_s:g})")
+
     def prepare_batch(self, batch_size: int | None = None, timeout: float | None = None,
                       allow_partial: bool = False) -> list[list[Trajectory]]:
         """The ``batch_size`` oldest accepted groups (default B); generation goes on meanwhile.
@@ -400,13 +507,15 @@ class RolloutExecutor:
         if n < 1:
             raise ValueError(f"prepare_batch needs batch_size >= 1, got {n}")
         self.start()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        t_wait = time.monotonic()
+        deadline = None if timeout is None else t_wait + timeout
         with self._cond:
             while True:
                 self._raise_if_dead_locked()
                 self._requeue_stale_locked()
                 if len(self._accepted) >= n and not self._old_runs_in_flight_locked():
                     break
+                self._raise_if_stalled_locked(t_wait)
                 if (self._exhausted and not self._running and not self._pending):
                     if allow_partial and self._accepted:
                         n = len(self._accepted)
@@ -420,7 +529,7 @@ class RolloutExecutor:
                         f"prepare_batch({n}) timed out after {timeout}s: {len(self._accepted)} "
                         f"accepted, {len(self._running)} running, paused={self._paused}, "
                         f"capacity={self._capacity_locked()}")
-                self._cond.wait(remaining if remaining is not None else 1.0)
+                self._cond.wait(min(remaining, 1.0) if remaining is not None else 1.0)
             self._accepted.sort(key=lambda a: a.order)
             batch, self._accepted = self._accepted[:n], self._accepted[n:]
             self._counts["consumed"] += len(batch)
@@ -464,8 +573,10 @@ class RolloutExecutor:
                 with self._cond:
                     if group is None:
                         self._counts["rejected"] += 1
+                        self._no_progress_locked(run.problem or _REJECTED)
                         return None
                     _stamp_group(group, run)
+                    self._progress_locked()
                     self._counts["accepted"] += 1
                     self._counts["consumed"] += 1
                     self._staleness_hist[self._version - run.start_version] += 1

@@ -32,7 +32,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from areal_jax.rewards.pool import RewardFn, RewardPool, resolve_reward_fn
+from areal_jax.rewards.pool import (
+    DEFAULT_MAX_ABS,
+    RewardFn,
+    RewardPool,
+    check_reward_value,
+    resolve_reward_fn,
+)
 from areal_jax.rollout.types import GenerateRequest, GenerateResponse, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -79,12 +85,20 @@ class WorkflowContext:
     reward_pool: RewardPool | None = None
     tokenizer: Any = None  # a ChatTokenizer (areal_jax.data.tokenizer) or None
     reward_timeout_s: float = 30.0  # used only without a reward pool
+    reward_max_abs: float = DEFAULT_MAX_ABS  # used only without a reward pool
     _count: Callable[[str, int], None] | None = field(default=None, repr=False)
+    _note: Callable[[str], None] | None = field(default=None, repr=False)
 
     def count(self, name: str, n: int = 1) -> None:
         """Adds ``n`` to the executor metric ``name``."""
         if self._count is not None:
             self._count(name, n)
+
+    def note_problem(self, cause: str) -> None:
+        """Records why this run may end without a group (e.g. a failed reward); if it is
+        then rejected, the executor's progress watchdog reports this cause."""
+        if self._note is not None:
+            self._note(cause)
 
 
 async def compute_reward(ctx: WorkflowContext, reward_fn: RewardFn, *args: Any,
@@ -95,16 +109,21 @@ async def compute_reward(ctx: WorkflowContext, reward_fn: RewardFn, *args: Any,
     stays free, but a hung call keeps its thread.
     """
     if ctx.reward_pool is not None:
-        return await ctx.reward_pool.score(reward_fn, *args, **kwargs)
+        value, problem = await ctx.reward_pool.score_or_error(reward_fn, *args, **kwargs)
+        if problem is not None:
+            ctx.note_problem(problem)
+        return value
     fn = resolve_reward_fn(reward_fn)
     try:
         value = await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), ctx.reward_timeout_s)
-        return float(value)
+        return check_reward_value(value, ctx.reward_max_abs)
     except TimeoutError:
         ctx.count("reward_timeouts")
+        ctx.note_problem(f"reward timeout: {reward_fn} ran past {ctx.reward_timeout_s}s")
     except Exception as e:  # noqa: BLE001 - a bad sample must not kill the run
-        logger.warning("reward %s raised %s: %s", reward_fn, type(e).__name__, e)
+        logger.warning("reward %s failed: %s: %s", reward_fn, type(e).__name__, e)
         ctx.count("reward_errors")
+        ctx.note_problem(f"reward {reward_fn} failed: {type(e).__name__}: {e}")
     return None
 
 
