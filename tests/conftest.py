@@ -2,8 +2,14 @@
 
 import os
 
-# Must happen before jax is imported anywhere.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Must happen before jax is imported anywhere. The device-count flag is added to whatever
+# XLA_FLAGS the user has (e.g. --xla_cpu_max_isa=AVX2), so setting XLA_FLAGS for another reason
+# never silently drops the suite to one device; a count the user gives explicitly is kept.
+HOST_DEVICES = 8
+_flags = os.environ.get("XLA_FLAGS", "")
+if "--xla_force_host_platform_device_count" not in _flags:
+    _count = f"--xla_force_host_platform_device_count={HOST_DEVICES}"
+    os.environ["XLA_FLAGS"] = f"{_flags} {_count}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -19,7 +25,18 @@ def pytest_collection_modifyitems(config, items):
     skip_slow = pytest.mark.skip(reason="slow: pass --runslow to run")
     skip_gpu = pytest.mark.skip(reason="needs a GPU")
     has_gpu = os.environ.get("JAX_PLATFORMS", "cpu") != "cpu"
+    n_devices = None
     for item in items:
+        marker = item.get_closest_marker("devices")
+        if marker is not None:
+            if n_devices is None:
+                import jax
+
+                n_devices = jax.device_count()
+            if n_devices < marker.args[0]:
+                item.add_marker(pytest.mark.skip(
+                    reason=f"needs {marker.args[0]} JAX devices, found {n_devices} "
+                           f"(XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})"))
         if "slow" in item.keywords and not run_slow:
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not has_gpu:

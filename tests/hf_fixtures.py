@@ -124,3 +124,50 @@ def jit_logits(model: Any, input_ids: Any, positions: Any = None, segment_ids: A
         return None if a is None else jnp.asarray(a, jnp.int32)
 
     return _JITTED_FORWARD(model, as_int32(input_ids), as_int32(positions), as_int32(segment_ids))
+
+
+def logit_tolerance(model: Any, input_ids: Any, position_ids: Any = None) -> float:
+    """The fp32 rounding bound (tests/tolerance.py) on two evaluations of this model's logits
+    for ``input_ids``: the largest Σ_d |h_d|·|W_vd| over tokens and vocabulary, at the network's
+    reduction path length for this sequence length. A transformers model or checkpoint dir."""
+    import numpy as np
+    import torch
+    from tolerance import hf_path_length, logits_term_scale, network_tolerance
+
+    if isinstance(model, (str, Path)):
+        model = _load_reference(str(model))
+    ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long)
+    kwargs = {}
+    if position_ids is not None:
+        kwargs["position_ids"] = torch.as_tensor(np.asarray(position_ids), dtype=torch.long)
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True, **kwargs).hidden_states[-1]  # after the norm
+    head = model.get_output_embeddings().weight.detach().numpy()
+    scale = logits_term_scale(hidden.numpy(), head).max()
+    return float(network_tolerance(scale, hf_path_length(model.config, ids.shape[-1])))
+
+
+_REFERENCES: dict[str, Any] = {}
+
+
+def _load_reference(path: str) -> Any:
+    """A transformers model of ``path``, loaded once per test process (checkpoints in tests
+    are written once and never modified in place)."""
+    if path not in _REFERENCES:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        _REFERENCES[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return _REFERENCES[path]
+
+
+def token_logprob_tolerance(path: Any, sequence: Any, temperature: float = 1.0) -> float:
+    """The fp32 bound on two evaluations of a sequence's per-token logprobs at ``temperature``
+    (0 means greedy, reported at temperature 1): the logit bound of ``logit_tolerance``,
+    divided by the temperature, through log-softmax."""
+    from tolerance import logprob_tolerance
+
+    model = _load_reference(str(path))
+    t = temperature if temperature > 0 else 1.0
+    return logprob_tolerance(model.config.vocab_size,
+                             logit_tolerance(model, [list(sequence)]) / t)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from _learner_data import FAST_COMPILE, TINY, init_model, random_trajectories
 from hf_fixtures import make_hf_model, make_tiny_hf_checkpoint
+from tolerance import hf_path_length, network_tolerance
 
 from areal_jax.checkpoint import TrainCheckpointer
 from areal_jax.learner import OptimizerConfig, pack_trajectories, unpack_per_token
@@ -148,6 +149,7 @@ def _random_head(critic: Critic, seed: int) -> tuple[np.ndarray, float]:
     return w, float(b)
 
 
+@pytest.mark.devices(4)
 def test_values_are_zero_at_init_then_match_transformers_hidden_states(tmp_path):
     path = make_tiny_hf_checkpoint(tmp_path, arch="qwen2", tie=False, seed=4)
     critic = Critic.from_hf(str(path), OPTIM, mesh=make_mesh("fsdp=2,tensor=2", jax.devices()[:4]),
@@ -169,8 +171,12 @@ def test_values_are_zero_at_init_then_match_transformers_hidden_states(tmp_path)
             out = hf(torch.tensor(t.input_ids[None], dtype=torch.long), output_hidden_states=True)
         hidden_td = out.hidden_states[-1][0].double().numpy()  # after the final norm
         want = np.r_[0.0, (hidden_td @ w + b)[:-1]]  # value of token t from the state at t-1
-        np.testing.assert_allclose(vp, want, rtol=2e-5, atol=2e-5)
-        np.testing.assert_allclose(vq, vp, rtol=1e-5, atol=1e-6)
+        # Three fp32 forwards (ours packed, ours padded, transformers) differ by rounding along
+        # the network's path, at the scale of the terms the value head adds: Σ|h|·|w| + |b|.
+        terms = np.r_[0.0, (np.abs(hidden_td) @ np.abs(w) + abs(b))[:-1]]
+        tol = network_tolerance(terms, hf_path_length(hf.config, t.num_tokens))
+        assert np.all(np.abs(vp - want) <= tol), np.max(np.abs(vp - want) - tol)
+        assert np.all(np.abs(vq - vp) <= tol), np.max(np.abs(vq - vp) - tol)
     for batch, values in zip(packed, critic.compute_values(packed), strict=True):
         starts = batch.positions == 0
         assert np.all(values[starts] == 0) and np.all(values[batch.segment_ids == 0] == 0)
@@ -227,6 +233,7 @@ def test_critic_learns_returns_on_a_fixed_batch(critic):
         assert np.any(b.advantages[b.loss_mask == 1] != 0)
 
 
+@pytest.mark.devices(8)
 @pytest.mark.slow  # SPMD compiles for 8 devices; the learner tests cover the shared machinery
 def test_mesh_training_matches_one_device():
     trajs = random_trajectories(8, 16, 24)

@@ -14,7 +14,8 @@ from _learner_data import (
     single_device_reference,
     standard_run,
 )
-from hf_fixtures import make_hf_model, make_tiny_hf_checkpoint
+from hf_fixtures import logit_tolerance, make_hf_model, make_tiny_hf_checkpoint
+from tolerance import logprob_tolerance
 
 from areal_jax.learner import (
     Learner,
@@ -31,6 +32,7 @@ def one_device():
     return make_mesh("data=1", jax.devices()[:1])
 
 
+@pytest.mark.devices(4)
 def test_compute_logp_matches_transformers_with_temperature(tmp_path):
     path = make_tiny_hf_checkpoint(tmp_path, arch="qwen2", tie=True, seed=3)
     hf = make_hf_model("qwen2", tie=True, seed=3)
@@ -48,9 +50,13 @@ def test_compute_logp_matches_transformers_with_temperature(tmp_path):
         want = torch.log_softmax(logits / 0.7, dim=-1)[:-1].gather(
             -1, torch.tensor(t.input_ids[1:, None], dtype=torch.long))[:, 0].numpy()
         assert logp[0] == 0.0
-        np.testing.assert_allclose(logp[1:], want, rtol=2e-5, atol=2e-5)
+        # Logits agree to the fp32 network bound; the temperature scales that, log-softmax
+        # at most doubles it.
+        tol = logprob_tolerance(hf.config.vocab_size, logit_tolerance(hf, t.input_ids[None]) / 0.7)
+        assert np.all(np.abs(logp[1:] - want) <= tol), np.max(np.abs(logp[1:] - want))
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("spec", ["data=8", "fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2"])
 def test_mesh_equivalence_with_one_device(spec):
     want = single_device_reference()
@@ -163,6 +169,7 @@ def test_bf16_compute_keeps_fp32_master_weights_and_remat_is_exact():
     assert any(np.any(np.asarray(a) != b) for a, b in zip(after, before, strict=True))
 
 
+@pytest.mark.devices(2)
 def test_bad_inputs_get_named_errors():
     learner = make_learner(make_mesh("data=2", jax.devices()[:2]),
                            ppo=PPOConfig(ppo_n_minibatches=1, kl_coef=0.1))
@@ -190,6 +197,7 @@ def test_bad_inputs_get_named_errors():
         frozen.train_step([batch])
 
 
+@pytest.mark.devices(2)
 def test_kl_penalty_to_reference_logprobs():
     learner = make_learner(make_mesh("data=2", jax.devices()[:2]),
                            ppo=PPOConfig(ppo_n_minibatches=1, kl_coef=0.1))

@@ -15,6 +15,7 @@ def train(learner, batches):
     return learner.train_step(batches)
 
 
+@pytest.mark.devices(8)
 def test_restore_resumes_training_exactly(tmp_path):
     learner = make_learner(make_mesh("data=2,fsdp=4"))  # sharded state through Orbax
     batches = standard_batches()

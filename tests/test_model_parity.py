@@ -9,11 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_fixtures import hf_logits, jit_logits, make_hf_model, make_tiny_hf_checkpoint
+from hf_fixtures import (
+    hf_logits,
+    jit_logits,
+    logit_tolerance,
+    make_hf_model,
+    make_tiny_hf_checkpoint,
+)
+from tolerance import network_tolerance, sum_tolerance
 
 from model_defs import CausalLM, ModelConfig, load_hf, save_hf
-
-TOL = 1e-4  # max abs diff, fp32
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -74,7 +79,7 @@ def test_logits_match_transformers(tmp_path, arch, overrides, tie):
     assert logits.dtype == jnp.float32
     assert logits.shape == (2, 40, cfg.vocab_size)
     reference = hf_logits(path, ids)
-    assert _max_diff(logits, reference) <= TOL
+    assert _max_diff(logits, reference) <= logit_tolerance(path, ids)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -86,7 +91,8 @@ def test_explicit_positions_match_transformers(tmp_path, arch):
     ids = _ids(2, 24, cfg.vocab_size, seed=1)
     positions = np.stack([np.arange(24) + 100, np.arange(24) + 7]).astype(np.int32)
     logits = jit_logits(model, ids, positions)
-    assert _max_diff(logits, hf_logits(path, ids, positions)) <= TOL
+    tol = logit_tolerance(path, ids, positions)
+    assert _max_diff(logits, hf_logits(path, ids, positions)) <= tol
 
 
 ROUND_TRIP_CASES = [
@@ -130,7 +136,7 @@ def test_ours_to_hf_round_trip_sharded_files(tmp_path, arch):
     assert len(set(index["weight_map"].values())) > 1
     ids = _ids(2, 16, cfg.vocab_size, seed=4)
     ours = jit_logits(model, ids)
-    assert _max_diff(ours, hf_logits(out, ids)) <= TOL
+    assert _max_diff(ours, hf_logits(out, ids)) <= logit_tolerance(out, ids)
     reloaded, _ = load_hf(out)
     assert _max_diff(jit_logits(reloaded, ids), ours) == 0.0
 
@@ -142,7 +148,7 @@ def test_load_sharded_hf_checkpoint(tmp_path):
     assert not (path / "model.safetensors").exists()
     model, cfg = load_hf(path)
     ids = _ids(1, 12, cfg.vocab_size)
-    assert _max_diff(jit_logits(model, ids), hf_logits(path, ids)) <= TOL
+    assert _max_diff(jit_logits(model, ids), hf_logits(path, ids)) <= logit_tolerance(path, ids)
 
 
 def test_bfloat16_params_compute_and_fp32_logits(tmp_path):
@@ -171,7 +177,10 @@ def test_hidden_states_and_unembed_give_logits(tmp_path):
         lambda m, x: (m.hidden_states(x), m.unembed_dv(), m(x)))(model, ids)
     assert hidden_btd.shape == (2, 10, cfg.hidden_size)
     assert w_dv.shape == (cfg.hidden_size, cfg.vocab_size)
-    assert _max_diff(hidden_btd @ w_dv, logits) <= 1e-5
+    # The same head product in two evaluation orders: one sum of hidden_size terms each.
+    scale = np.abs(np.asarray(hidden_btd)) @ np.abs(np.asarray(w_dv))
+    assert np.all(np.abs(np.asarray(hidden_btd @ w_dv) - np.asarray(logits))
+                  <= sum_tolerance(scale, cfg.hidden_size))
 
 
 def test_remat_gives_same_logits_and_grads(tmp_path):
@@ -187,8 +196,13 @@ def test_remat_gives_same_logits_and_grads(tmp_path):
     grad_fn = nnx.jit(nnx.grad(loss))
     g_plain = grad_fn(model)
     g_remat = grad_fn(remat_model)
-    diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), g_plain, g_remat)
-    assert max(jax.tree.leaves(diffs)) <= 1e-6
+    # Remat recomputes the same ops, perhaps fused another way: rounding along the forward and
+    # backward path, plus the sum over the B*T tokens, at each leaf's own scale.
+    layer = 4 * cfg.hidden_size + cfg.intermediate_size + 12  # projections, ffn, T=12
+    path_length = 2 * cfg.num_hidden_layers * layer + 24  # forward and backward, B*T tokens
+    for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.max(np.abs(a - b)) <= network_tolerance(np.abs(a).max(), path_length)
 
 
 def test_query_chunked_attention_matches_transformers(tmp_path, monkeypatch):
@@ -202,10 +216,10 @@ def test_query_chunked_attention_matches_transformers(tmp_path, monkeypatch):
     ids = _ids(2, 40, cfg.vocab_size, seed=6)
     forward = nnx.jit(lambda m, x, p, s: m(x, positions=p, segment_ids=s))  # fresh trace
     logits = forward(model, jnp.asarray(ids), None, None)
-    assert _max_diff(logits, hf_logits(path, ids)) <= TOL
+    assert _max_diff(logits, hf_logits(path, ids)) <= logit_tolerance(path, ids)
     # Two packed segments (17 + 23 tokens) equal each one run alone by transformers.
     segment_ids = np.array([[1] * 17 + [2] * 23] * 2, np.int32)
     positions = np.array([list(range(17)) + list(range(23))] * 2, np.int32)
     packed = forward(model, jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(segment_ids))
-    assert _max_diff(packed[:, :17], hf_logits(path, ids[:, :17])) <= TOL
-    assert _max_diff(packed[:, 17:], hf_logits(path, ids[:, 17:])) <= TOL
+    assert _max_diff(packed[:, :17], hf_logits(path, ids[:, :17])) <= logit_tolerance(path, ids)
+    assert _max_diff(packed[:, 17:], hf_logits(path, ids[:, 17:])) <= logit_tolerance(path, ids)

@@ -40,6 +40,7 @@ def test_parse_mesh_spec_errors(spec, message):
         parse_mesh_spec(spec, n_devices=8)
 
 
+@pytest.mark.devices(8)
 def test_make_mesh_axes_and_device_fit():
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     assert mesh.axis_names == ("data", "fsdp", "tensor")
@@ -51,6 +52,7 @@ def test_make_mesh_axes_and_device_fit():
         make_mesh("fsdp=8", devices=jax.devices()[:4])
 
 
+@pytest.mark.devices(8)
 def test_put_batch_shards_rows_over_data_and_fsdp():
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     x = np.arange(8 * 3).reshape(8, 3).astype(np.int32)
