@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from areal_jax.losses import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
+from tests.tolerance import UNIT_ROUNDOFF_F32, sum_tolerance
 
 
 def reference_logp_entropy(logits_btv, labels_bt, temperature):
@@ -34,6 +35,22 @@ def naive_logp_entropy(logits_btv, labels_bt, temperature):
     return logp, entropy
 
 
+def value_tolerances(logits, temperature, matmul_terms=None):
+    """fp32 bounds on (logp, entropy) against the float64 reference: x - logsumexp rounds at
+    the size of the scaled logits, the sum of exp(x - max) <= 1 over V terms rounds at 1, and
+    an fp32 matmul (``matmul_terms``: Σ|h|·|w| per logit, over the hidden size) adds its own
+    rounding through the 2-Lipschitz log-softmax. Entropy is a V-term sum of p·(z - lse)."""
+    z = np.abs(np.asarray(logits, np.float64)).max() / temperature
+    vocab = np.shape(logits)[-1]
+    from_matmul = 0.0
+    if matmul_terms is not None:
+        terms, dim = matmul_terms
+        from_matmul = 2 * float(sum_tolerance(np.max(terms), dim)) / temperature
+    logp_tol = 8 * UNIT_ROUNDOFF_F32 * z + float(sum_tolerance(1.0, vocab)) + from_matmul
+    entropy_tol = float(sum_tolerance(2 * z + np.log(vocab), vocab)) + from_matmul
+    return logp_tol, entropy_tol
+
+
 def random_case(seed, rows=2, cols=5, vocab=37, dim=16):
     rng = np.random.default_rng(seed)
     hidden = rng.normal(size=(rows, cols, dim)).astype(np.float32)
@@ -50,11 +67,12 @@ def test_logprobs_from_logits_match_reference(chunk_size, temperature):
         logits, labels, temperature, chunk_size)
     ref_logp, ref_entropy = reference_logp_entropy(logits, labels, temperature)
     assert logp.dtype == entropy.dtype == jnp.float32 and logp.shape == labels.shape
-    np.testing.assert_allclose(np.asarray(logp), ref_logp, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(entropy), ref_entropy, rtol=1e-5, atol=1e-5)
+    logp_tol, entropy_tol = value_tolerances(logits, temperature)
+    np.testing.assert_allclose(np.asarray(logp), ref_logp, rtol=0, atol=logp_tol)
+    np.testing.assert_allclose(np.asarray(entropy), ref_entropy, rtol=0, atol=entropy_tol)
     np.testing.assert_allclose(
         np.asarray(entropy_from_logits(logits, temperature, chunk_size)), ref_entropy,
-        rtol=1e-5, atol=1e-5)
+        rtol=0, atol=entropy_tol)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -83,8 +101,10 @@ def test_logprobs_from_hidden_values_and_gradients_match_naive(chunk_size):
     hidden, w, labels = random_case(seed=2)
     logp, entropy = logprobs_from_hidden(hidden, w, labels, 0.9, chunk_size)
     ref_logp, ref_entropy = reference_logp_entropy(hidden.astype(np.float64) @ w, labels, 0.9)
-    np.testing.assert_allclose(np.asarray(logp), ref_logp, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(entropy), ref_entropy, rtol=1e-5, atol=1e-5)
+    logp_tol, entropy_tol = value_tolerances(
+        hidden.astype(np.float64) @ w, 0.9, (np.abs(hidden) @ np.abs(w), hidden.shape[-1]))
+    np.testing.assert_allclose(np.asarray(logp), ref_logp, rtol=0, atol=logp_tol)
+    np.testing.assert_allclose(np.asarray(entropy), ref_entropy, rtol=0, atol=entropy_tol)
 
     def objective(lp_ent):
         return jnp.sum(1.3 * lp_ent[0] + 0.4 * lp_ent[1])
@@ -111,8 +131,10 @@ def test_logprobs_from_hidden_bf16_inputs():
     # fp32 accumulation of the bf16 matmul: equal to the fp32 computation on upcast inputs.
     h32, w32 = np.asarray(h16, np.float64), np.asarray(w16, np.float64)
     ref_logp, ref_entropy = reference_logp_entropy(h32 @ w32, labels, 1.0)
-    np.testing.assert_allclose(np.asarray(logp), ref_logp, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(entropy), ref_entropy, rtol=1e-5, atol=1e-5)
+    logp_tol, entropy_tol = value_tolerances(
+        h32 @ w32, 1.0, (np.abs(h32) @ np.abs(w32), h32.shape[-1]))
+    np.testing.assert_allclose(np.asarray(logp), ref_logp, rtol=0, atol=logp_tol)
+    np.testing.assert_allclose(np.asarray(entropy), ref_entropy, rtol=0, atol=entropy_tol)
     assert g_h.dtype == g_w.dtype == jnp.bfloat16
     assert np.all(np.isfinite(np.asarray(g_h, np.float32)))
 
@@ -129,8 +151,9 @@ def test_masked_vocabulary_entries_give_no_nan():
 
     (_, (logp, entropy)), grad = jax.value_and_grad(objective, has_aux=True)(logits)
     ref_logp, ref_entropy = reference_logp_entropy(logits[..., :30], labels, 1.0)
-    np.testing.assert_allclose(np.asarray(logp), ref_logp, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(entropy), ref_entropy, rtol=1e-5, atol=1e-5)
+    logp_tol, entropy_tol = value_tolerances(logits[..., :30], 1.0)
+    np.testing.assert_allclose(np.asarray(logp), ref_logp, rtol=0, atol=logp_tol)
+    np.testing.assert_allclose(np.asarray(entropy), ref_entropy, rtol=0, atol=entropy_tol)
     assert np.all(np.isfinite(np.asarray(grad)))
     assert np.all(np.asarray(grad)[..., 30:] == 0.0)
 
