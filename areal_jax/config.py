@@ -24,6 +24,7 @@ __all__ = [
     "OptimConfig",
     "RewardConfig",
     "RolloutConfig",
+    "StorageConfig",
     "TrainConfig",
     "TrainLoopConfig",
     "WatchdogConfig",
@@ -257,6 +258,20 @@ class WatchdogConfig:
 
 
 @dataclass(frozen=True)
+class StorageConfig:
+    """Local side of a run whose paths are ``gs://`` URLs (see ``areal_jax/storage.py``)."""
+
+    cache_dir: str | None = None  # downloads and run-file working copies; ~/.cache/areal_jax
+    upload_every_s: float = 60.0  # gs:// run dirs: run files uploaded this often (+ each checkpoint)
+
+    def __post_init__(self) -> None:
+        if self.upload_every_s <= 0:
+            raise ValueError(f"storage.upload_every_s must be > 0, got {self.upload_every_s}")
+        if self.cache_dir is not None and "://" in self.cache_dir:
+            raise ValueError(f"storage.cache_dir must be a local directory, got {self.cache_dir!r}")
+
+
+@dataclass(frozen=True)
 class DistributedConfig:
     coordinator_address: str | None = None  # host:port; default from the environment
     num_processes: int | None = None
@@ -266,7 +281,7 @@ class DistributedConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     model: ModelSection
-    run_dir: str = "runs/default"
+    run_dir: str = "runs/default"  # a local path or gs://bucket/path
     seed: int = 0
     mode: Literal["async", "sync"] = "async"
     mesh: str = "data=-1"  # data=D,fsdp=F,tensor=T; one -1 means "the rest"
@@ -280,6 +295,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
     log_every: int = 1
     progress_bar: bool = True
 

@@ -172,11 +172,16 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"config file {path} does not exist")
+    from areal_jax import storage  # local paths and gs:// URLs alike
+
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        if not storage.isfile(path):
+            raise ConfigError(f"config file {path} does not exist")
+        text = storage.read_text(path)
+    except (storage.StorageError, OSError) as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):

@@ -49,10 +49,17 @@ def configure_environment() -> None:
     an unused local port so nothing tries to leave the machine. A real bucket needs none
     of this; values the user set are kept.
     """
+    import fsspec.config
+
     host = os.environ.get("STORAGE_EMULATOR_HOST")
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # no gRPC probe per open
+    # Every gcsfs instance (also etils.epath's, which Orbax lists steps with) re-lists: other
+    # processes write the same bucket, and a cached listing would hide their new objects.
+    gs_defaults = fsspec.config.conf.setdefault("gs", {})
+    gs_defaults.setdefault("use_listings_cache", False)
     if not host:
         return
+    gs_defaults.setdefault("token", "anon")  # the emulator takes no credentials
     if "://" not in host:
         host = "http://" + host
         os.environ["STORAGE_EMULATOR_HOST"] = host
@@ -134,9 +141,7 @@ def filesystem(path: str | os.PathLike) -> tuple[Any, str]:
     except ImportError:
         raise StorageError(f"{text}: gs:// paths need the gcsfs package "
                            "(pip install 'areal-jax[gcs]')") from None
-    # Listings are not cached: Orbax and other processes write the same bucket.
-    token = "anon" if using_emulator() else None
-    fs = gcsfs.GCSFileSystem(token=token, use_listings_cache=False)
+    fs = gcsfs.GCSFileSystem()  # defaults from configure_environment (fsspec config)
     return fs, text.split("://", 1)[1].rstrip("/")
 
 

@@ -24,7 +24,6 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -196,6 +195,7 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
                                or (is_last and cfg.eval.at_end)):
             row.update(ctx.evaluate("eval_"))
         row = writer.log(row)
+        ctx.sync_run_files(version + 1)  # gs:// run dirs: the checkpointed row is uploaded
 
     if ctx.learner.version != ctx.last_saved_version:
         ctx.save_checkpoint()
@@ -279,5 +279,8 @@ def resolved_config_text(cfg: TrainConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def run_dir_of(cfg: TrainConfig) -> Path:
-    return Path(cfg.run_dir)
+def run_dir_of(cfg: TrainConfig) -> str:
+    """The run dir as a local path or gs:// URL (never a ``Path``, which mangles URLs)."""
+    from areal_jax import storage
+
+    return storage.normalize(cfg.run_dir)

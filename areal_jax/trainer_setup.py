@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from areal_jax import storage
 from areal_jax.config import TrainConfig, to_dict
 
 logger = logging.getLogger("areal_jax.trainer")
@@ -45,18 +46,25 @@ def user_key_message(message: str) -> str:
 
 
 # ----------------------------------------------------------------------------- paths
-def resolve_model_path(spec: str) -> Path:
-    """``builtin:NAME`` -> the packaged asset; otherwise a local HF directory."""
+def resolve_model_path(spec: str, cache_dir: str | None = None, key: str = "model.path") -> Path:
+    """``builtin:NAME`` -> the packaged asset; a ``gs://`` HF directory -> its local cached
+    copy (downloaded once, see ``storage.local_copy``); otherwise a local HF directory."""
     if spec.startswith("builtin:"):
         path = ASSETS_DIR / spec.split(":", 1)[1]
         if not path.is_dir():
             known = sorted(p.name for p in ASSETS_DIR.iterdir() if p.is_dir()) if ASSETS_DIR.is_dir() else []
-            raise TrainerError(f"model.path {spec!r}: no packaged model of that name; known: {known}")
+            raise TrainerError(f"{key} {spec!r}: no packaged model of that name; known: {known}")
         return path
-    path = Path(spec).expanduser()
-    if "://" in spec:
-        raise TrainerError(f"model.path {spec!r}: the initial policy must be a local HF directory "
-                           "(copy it locally first); checkpoints and weights may live on gs://")
+    try:
+        if storage.is_url(spec):
+            url = storage.check_location(spec, key, must_exist=True)
+            if not storage.isfile(storage.join(url, "config.json")):
+                raise TrainerError(f"{key} {spec} has no config.json (expected an HF model directory)")
+            path = storage.local_copy(url, cache_dir, kind="models")
+        else:
+            path = Path(storage.normalize(spec))
+    except storage.StorageError as e:
+        raise TrainerError(f"{e}" if str(e).startswith(key) else f"{key} {e}") from None
     if not path.is_dir():
         raise TrainerError(f"model.path {spec} does not exist or is not a directory")
     if not (path / "config.json").is_file():
@@ -65,7 +73,8 @@ def resolve_model_path(spec: str) -> Path:
 
 
 def resolve_dataset(spec: str, run_dir: Path, key: str) -> str:
-    """``builtin:train|eval`` -> a JSONL written into the run dir; else the path as given."""
+    """``builtin:train|eval`` -> a JSONL written into the (local) run dir; else the path
+    (local or ``gs://``), checked to exist."""
     if spec.startswith("builtin:"):
         from areal_jax.data import builtin_task
 
@@ -73,9 +82,10 @@ def resolve_dataset(spec: str, run_dir: Path, key: str) -> str:
         if split not in ("train", "eval"):
             raise TrainerError(f"{key} {spec!r}: the builtin task has splits 'train' and 'eval'")
         return str(builtin_task.write_split(run_dir / "data" / f"builtin_{split}.jsonl", split))
-    if "://" not in spec and not Path(spec).exists():
-        raise TrainerError(f"{key} {spec} does not exist")
-    return spec
+    try:
+        return storage.check_location(spec, key, must_exist=True)
+    except storage.StorageError as e:
+        raise TrainerError(str(e)) from None
 
 
 def check_writable(path: Path, key: str) -> None:
@@ -252,7 +262,7 @@ def group_advantages_for(cfg: TrainConfig, trajs: list, group_size: int) -> np.n
 @dataclass
 class RunContext:
     cfg: TrainConfig
-    run_dir: Path
+    run_dir: str  # a local path or a gs:// URL; local run files live in run_files.local
     learner: Any
     executor: Any
     publisher: Any
@@ -274,6 +284,7 @@ class RunContext:
     t_start: float = field(default_factory=time.time)
     elapsed_before: float = 0.0
     rng_seed: int = 0
+    run_files: Any = None  # storage.RunFiles: metrics, logs, config (uploaded for gs://)
 
     def elapsed(self) -> float:
         return self.elapsed_before + (time.time() - self.t_start)
@@ -367,6 +378,12 @@ class RunContext:
                                   {"step": int(cs["step"]), "version": int(cs["version"])})
         self.last_saved_version = int(st["version"])
 
+    def sync_run_files(self, version: int) -> None:
+        """Uploads the run files (gs:// run dirs) once the row of a checkpointed version is
+        written, so a resumed run continues them from the checkpoint."""
+        if self.run_files is not None and version == self.last_saved_version:
+            self.run_files.sync()
+
     # -- evaluation
     def evaluate(self, prefix: str) -> dict[str, float]:
         from areal_jax.rollout.evaluate import evaluate_prompts
@@ -389,16 +406,26 @@ class RunContext:
             self.critic_ckpt.wait()
 
 
-def _prepare_run_dir(cfg: TrainConfig, resume: bool | None) -> tuple[Path, Path, bool]:
-    run_dir = Path(cfg.run_dir)
-    check_writable(run_dir, "run_dir")
-    ckpt_dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
-    if "://" not in ckpt_dir:
+CHECKPOINT_DIR_NAMES = ("checkpoints", "checkpoints-critic", "weights")  # written directly
+
+
+def _prepare_run_dir(cfg: TrainConfig, resume: bool | None) -> tuple[str, str, bool]:
+    """Checks run_dir (and checkpoint.dir), local or gs://, up front; returns
+    (run_dir, ckpt_dir, has_ckpt) as local paths or URLs."""
+    try:
+        run_dir = storage.check_location(cfg.run_dir, "run_dir", write=True)
+        ckpt_dir = (storage.check_location(cfg.checkpoint.dir, "checkpoint.dir", write=True)
+                    if cfg.checkpoint.dir else storage.join(run_dir, "checkpoints"))
+    except storage.StorageError as e:
+        raise TrainerError(str(e)) from None
+    if not storage.is_url(run_dir):
+        check_writable(Path(run_dir), "run_dir")
+    if not storage.is_url(ckpt_dir):
         check_writable(Path(ckpt_dir), "checkpoint.dir" if cfg.checkpoint.dir else "run_dir")
     from areal_jax.checkpoint import TrainCheckpointer
 
     has_ckpt = False
-    if "://" in ckpt_dir or Path(ckpt_dir).exists():
+    if storage.is_url(ckpt_dir) or os.path.exists(ckpt_dir):
         with contextlib.suppress(Exception):
             probe = TrainCheckpointer(ckpt_dir, read_only=True)
             has_ckpt = probe.latest_step() is not None
@@ -408,19 +435,29 @@ def _prepare_run_dir(cfg: TrainConfig, resume: bool | None) -> tuple[Path, Path,
     if resume is False and has_ckpt:
         raise TrainerError(f"run_dir {run_dir} already holds checkpoints in {ckpt_dir}; "
                            "use --resume (or drop --no-resume) to continue it, or pick a new run_dir")
-    return run_dir, Path(ckpt_dir) if "://" not in ckpt_dir else ckpt_dir, has_ckpt
+    return run_dir, ckpt_dir, has_ckpt
 
 
 def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitStack) -> RunContext:
     """Everything a run needs, in dependency order; registers shutdown on ``stack``."""
     # Cheap checks first: nothing below this block takes long.
-    model_path = resolve_model_path(cfg.model.path)
-    tokenizer_dir = resolve_model_path(cfg.model.tokenizer_path) if cfg.model.tokenizer_path else model_path
+    cache_dir = cfg.storage.cache_dir
+    model_path = resolve_model_path(cfg.model.path, cache_dir)
+    tokenizer_dir = (resolve_model_path(cfg.model.tokenizer_path, cache_dir, "model.tokenizer_path")
+                     if cfg.model.tokenizer_path else model_path)
     if cfg.rollout.servers:
         check_servers_reachable(list(cfg.rollout.servers), cfg.rollout.api_key)
     run_dir, ckpt_dir, has_ckpt = _prepare_run_dir(cfg, resume)
-    train_path = resolve_dataset(cfg.data.train, run_dir, "data.train")
-    eval_path = resolve_dataset(cfg.data.eval, run_dir, "data.eval") if cfg.data.eval else None
+    try:  # the run's own files: a local working copy, uploaded on a schedule for gs://
+        run_files = storage.RunFiles(run_dir, cache_dir=cache_dir,
+                                     upload_every_s=cfg.storage.upload_every_s,
+                                     exclude=CHECKPOINT_DIR_NAMES)
+    except (storage.StorageError, OSError) as e:
+        raise TrainerError(f"run_dir {run_dir}: cannot set up the run files: {e}") from None
+    stack.callback(run_files.close)  # the last upload, after the writer below has closed
+    local_dir = run_files.local
+    train_path = resolve_dataset(cfg.data.train, local_dir, "data.train")
+    eval_path = resolve_dataset(cfg.data.eval, local_dir, "data.eval") if cfg.data.eval else None
     from areal_jax.data.tokenizer import load_tokenizer
     from areal_jax.rewards import reward_fn_spec
 
@@ -444,7 +481,8 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
             os.sched_setaffinity(0, set(cfg.rollout.learner_cpu_cores))
     import yaml
 
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    storage.write_text(local_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    run_files.sync()
 
     # Learner on its mesh.
     from areal_jax.checkpoint import TrainCheckpointer, WeightPublisher
@@ -472,7 +510,7 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
                                       compute_dtype=cfg.model.dtype, remat=cfg.model.remat,
                                       trainable=False)
 
-    checkpointer = TrainCheckpointer(str(ckpt_dir), keep=cfg.checkpoint.keep,
+    checkpointer = TrainCheckpointer(ckpt_dir, keep=cfg.checkpoint.keep,
                                      async_save=cfg.checkpoint.async_save)
     stack.callback(checkpointer.close)
     critic = critic_ckpt = None
@@ -484,7 +522,7 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
                                 value_coef=cfg.algo.value_coef,
                                 ppo_n_minibatches=cfg.algo.ppo_n_minibatches,
                                 compute_dtype=cfg.model.dtype, remat=cfg.model.remat)
-        critic_ckpt = TrainCheckpointer(f"{str(ckpt_dir).rstrip('/')}-critic", keep=cfg.checkpoint.keep,
+        critic_ckpt = TrainCheckpointer(f"{ckpt_dir.rstrip('/')}-critic", keep=cfg.checkpoint.keep,
                                         async_save=cfg.checkpoint.async_save)
         stack.callback(critic_ckpt.close)
     meta: dict[str, Any] = {}
@@ -504,10 +542,10 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
     start_version = int(meta.get("version", 0))
 
     # Serving weights for the current version, then the servers.
-    weights_dir = run_dir / "weights"
-    publisher = WeightPublisher(str(weights_dir), keep=cfg.checkpoint.keep_weights)
+    weights_dir = storage.join(run_dir, "weights")
+    publisher = WeightPublisher(weights_dir, keep=cfg.checkpoint.keep_weights)
     first = publisher.publish(learner.model, learner.model_cfg, start_version, tokenizer_dir=tokenizer_dir)
-    addresses = list(cfg.rollout.servers) or _launch_servers(cfg, Path(first), start_version, run_dir,
+    addresses = list(cfg.rollout.servers) or _launch_servers(cfg, first, start_version, local_dir,
                                                               stack)
 
     # Rollout side: client, reward pool, workflow, prompts, executor.
@@ -562,9 +600,10 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
             raise TrainerError(f"rollout.servers cannot load this run's weights v{start_version} "
                                f"(do they serve the same model as model.path?): {e}") from None
 
-    writer = MetricsWriter(run_dir, cfg.train.total_versions, start_version, cfg.progress_bar,
+    writer = MetricsWriter(local_dir, cfg.train.total_versions, start_version, cfg.progress_bar,
                            resumed=bool(meta))
     stack.callback(writer.close)
+    run_files.start()
     return RunContext(
         cfg=cfg, run_dir=run_dir, learner=learner, executor=executor, publisher=publisher,
         checkpointer=checkpointer, writer=writer, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
@@ -572,10 +611,10 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
         critic=critic, critic_ckpt=critic_ckpt,
         start_version=start_version, consumed_tokens=int(meta.get("consumed_tokens", 0)),
         last_saved_version=start_version if meta else -1,
-        elapsed_before=float(meta.get("elapsed_s", 0.0)), rng_seed=cfg.seed)
+        elapsed_before=float(meta.get("elapsed_s", 0.0)), rng_seed=cfg.seed, run_files=run_files)
 
 
-def _launch_servers(cfg: TrainConfig, weights: Path, version: int, run_dir: Path,
+def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,
                     stack: contextlib.ExitStack) -> list[str]:
     from areal_jax.engine.launch import ServerStartError, launch_server
 

@@ -9,7 +9,8 @@ a run started from it creates a fresh one), with ``meta.model_config`` set to th
 config. ``orbax-to-hf`` rebuilds the model from ``meta.model_config`` (or from the
 config.json in ``--config-from`` for checkpoints that lack it) and writes config.json +
 safetensors through the same function the trainer uses to publish serving weights.
-Both directions run on the host CPU. CKPT_DIR may be local or gs://.
+Both directions run on the host CPU. Every path (HF_DIR, CKPT_DIR, TOKENIZER_DIR, the
+``--out`` of either direction) may be local or gs:// (see README, "Cloud runs").
 """
 
 from __future__ import annotations
@@ -17,22 +18,27 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from areal_jax import storage  # noqa: E402
 from areal_jax.checkpoint.orbax_ckpt import CheckpointError, TrainCheckpointer  # noqa: E402
 from areal_jax.checkpoint.publish import PublishError, params_to_hf_dir  # noqa: E402
 from model_defs import CheckpointError as HFCheckpointError  # noqa: E402
 from model_defs import ConfigError, ModelConfig, load_hf  # noqa: E402
 
 USER_ERRORS = (CheckpointError, PublishError, ConfigError, HFCheckpointError, FileNotFoundError,
-               FileExistsError, NotADirectoryError)
+               FileExistsError, NotADirectoryError, storage.StorageError)
 
 
 def _require_empty_out(out: str) -> None:
-    if "://" in out:
+    if storage.is_url(out):
+        storage.check_location(out, "--out", write=True)
+        if storage.listdir(out):
+            raise FileExistsError(f"--out {out} is not empty; choose a new directory")
         return
     if os.path.isfile(out):
         raise FileExistsError(f"--out {out} is a file")
@@ -43,11 +49,13 @@ def _require_empty_out(out: str) -> None:
 def hf_to_orbax(hf_dir: str, out: str, dtype: str = "float32") -> int:
     """Saves the HF model in ``hf_dir`` as params-only checkpoint step 0 in ``out``."""
     _require_empty_out(out)
-    model, cfg = load_hf(hf_dir, dtype=dtype)
+    if storage.is_url(hf_dir):
+        storage.check_location(hf_dir, "--hf", must_exist=True)
+    model, cfg = load_hf(storage.local_copy(hf_dir), dtype=dtype)
     from flax import nnx
 
     meta = {"step": 0, "version": 0, "model_config": cfg.to_hf_dict(dtype),
-            "source_hf_dir": os.path.abspath(hf_dir)}
+            "source_hf_dir": storage.normalize(hf_dir)}
     with TrainCheckpointer(out, async_save=False) as ckpt:
         ckpt.save(0, nnx.state(model, nnx.Param), None, meta)
     return 0
@@ -58,6 +66,12 @@ def orbax_to_hf(ckpt_dir: str, out: str, step: int | None = None,
                 config_from: str | None = None) -> int:
     """Writes checkpoint ``step`` (default: latest) of ``ckpt_dir`` as an HF dir ``out``."""
     _require_empty_out(out)
+    if storage.is_url(ckpt_dir):
+        storage.check_location(ckpt_dir, "--ckpt", must_exist=True)
+    if tokenizer_dir is not None:
+        tokenizer_dir = str(storage.local_copy(tokenizer_dir))
+    if config_from is not None:
+        config_from = str(storage.local_copy(config_from))
     with TrainCheckpointer(ckpt_dir, read_only=True) as ckpt:
         meta = ckpt.restore_meta(step)
         where = f"{ckpt.directory}/{meta.get('step', step)}"
@@ -70,7 +84,12 @@ def orbax_to_hf(ckpt_dir: str, out: str, step: int | None = None,
             raise CheckpointError(f"{where}: meta has no model_config; pass --config-from "
                                   f"with an HF dir whose config.json describes this model")
         params, _, _ = ckpt.restore(step)
-    params_to_hf_dir(params, model_cfg, out, dtype=dtype, tokenizer_dir=tokenizer_dir)
+    if not storage.is_url(out):
+        params_to_hf_dir(params, model_cfg, out, dtype=dtype, tokenizer_dir=tokenizer_dir)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="areal-convert-") as tmp:  # written whole, then uploaded
+        params_to_hf_dir(params, model_cfg, tmp, dtype=dtype, tokenizer_dir=tokenizer_dir)
+        storage.upload(tmp, out)
     return 0
 
 

@@ -6,6 +6,8 @@
 
 ``--model`` is an HF directory (e.g. a published ``weights/v{N}``); ``--ckpt`` is an
 Orbax checkpoint dir written by the trainer (converted to HF in a temp dir first).
+Every path (``--model``, ``--ckpt``, ``--tokenizer``, ``--data``, ``--out``) may be local or
+``gs://`` (see README, "Cloud runs").
 Without ``--server`` an embedded engine is started on the weights. Prints the result
 and writes it as JSON (``--out``).
 """
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.n_samples < 1:
         p.error("-k must be >= 1")
 
+    from areal_jax import storage
     from areal_jax.data.prompts import read_records
     from areal_jax.data.tokenizer import load_tokenizer
     from areal_jax.rewards import reward_fn_spec
@@ -60,15 +63,18 @@ def main(argv: list[str] | None = None) -> int:
             from areal_jax.checkpoint import TrainCheckpointer
             from areal_jax.checkpoint.publish import params_to_hf_dir
 
+            storage.check_location(args.ckpt, "--ckpt", must_exist=True)
             ck = TrainCheckpointer(args.ckpt, read_only=True)
             params, _, meta = ck.restore(args.step)
             model_dir = Path(tmp.name) / "model"
-            params_to_hf_dir(params, meta["model_config"], model_dir,
-                             tokenizer_dir=args.tokenizer)
+            tok_src = resolve_model_path(args.tokenizer, key="--tokenizer") if args.tokenizer \
+                else None
+            params_to_hf_dir(params, meta["model_config"], model_dir, tokenizer_dir=tok_src)
             ck.close()
         else:
-            model_dir = resolve_model_path(args.model)
-        tok_dir = Path(args.tokenizer) if args.tokenizer else model_dir
+            model_dir = resolve_model_path(args.model, key="--model")
+        tok_dir = resolve_model_path(args.tokenizer, key="--tokenizer") if args.tokenizer \
+            else model_dir
         tokenizer = load_tokenizer(tok_dir)
         data_path = resolve_dataset(args.data, Path(tmp.name), "--data")
         rows = read_records(data_path)[: args.max_prompts or None]
@@ -79,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                                    f"{args.answer_key!r}; got {sorted(r)}")
             items.append({**r, "prompt": r[args.prompt_key], "answer": r[args.answer_key]})
         reward = reward_fn_spec(args.reward)
-    except (TrainerError, ValueError, FileNotFoundError) as e:
+        if args.out:
+            storage.check_location(args.out, "--out", write=False)
+    except (TrainerError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -111,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update({"model": args.model or args.ckpt, "data": args.data, "temperature": args.temperature})
     print(json.dumps(result, indent=2))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        storage.write_text(args.out, json.dumps(result, indent=2))
     return 0
 
 

@@ -1,6 +1,6 @@
 """Plot the training curves of a run directory as PNG files.
 
-    python scripts/plot.py RUN_DIR [--out DIR]
+    python scripts/plot.py RUN_DIR [--out DIR]      # RUN_DIR and DIR: local or gs://
 
 Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per learner step) and writes into
 ``DIR`` (default ``RUN_DIR/plots``):
@@ -24,11 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -134,9 +138,39 @@ def _grid_plot(path: Path, xlabel: str, x: list[float], rows: list[dict[str, flo
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None,
-             log: Any = print) -> list[Path]:
-    """Writes the PNGs for ``run_dir`` and returns their paths."""
-    run_dir = Path(run_dir)
+             log: Any = print) -> list[Path] | list[str]:
+    """Writes the PNGs for ``run_dir`` and returns their paths.
+
+    A ``gs://`` run dir (or ``out_dir``) is read (written) through ``areal_jax.storage``:
+    metrics.jsonl is downloaded to a temp dir, the PNGs are drawn locally and uploaded.
+    """
+    from areal_jax import storage
+
+    run_text = os.fspath(run_dir)
+    try:
+        if not storage.is_url(run_text) and (out_dir is None or not storage.is_url(out_dir)):
+            return _plot_local(Path(run_text), Path(out_dir) if out_dir else None, log)
+        metrics_url = storage.join(run_text, METRICS_FILE)
+        if not storage.isdir(run_text):
+            raise PlotError(f"run dir {run_text} does not exist")
+        if not storage.isfile(metrics_url):
+            raise PlotError(f"run dir {run_text} has no {METRICS_FILE}")
+        out_text = os.fspath(out_dir) if out_dir is not None else storage.join(run_text, "plots")
+        with tempfile.TemporaryDirectory(prefix="areal-plot-") as tmp:
+            local_run = Path(tmp) / "run"
+            storage.download(metrics_url, local_run / METRICS_FILE)
+            written = _plot_local(local_run, Path(tmp) / "plots", log)
+            if not storage.is_url(out_text):
+                storage.upload(Path(tmp) / "plots", out_text)
+                return [Path(storage.normalize(out_text)) / p.name for p in written]
+            for p in written:
+                storage.upload(p, storage.join(out_text, p.name))
+            return [storage.join(out_text, p.name) for p in written]
+    except storage.StorageError as e:
+        raise PlotError(str(e)) from None
+
+
+def _plot_local(run_dir: Path, out_dir: Path | None, log: Any) -> list[Path]:
     if not run_dir.is_dir():
         raise PlotError(f"run dir {run_dir} does not exist")
     metrics_path = run_dir / METRICS_FILE
@@ -184,8 +218,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", help="run directory holding metrics.jsonl")
-    parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/plots)")
+    parser.add_argument("run_dir", help="run directory holding metrics.jsonl (local or gs://)")
+    parser.add_argument("--out", default=None,
+                        help="output directory, local or gs:// (default RUN_DIR/plots)")
     args = parser.parse_args(argv)
     try:
         paths = plot_run(args.run_dir, args.out, log=lambda m: print(m, file=sys.stderr))

@@ -163,5 +163,5 @@ def test_gs_paths_without_gcsfs_say_what_is_missing():
         pass
     else:
         pytest.skip("gcsfs is installed; this checks the error without it")
-    with pytest.raises(ImportError, match=r"prompt dataset 'gs://bucket/train.jsonl'.*gcsfs"):
+    with pytest.raises(ValueError, match=r"prompt dataset 'gs://bucket/train.jsonl'.*gcsfs"):
         load_prompt_dataset("gs://bucket/train.jsonl", shard_index=0, shard_count=1)

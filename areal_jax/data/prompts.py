@@ -30,13 +30,6 @@ import grain
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
-def _open_path(path: str):
-    """An ``etils.epath.Path`` for local or ``gs://`` paths (gs:// needs gcsfs + credentials)."""
-    from etils import epath
-
-    return epath.Path(path)
-
-
 def _suffix(path: str) -> str:
     lower = path.lower()
     for suffix in SUPPORTED_SUFFIXES:
@@ -51,22 +44,22 @@ def _suffix(path: str) -> str:
 def read_records(path: str) -> list[dict[str, Any]]:
     """Reads every row of one JSONL, JSON (a list of objects) or Parquet file."""
     suffix = _suffix(path)
-    p = _open_path(path)
+    from areal_jax import storage  # local paths and gs:// alike
+
     try:
-        exists = p.exists()
-    except ImportError as e:  # gs:// without gcsfs
-        raise ImportError(f"prompt dataset {path!r}: {e}. gs:// paths are read through "
-                          "etils.epath, which needs gcsfs and GCS credentials") from e
+        exists = storage.isfile(path)
+    except storage.StorageError as e:  # unsupported scheme, gs:// without gcsfs
+        raise ValueError(f"prompt dataset {path!r}: {e}") from None
     if not exists:
         raise FileNotFoundError(f"prompt dataset {path!r} does not exist")
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        with p.open("rb") as f:
+        with storage.open_file(path, "rb") as f:
             rows = pq.read_table(f).to_pylist()
     elif suffix == ".json":
         try:
-            rows = json.loads(p.read_text())
+            rows = json.loads(storage.read_text(path))
         except json.JSONDecodeError as e:
             raise ValueError(f"prompt dataset {path!r} is not valid JSON: {e}") from None
         if not isinstance(rows, list):
@@ -74,7 +67,7 @@ def read_records(path: str) -> list[dict[str, Any]]:
                              f"got {type(rows).__name__}")
     else:
         rows = []
-        for line_no, line in enumerate(p.read_text().splitlines(), start=1):
+        for line_no, line in enumerate(storage.read_text(path).splitlines(), start=1):
             if not line.strip():
                 continue
             try:
