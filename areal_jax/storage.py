@@ -318,13 +318,14 @@ def check_location(path: str | os.PathLike, what: str, *, write: bool = False,
     """
     text = os.fspath(path)
     try:
-        if not is_url(text):
-            norm = normalize(text)
-            if must_exist and not os.path.exists(norm):
-                raise StorageError("does not exist")
-            return norm
+        local = not is_url(text)
     except StorageError as e:
-        raise StorageError(f"{what} {e}" if text in str(e) else f"{what} {text}: {e}") from None
+        raise StorageError(f"{what} {e}") from None
+    if local:
+        norm = normalize(text)
+        if must_exist and not os.path.exists(norm):
+            raise StorageError(f"{what} {text} does not exist")
+        return norm
     if not bucket_of(text):
         raise StorageError(f"{what} {text}: no bucket name")
     url = normalize(text)
@@ -339,7 +340,7 @@ def check_location(path: str | os.PathLike, what: str, *, write: bool = False,
         if not fs.exists(bucket):
             raise StorageError(f"{what} {url}: bucket gs://{bucket} does not exist")
         if must_exist and not fs.exists(p):
-            raise StorageError(f"{what} {url}: does not exist")
+            raise StorageError(f"{what} {url} does not exist")
         if write:
             probe = f"{p}/.areal-write-probe-{os.getpid()}"
             fs.pipe_file(probe, b"")

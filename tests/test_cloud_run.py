@@ -60,9 +60,9 @@ def test_bad_cloud_paths_fail_up_front(gcs, tmp_path):  # noqa: F811
          "error: run_dir gs://no-such-bucket/run: bucket gs://no-such-bucket does not exist"),
         (["run_dir=s3://bucket/run"], "error: run_dir s3://bucket/run: unsupported URL scheme 's3'"),
         ([f"run_dir={tmp_path}/run", "model.path=gs://test-bucket/no-model"],
-         "error: model.path gs://test-bucket/no-model: does not exist"),
+         "error: model.path gs://test-bucket/no-model does not exist"),
         ([f"run_dir={tmp_path}/run", "data.train=gs://test-bucket/none.jsonl"],
-         "error: data.train gs://test-bucket/none.jsonl: does not exist"),
+         "error: data.train gs://test-bucket/none.jsonl does not exist"),
     ]
     for overrides, message in cases:
         res = subprocess.run(TRAIN + SMALL + overrides, capture_output=True, text=True, env=env,
