@@ -142,7 +142,8 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    name: Literal["grpo", "rloo", "drgrpo", "ppo"] = "grpo"  # ppo: actor-critic with GAE
+    # gspo: GRPO advantages with sequence-level (geometric-mean) importance ratios
+    name: Literal["grpo", "rloo", "drgrpo", "gspo", "ppo"] = "grpo"  # ppo: actor-critic with GAE
     decoupled: bool = True  # decoupled PPO (prox recompute + behaviour weights); False: naive PPO
     eps_clip: float = 0.2
     eps_clip_higher: float | None = None  # DAPO clip-higher
@@ -150,6 +151,9 @@ class AlgoConfig:
     behav_imp_weight_cap: float | None = None
     ppo_n_minibatches: int = 1
     agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    # The trust-region ratio: per token (PPO) or per sequence (GSPO). null: "sequence" for
+    # name gspo, else "token" (AReaL calls this importance_sampling_level).
+    ratio_level: Literal["token", "sequence"] | None = None
     dynamic_filter: bool = False  # DAPO: drop groups whose rewards are all equal
     kl_coef: float = 0.0  # reference-model KL penalty (0: no reference model)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -169,6 +173,16 @@ class AlgoConfig:
         for key in ("gamma", "lam"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ValueError(f"algo.{key} must be in [0, 1], got {getattr(self, key)}")
+        if self.name == "gspo" and self.ratio_level == "token":
+            raise ValueError("algo.ratio_level='token' contradicts algo.name='gspo' (GSPO is "
+                             "the sequence-level ratio); drop algo.ratio_level or use name grpo")
+
+    @property
+    def resolved_ratio_level(self) -> str:
+        """``ratio_level``, or its default for ``name``: "sequence" for gspo, else "token"."""
+        if self.ratio_level is not None:
+            return self.ratio_level
+        return "sequence" if self.name == "gspo" else "token"
 
 
 @dataclass(frozen=True)

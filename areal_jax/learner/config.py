@@ -8,6 +8,7 @@ from typing import Any
 SCHEDULES = ("constant", "cosine")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+RATIO_LEVELS = ("token", "sequence")
 
 
 def _check_positive(section: str, **values: float | int | None) -> None:
@@ -83,6 +84,7 @@ class PPOConfig:
     temperature: float = 1.0
     agg_mode: str = "token-mean"
     seq_token_sum_normalizer: float | None = None  # the constant L of "seq-mean-token-sum"
+    ratio_level: str = "token"  # "sequence": GSPO's per-sequence geometric-mean ratio
     use_decoupled_loss: bool = True
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -106,6 +108,8 @@ class PPOConfig:
         elif self.seq_token_sum_normalizer is not None:
             raise ValueError(f"ppo.seq_token_sum_normalizer is only used with agg_mode="
                              f"'seq-mean-token-sum', not {self.agg_mode!r}")
+        if self.ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"ppo.ratio_level={self.ratio_level!r}; expected one of {RATIO_LEVELS}")
         if self.kl_coef < 0:
             raise ValueError(f"ppo.kl_coef must be >= 0, got {self.kl_coef}")
         if self.kl_estimator not in KL_ESTIMATORS:
@@ -113,12 +117,17 @@ class PPOConfig:
 
     @classmethod
     def from_algo(cls, algo: Any, temperature: float = 1.0, **overrides: Any) -> PPOConfig:
-        """From the run config's ``algo`` section (``decoupled`` -> ``use_decoupled_loss``)."""
+        """From the run config's ``algo`` section (``decoupled`` -> ``use_decoupled_loss``;
+        ``ratio_level`` resolved from ``name``: "sequence" for gspo)."""
         names = ("ppo_n_minibatches", "eps_clip", "eps_clip_higher", "c_clip",
                  "behav_imp_weight_cap", "agg_mode", "seq_token_sum_normalizer", "kl_coef",
                  "kl_estimator")
         kwargs: dict[str, Any] = {n: getattr(algo, n) for n in names if hasattr(algo, n)}
         if hasattr(algo, "decoupled"):
             kwargs["use_decoupled_loss"] = bool(algo.decoupled)
+        if hasattr(algo, "resolved_ratio_level"):
+            kwargs["ratio_level"] = algo.resolved_ratio_level
+        elif getattr(algo, "ratio_level", None) is not None:
+            kwargs["ratio_level"] = algo.ratio_level
         kwargs["temperature"] = temperature
         return cls(**{**kwargs, **overrides})

@@ -89,6 +89,7 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, ppo: PPOConfig) -> 
             current_version=version,
             agg_mode=ppo.agg_mode,
             seq_token_sum_normalizer=ppo.seq_token_sum_normalizer,
+            ratio_level=ppo.ratio_level,
             segment_ids=batch["segment_ids"],
             max_segments=mask_bt.shape[1],
         )

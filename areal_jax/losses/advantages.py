@@ -22,6 +22,7 @@ GROUP_MODES = {
     "grpo": (False, True),  # (mean_leave_one_out, std_normalize)
     "rloo": (True, False),
     "drgrpo": (False, False),
+    "gspo": (False, True),  # GSPO's advantages are GRPO's; its ratio is per sequence
 }
 
 
@@ -54,7 +55,7 @@ def group_advantages(
             GRPO. A group of one has std 0.
         eps: added to the std.
         mode: shortcut that sets both flags: "grpo" (mean, std), "rloo" (leave-one-out
-            mean, no std), "drgrpo" (mean only). Overrides the two flags when given.
+            mean, no std), "drgrpo" (mean only), "gspo" (as grpo). Overrides the two flags when given.
 
     Returns:
         fp32 [N] advantages.
