@@ -113,6 +113,9 @@ class RolloutConfig:
     interruptible: bool = True  # abort in-flight requests on a weight update (else wait for them)
     request_timeout_s: float = 600.0
     server_startup_timeout_s: float = 600.0  # embedded servers: load + compile every shape
+    # A stalled server (timeouts, 5xx, dropped connections) is retried with backoff for this
+    # long before it is dropped; one that refuses connections is dropped at once.
+    request_retry_deadline_s: float = 300.0
     api_key: str | None = None
 
     def __post_init__(self) -> None:
@@ -131,6 +134,9 @@ class RolloutConfig:
                                  f">= 0, got {cores}")
         if not self.temperature > 0:
             raise ValueError(f"rollout.temperature must be > 0 for RL sampling, got {self.temperature}")
+        if not self.request_retry_deadline_s >= 0:
+            raise ValueError(f"rollout.request_retry_deadline_s must be >= 0, got "
+                             f"{self.request_retry_deadline_s}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"rollout.max_staleness must be >= 0 or null, got {self.max_staleness}")
         if self.top_p > 1:

@@ -579,7 +579,8 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
             eval_items = eval_items[: cfg.data.max_eval_prompts or None]
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise TrainerError(str(e)) from None
-    client = RolloutClient(addresses, request_timeout=ro.request_timeout_s, api_key=ro.api_key)
+    client = RolloutClient(addresses, request_timeout=ro.request_timeout_s, api_key=ro.api_key,
+                           retry_deadline_s=ro.request_retry_deadline_s)
     executor = RolloutExecutor(client, workflow, iter(prompts), batch_size=cfg.train.batch_size,
                                max_concurrent=cfg.max_concurrent, max_staleness=cfg.eta,
                                seed=cfg.seed, reward_pool=reward_pool, tokenizer=tokenizer,
@@ -626,6 +627,7 @@ def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,
         try:
             handle = launch_server(weights, max_slots=ro.max_slots, max_seq_len=ro.max_seq_len,
                                    cpu_affinity=ro.server_cpu_cores, api_key=ro.api_key,
+                                   allowed_weight_dirs=[weights.parent],  # later versions
                                    warmup=True,  # compile every shape now, not mid-run
                                    log_path=logs / f"server{i}.log",
                                    startup_timeout=ro.server_startup_timeout_s,

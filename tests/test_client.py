@@ -40,6 +40,7 @@ def servers(ckpt_a, tmp_path_factory):
     # Same shapes as tests/test_server.py: a shared compilation cache skips recompiling.
     cache = tmp_path_factory.getbasetemp() / "engine_compilation_cache"
     handles = launch_servers(ckpt_a, 2, max_slots=16, max_seq_len=MAX_SEQ_LEN,
+                             allowed_weight_dirs=[tmp_path_factory.getbasetemp()],
                              compilation_cache_dir=cache)
     yield handles
     for h in handles:

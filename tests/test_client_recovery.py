@@ -35,7 +35,8 @@ def info(url):
 def test_restarted_server_is_resynced_and_reused(ckpts, tmp_path_factory):
     ckpt_a, ckpt_b = ckpts
     cache = tmp_path_factory.getbasetemp() / "engine_compilation_cache"
-    servers = launch_servers(ckpt_a, 2, max_slots=8, max_seq_len=128, compilation_cache_dir=cache)
+    servers = launch_servers(ckpt_a, 2, max_slots=8, max_seq_len=128, compilation_cache_dir=cache,
+                             allowed_weight_dirs=[ckpt_b.parent])
     victim_port = int(servers[1].url.rsplit(":", 1)[1])
     try:
         async def run():
@@ -50,6 +51,7 @@ def test_restarted_server_is_resynced_and_reused(ckpts, tmp_path_factory):
                 # Restart on the same port with the *old* weights (version "0").
                 servers[1] = await asyncio.to_thread(
                     launch_server, ckpt_a, port=victim_port, max_slots=8, max_seq_len=128,
+                    allowed_weight_dirs=[ckpt_b.parent],
                     compilation_cache_dir=cache)
                 deadline = time.monotonic() + 60
                 while not all(s.up for s in client.servers):

@@ -60,6 +60,7 @@ def fleet(ckpts):
     def launch_and_hold(i):
         try:
             servers[i] = launch_server(ckpts[0], max_slots=32, max_seq_len=64,
+                                       allowed_weight_dirs=[ckpts[0].parent],
                                        xla_cpu_threads=1, warmup=True)
         except Exception as e:  # noqa: BLE001 - re-raised below
             errors.append(e)

@@ -27,6 +27,7 @@ def server(ckpt, tmp_path_factory):
     # Same shapes as tests/test_client.py: a shared compilation cache skips recompiling.
     cache = tmp_path_factory.getbasetemp() / "engine_compilation_cache"
     with launch_server(ckpt, max_slots=16, max_seq_len=MAX_SEQ_LEN, api_key=API_KEY,
+                       allowed_weight_dirs=[tmp_path_factory.getbasetemp()],
                        compilation_cache_dir=cache) as handle:
         yield handle
 

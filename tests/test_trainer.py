@@ -181,7 +181,8 @@ def test_external_server_with_another_model_fails_with_a_clear_error(tmp_path):
     from tests.hf_fixtures import make_tiny_hf_checkpoint
 
     other = make_tiny_hf_checkpoint(tmp_path, vocab_size=32, hidden_size=48, seed=3)
-    server = launch_server(other, max_slots=16, max_seq_len=96, log_path=tmp_path / "server.log")
+    server = launch_server(other, max_slots=16, max_seq_len=96, log_path=tmp_path / "server.log",
+                           allowed_weight_dirs=[tmp_path])
     try:
         run_dir = tmp_path / "run"
         res = _run([f"run_dir={run_dir}", "train.total_versions=3", f"rollout.servers=[{server.url}]"])

@@ -9,7 +9,7 @@
 """
 
 from areal_jax.engine.config import EngineConfig
-from areal_jax.engine.engine import EngineRequestError, GenerationEngine
+from areal_jax.engine.engine import EngineRequestError, EngineStoppedError, GenerationEngine
 from areal_jax.engine.launch import (
     ServerHandle,
     ServerStartError,
@@ -24,6 +24,7 @@ __all__ = [
     "EngineConfig",
     "EngineRequest",
     "EngineRequestError",
+    "EngineStoppedError",
     "GenerationEngine",
     "ModelPathError",
     "SamplingParams",

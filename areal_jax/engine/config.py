@@ -39,6 +39,8 @@ class EngineConfig:
       seed: seeds the per-request seeds drawn for requests that send no sampling_seed.
       weight_version: reported in every response until an update changes it.
       warmup: compile every prefill bucket and the decode step at start-up.
+      check_weights: before swapping in a weight update, check the stored dtypes and that
+        every value is finite (one pass over the params); False skips it on huge models.
     """
 
     model_path: str
@@ -52,6 +54,7 @@ class EngineConfig:
     seed: int = 0
     weight_version: str = "0"
     warmup: bool = False
+    check_weights: bool = True
 
     def __post_init__(self) -> None:
         for key in ("max_slots", "prefill_rows", "decode_steps", "data_parallel"):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 import traceback
@@ -50,6 +51,7 @@ from areal_jax.engine.model_dir import (
 )
 from areal_jax.engine.request import EngineRequest, SamplingParams
 from areal_jax.engine.runner import ModelRunner, bucket_for
+from areal_jax.engine.weight_check import WeightCheckError, check_file_dtypes, check_finite
 from model_defs import ModelConfig, load_hf
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,10 @@ _UPDATE_IGNORED_CONFIG_KEYS = ("bos_token_id", "eos_token_id")
 
 class EngineRequestError(ValueError):
     """A request the engine cannot run (bad prompt, duplicate rid); maps to HTTP 400."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine's step loop has ended (shut down or crashed); maps to HTTP 503."""
 
 
 class GenerationEngine:
@@ -96,7 +102,9 @@ class GenerationEngine:
 
         self._lock = threading.Condition()
         self._waiting: deque[EngineRequest] = deque()  # guarded by _lock
-        self._commands: deque[Callable[[], None]] = deque()  # guarded by _lock
+        # (fn, future) run on the engine thread between steps; guarded by _lock.
+        self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._dead = False  # set (under _lock) once the step loop has ended; nothing is queued after
         self._inflight: dict[str, EngineRequest] = {}  # rid -> request, guarded by _lock
         self._slots: list[EngineRequest | None] = [None] * config.max_slots  # engine thread
         # The decode call in flight: (device tokens [k, B], device logprobs [k, B], the
@@ -140,7 +148,7 @@ class GenerationEngine:
     ) -> EngineRequest:
         """Queues a request; it runs as soon as a slot is free (and the engine not paused)."""
         if self.fatal_error is not None:
-            raise RuntimeError(f"engine stopped after an internal error: {self.fatal_error}")
+            raise EngineStoppedError(f"engine stopped after an internal error: {self.fatal_error}")
         ids = [int(t) for t in input_ids]
         if not ids:
             raise EngineRequestError("input_ids is empty; the prompt needs at least one token")
@@ -159,6 +167,8 @@ class GenerationEngine:
         req = EngineRequest(rid=rid, input_ids=ids, params=params, on_finish=on_finish,
                             seed=seed % 2**32)
         with self._lock:
+            if self._dead:
+                raise EngineStoppedError(f"engine is not running: {self.fatal_error or 'shut down'}")
             if rid in self._inflight:
                 raise EngineRequestError(f"rid {rid!r} is already in flight; rids must be unique")
             self._inflight[rid] = req
@@ -203,28 +213,44 @@ class GenerationEngine:
                                  abort_all_requests: bool = False) -> dict[str, Any]:
         """Loads an HF checkpoint (in the calling thread) and swaps it in between steps.
 
-        Running requests are aborted first if ``abort_all_requests``, otherwise the swap
+        Running requests are aborted first if ``abort_all_requests`` (before the load, as
+        SGLang does, and again at the swap for any admitted meanwhile), otherwise the swap
         waits for them to finish; waiting requests stay queued. Returns SGLang's reply
         fields ``success``, ``message``, ``num_paused_requests`` (here: requests aborted).
         On failure the served weights are untouched.
         """
         with self._update_lock:
             t0 = time.perf_counter()
+            aborted_early = 0
             try:
+                if abort_all_requests:
+                    aborted_early = self._call(
+                        lambda: self._abort_running("aborted for a weight update"))
                 new_state = self._load_compatible_state(model_path)
-            except (ModelPathError, ValueError, OSError) as e:
+            except EngineStoppedError as e:
                 return {"success": False, "message": f"weights not updated: {e}",
                         "num_paused_requests": 0}
+            except (ModelPathError, ValueError, OSError) as e:
+                return {"success": False, "message": f"weights not updated: {e}",
+                        "num_paused_requests": aborted_early}
+            except Exception as e:  # noqa: BLE001 - any unreadable file refuses the update
+                logger.warning("weight update from %s refused", model_path, exc_info=True)
+                return {"success": False, "num_paused_requests": aborted_early,
+                        "message": f"weights not updated: {type(e).__name__}: {e}"}
             load_s = time.perf_counter() - t0
             done: Future = Future()
 
             def begin() -> None:
-                aborted = 0
+                aborted = aborted_early
                 if abort_all_requests:
-                    aborted = self._abort_running("aborted for a weight update")
+                    aborted += self._abort_running("aborted for a weight update")
                 self._pending_update = (new_state, weight_version, done, aborted)
 
-            self._call(begin)
+            try:
+                self._call(begin)
+            except EngineStoppedError as e:
+                return {"success": False, "message": f"weights not updated: {e}",
+                        "num_paused_requests": 0}
             result = done.result()
             result["message"] += f" (loaded in {load_s:.2f}s)"
             return result
@@ -303,18 +329,11 @@ class GenerationEngine:
         """Runs ``fn`` on the engine thread between steps and returns its result."""
         if threading.current_thread() is self._thread:
             return fn()
-        if not self.healthy:
-            raise RuntimeError(f"engine is not running: {self.fatal_error or 'stopped'}")
         fut: Future = Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
-
         with self._lock:
-            self._commands.append(run)
+            if self._dead or not self._thread.is_alive():
+                raise EngineStoppedError(f"engine is not running: {self.fatal_error or 'shut down'}")
+            self._commands.append((fn, fut))
             self._lock.notify_all()
         return fut.result(timeout)
 
@@ -330,12 +349,20 @@ class GenerationEngine:
                 f"{path / 'config.json'} is incompatible with the served model: {k}={new[k]!r} "
                 f"but the server runs {k}={served[k]!r} (differing keys: {', '.join(diff)})"
             )
+        if self.config.check_weights:
+            check_file_dtypes(path)
         model, _ = load_hf(path, dtype=self.config.dtype)
         _, state = nnx.split(model)
         problem = self.runner.check_compatible(state)
         if problem:
             raise ModelPathError(f"{path} is incompatible with the served model: {problem}")
-        return self.runner.place_like_current(state)
+        state = self.runner.place_like_current(state)
+        if self.config.check_weights:
+            try:
+                check_finite(state)
+            except WeightCheckError as e:
+                raise WeightCheckError(f"{path}: {e}") from None
+        return state
 
     # ---------------------------------------------------------------- step loop
     def _loop(self) -> None:
@@ -348,8 +375,11 @@ class GenerationEngine:
                         return
                     commands = list(self._commands)
                     self._commands.clear()
-                for command in commands:
-                    command()
+                for fn, fut in commands:
+                    try:
+                        fut.set_result(fn())
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(e)
                 self._maybe_swap_weights()
                 self._admit()
                 previous, self._in_flight = self._in_flight, None
@@ -360,7 +390,11 @@ class GenerationEngine:
         except BaseException as e:  # noqa: BLE001 - reported via /health and failed requests
             self.fatal_error = f"{type(e).__name__}: {e}"
             logger.error("engine step loop crashed:\n%s", traceback.format_exc())
-            self._fail_all(f"engine error: {self.fatal_error}")
+        finally:  # nothing may wait for a loop that has ended
+            with self._lock:
+                self._dead = True
+            self._fail_all(f"engine error: {self.fatal_error}" if self.fatal_error
+                           else "engine shut down")
 
     def _has_work(self) -> bool:
         if self._in_flight is not None or any(s is not None for s in self._slots):
@@ -375,6 +409,7 @@ class GenerationEngine:
         state, version, done, aborted = self._pending_update
         self._pending_update = None
         self.runner.swap_params(state)
+        self.runner.reset()  # nothing computed under the old weights is reused
         if version is not None:
             self.weight_version = version
         done.set_result({
@@ -404,10 +439,20 @@ class GenerationEngine:
                 rows = [{"input_ids": r.input_ids, "slot": slot, "temperature": r.params.temperature,
                          "top_p": r.params.top_p, "top_k": r.params.top_k, "seed": r.seed}
                         for slot, r in chunk]
-                tokens, logprobs = self.runner.prefill(
-                    bucket, rows,
-                    any_truncation=any(r.params.truncates for _, r in chunk),
-                    any_random=any(not r.params.greedy for _, r in chunk))
+                try:
+                    tokens, logprobs = self.runner.prefill(
+                        bucket, rows,
+                        any_truncation=any(r.params.truncates for _, r in chunk),
+                        any_random=any(not r.params.greedy for _, r in chunk))
+                except Exception as e:
+                    if not self.runner.state_intact():
+                        raise  # the donated cache is gone: the engine cannot go on
+                    # Failed before touching device state: these requests fail alone.
+                    logger.exception("prefill failed for requests %s", [r.rid for _, r in chunk])
+                    for _, req in chunk:
+                        self._release(req, {"type": "abort", "message": "internal error"},
+                                      error=f"prefill failed: {type(e).__name__}: {e}")
+                    continue
                 self.stats["prefill_calls"] += 1
                 now = time.perf_counter()
                 for (slot, req), token, logprob in zip(chunk, tokens, logprobs, strict=True):
@@ -449,6 +494,13 @@ class GenerationEngine:
     def _append_token(self, slot: int, token: int, logprob: float) -> None:
         req = self._slots[slot]
         assert req is not None
+        if not math.isfinite(logprob):
+            self._slots[slot] = None
+            self._release(req, {"type": "abort", "message": "non-finite logprob"},
+                          error=f"the model produced a non-finite logprob ({logprob}) for token "
+                                f"{len(req.output_ids)}; the served weights or the sampling "
+                                f"parameters overflow float32")
+            return
         req.output_ids.append(token)
         req.output_logprobs.append(logprob)
         self.stats["generated_tokens"] += 1
@@ -501,6 +553,7 @@ class GenerationEngine:
         return count
 
     def _fail_all(self, message: str) -> None:
+        """Fails every running and queued request and command (the loop has ended)."""
         for slot, req in enumerate(self._slots):
             if req is not None:
                 self._slots[slot] = None
@@ -512,11 +565,9 @@ class GenerationEngine:
             self._commands.clear()
         for req in queued:
             self._release(req, {"type": "abort", "message": message}, error=message)
-        for command in commands:  # let waiting callers see the failure instead of hanging
-            try:
-                command()
-            except Exception:  # noqa: BLE001
-                pass
+        for _, fut in commands:  # waiting callers see the failure instead of hanging
+            if not fut.done():
+                fut.set_exception(EngineStoppedError(f"engine is not running: {message}"))
         if self._pending_update is not None:
             self._pending_update[2].set_result(
                 {"success": False, "message": message, "num_paused_requests": 0})

@@ -25,6 +25,8 @@ import httpx
 
 from areal_jax.engine.config import CPU_DEVICE_COUNT_FLAG
 
+API_KEY_ENV = "AREAL_JAX_API_KEY"  # the server reads its key from here (see server.py)
+
 
 class ServerStartError(RuntimeError):
     """The server process exited or never became healthy; the message has its log tail."""
@@ -95,8 +97,11 @@ class ServerHandle:
 
 
 def _child_env(jax_platforms: str | None, xla_cpu_threads: int | None,
-               extra_env: dict[str, str] | None) -> dict[str, str]:
+               extra_env: dict[str, str] | None, api_key: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    env.pop(API_KEY_ENV, None)  # the child serves with api_key only, not one inherited
+    if api_key is not None:
+        env[API_KEY_ENV] = api_key
     # A fake multi-device host (tests set it for mesh tests) would split one server's CPU;
     # a server asks for its own devices with --data-parallel.
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(CPU_DEVICE_COUNT_FLAG)]
@@ -126,6 +131,7 @@ def launch_server(
     max_seq_len: int | None = None,
     dtype: str = "float32",
     api_key: str | None = None,
+    allowed_weight_dirs: Sequence[str | os.PathLike] | None = None,
     warmup: bool = False,
     extra_args: Sequence[str] = (),
     cpu_affinity: list[int] | None = None,
@@ -142,6 +148,10 @@ def launch_server(
 
     Args:
       port: None picks a free port.
+      api_key: passed in the child's environment (``AREAL_JAX_API_KEY``), never on its
+        command line, where every user could read it with ``ps``.
+      allowed_weight_dirs: directories ``/update_weights_from_disk`` may load from, besides
+        ``model_path`` itself (e.g. the run's publish directory).
       extra_args: more ``serve.py`` flags, e.g. ``["--decode-steps", "4"]``.
       cpu_affinity: CPU ids the server may run on (``os.sched_setaffinity`` at its start,
         before JAX starts); XLA sizes its CPU thread pool from this set.
@@ -174,8 +184,8 @@ def launch_server(
            "--dtype", dtype]
     if max_seq_len is not None:
         cmd += ["--max-seq-len", str(max_seq_len)]
-    if api_key is not None:
-        cmd += ["--api-key", api_key]
+    for d in allowed_weight_dirs or ():
+        cmd += ["--allowed-weight-dir", str(d)]
     if warmup:
         cmd.append("--warmup")
     if compilation_cache_dir is not None:
@@ -192,7 +202,7 @@ def launch_server(
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=_child_env(jax_platforms, xla_cpu_threads, env), start_new_session=True,
+            env=_child_env(jax_platforms, xla_cpu_threads, env, api_key), start_new_session=True,
         )
     handle = ServerHandle(process, f"http://{host}:{chosen_port}", log_path, api_key)
     if wait:

@@ -9,11 +9,17 @@ and the offending value; the server turns it into HTTP 400 ``{"error": message}`
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from areal_jax.engine.request import EngineRequest, SamplingParams
+from areal_jax.engine.request import (
+    INT32_MAX,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    SEED_MAX,
+    EngineRequest,
+    SamplingParams,
+)
 
 
 class ProtocolError(ValueError):
@@ -40,6 +46,8 @@ _SAMPLING_NOOP_DEFAULTS: dict[str, Any] = {
     "regex": None, "ebnf": None, "logit_bias": None, "custom_params": None,
 }
 DEFAULT_MAX_NEW_TOKENS = 128
+MAX_RID_CHARS = 256  # rids are echoed in every reply and log line
+MAX_WEIGHT_VERSION_CHARS = 256  # weight_version is stored and echoed in every reply
 SUPPORTED_PAUSE_MODES = ("abort",)
 
 
@@ -62,6 +70,8 @@ def parse_json_body(raw: bytes, route: str, *, allow_empty: bool = False) -> dic
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ProtocolError(f"{route}: request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ProtocolError(f"{route}: request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise ProtocolError(
             f"{route}: request body must be a JSON object, got {type(body).__name__}")
@@ -96,6 +106,11 @@ def _get_str(d: dict[str, Any], key: str, where: str, *, required: bool = False)
     return v
 
 
+def _check_length(value: str | None, key: str, limit: int, where: str) -> None:
+    if value is not None and len(value) > limit:
+        raise ProtocolError(f"{where}{key} is {len(value)} characters long; the limit is {limit}")
+
+
 def _reject_unknown(d: dict[str, Any], allowed: set[str], where: str) -> None:
     unknown = sorted(set(d) - allowed)
     if unknown:
@@ -119,14 +134,17 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
     max_new = sp.get("max_new_tokens")
     if max_new is None:
         max_new = DEFAULT_MAX_NEW_TOKENS
-    if not _is_int(max_new) or max_new <= 0:
-        raise ProtocolError(f"{where}max_new_tokens must be a positive integer, got {max_new!r}")
+    if not _is_int(max_new) or not 0 < max_new <= INT32_MAX:
+        raise ProtocolError(
+            f"{where}max_new_tokens must be an integer in [1, {INT32_MAX}], got {max_new!r}")
 
     temperature = sp.get("temperature", 1.0)
     if temperature is None:
         temperature = 1.0
-    if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
-        raise ProtocolError(f"{where}temperature must be a finite number >= 0, got {temperature!r}")
+    if not _is_number(temperature) or not (
+            temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+        raise ProtocolError(f"{where}temperature must be 0 (greedy) or a number in "
+                            f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}], got {temperature!r}")
 
     top_p = sp.get("top_p", 1.0)
     if top_p is None:
@@ -137,8 +155,9 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
     top_k = sp.get("top_k", -1)
     if top_k is None:
         top_k = -1
-    if not _is_int(top_k) or (top_k != -1 and top_k < 1):
-        raise ProtocolError(f"{where}top_k must be -1 (disabled) or an integer >= 1, got {top_k!r}")
+    if not _is_int(top_k) or not (top_k == -1 or 1 <= top_k <= INT32_MAX):
+        raise ProtocolError(f"{where}top_k must be -1 (disabled) or an integer in "
+                            f"[1, {INT32_MAX}], got {top_k!r}")
 
     stop_ids = sp.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
@@ -149,8 +168,9 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
             f"{where}stop_token_ids contains {bad[0]}, outside the vocabulary [0, {vocab_size})")
 
     seed = sp.get("sampling_seed")
-    if seed is not None and (not _is_int(seed) or seed < 0):
-        raise ProtocolError(f"{where}sampling_seed must be a non-negative integer, got {seed!r}")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed <= SEED_MAX):
+        raise ProtocolError(
+            f"{where}sampling_seed must be an integer in [0, 2**64 - 1], got {seed!r}")
     for key in ("spaces_between_special_tokens", "no_stop_trim"):
         _get_bool(sp, key, False, where)
 
@@ -198,11 +218,13 @@ def parse_generate(body: dict[str, Any], vocab_size: int, max_seq_len: int) -> G
     if top_logprobs not in (None, 0):
         raise ProtocolError(f"top_logprobs_num={top_logprobs!r} is not supported (only 0)")
     start = body.get("logprob_start_len")
-    if start is not None and not _is_int(start):
-        raise ProtocolError(f"logprob_start_len must be an integer, got {start!r}")
+    if start is not None and (not _is_int(start) or not -1 <= start <= INT32_MAX):
+        raise ProtocolError(f"logprob_start_len must be an integer in [-1, {INT32_MAX}], "
+                            f"got {start!r}")
     rid = body.get("rid")
     if rid is not None and (not isinstance(rid, str) or not rid):
-        raise ProtocolError(f"rid must be a non-empty string, got {rid!r}")
+        raise ProtocolError(f"rid must be a non-empty string, got {type(rid).__name__}")
+    _check_length(rid, "rid", MAX_RID_CHARS, "")
     return GenerateCall(
         input_ids=ids,
         params=parse_sampling_params(body.get("sampling_params"), vocab_size),
@@ -259,6 +281,7 @@ def parse_update_weights_from_disk(body: dict[str, Any]) -> tuple[str, str | Non
     if not model_path:
         raise ProtocolError(f"{where}model_path is empty")
     version = _get_str(body, "weight_version", where)
+    _check_length(version, "weight_version", MAX_WEIGHT_VERSION_CHARS, where)
     abort_all = _get_bool(body, "abort_all_requests", False, where)
     _get_bool(body, "flush_cache", True, where)
     load_format = body.get("load_format")
@@ -272,6 +295,7 @@ def parse_update_weight_version(body: dict[str, Any]) -> tuple[str, bool]:
     _reject_unknown(body, {"new_version", "abort_all_requests"}, where)
     version = _get_str(body, "new_version", where, required=True)
     assert version is not None
+    _check_length(version, "new_version", MAX_WEIGHT_VERSION_CHARS, where)
     return version, _get_bool(body, "abort_all_requests", False, where)
 
 
@@ -279,6 +303,7 @@ def parse_abort(body: dict[str, Any]) -> tuple[str | None, bool]:
     where = "/abort_request: "
     _reject_unknown(body, {"rid", "abort_all", "abort_message"}, where)
     rid = _get_str(body, "rid", where) or None
+    _check_length(rid, "rid", MAX_RID_CHARS, where)
     abort_all = _get_bool(body, "abort_all", False, where)
     if rid is None and not abort_all:
         raise ProtocolError(f"{where}give a rid to abort one request, or abort_all=true")

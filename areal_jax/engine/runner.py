@@ -181,6 +181,11 @@ class ModelRunner:
             "seed": jnp.zeros((b,), jnp.uint32),
         })
 
+    def state_intact(self) -> bool:
+        """False if a failed step call consumed (donated) the cache or slot state."""
+        leaves = jax.tree.leaves((self.cache, self.slots, self.state))
+        return not any(leaf.is_deleted() for leaf in leaves)
+
     def check_compatible(self, new_state: nnx.State) -> str | None:
         """None if ``new_state`` can replace the params without recompiling, else why not."""
         old_leaves = jax.tree_util.tree_leaves_with_path(self.state)

@@ -5,8 +5,12 @@
 
 Routes: /generate, /pause_generation, /continue_generation, /update_weights_from_disk,
 /update_weight_version, /abort_request, /flush_cache, /health, /health_generate,
-/get_model_info, /get_server_info. Malformed requests get HTTP 400 ``{"error": message}``;
-with ``--api-key`` every route needs ``Authorization: Bearer KEY`` (else 401).
+/get_model_info, /get_server_info. Malformed requests get HTTP 400 ``{"error": message}``
+(413 for a body over ``--max-body-bytes``); a 500 means a bug of ours, and even then the
+keep-alive connection stays open. With an API key (``AREAL_JAX_API_KEY``,
+``--api-key-file`` or ``--api-key``) every route needs ``Authorization: Bearer KEY``
+(else 401). Weights load only from ``--allowed-weight-dir`` directories (default: the
+served model's own directory); any other path is a 403 that does not say whether it exists.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import asyncio
 import hmac
 import logging
 import os
+import posixpath
 import signal
 import sys
 import threading
@@ -28,7 +33,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import areal_jax
 from areal_jax.engine.config import SUPPORTED_DTYPES, EngineConfig, request_cpu_devices
-from areal_jax.engine.engine import EngineRequestError, GenerationEngine, ModelPathError
+from areal_jax.engine.engine import (
+    EngineRequestError,
+    EngineStoppedError,
+    GenerationEngine,
+    ModelPathError,
+)
+from areal_jax.engine.launch import API_KEY_ENV
 from areal_jax.engine.protocol import (
     ProtocolError,
     generate_reply,
@@ -44,38 +55,152 @@ from areal_jax.engine.request import EngineRequest
 logger = logging.getLogger("areal_jax.engine.server")
 DISCONNECT_POLL_S = 1.0
 PARENT_POLL_S = 0.5
+MAX_ERROR_CHARS = 2000  # error messages echo parts of the request; keep replies small
+# Default body limit: 16 bytes per token of the longest prompt (an id, a comma, spaces)
+# plus 64 KiB for the sampling parameters and the rest.
+BODY_BYTES_PER_TOKEN = 16
+BODY_BYTES_BASE = 64 * 1024
+# A body over the limit is read and dropped up to this many bytes before the 413, so that
+# the client sees the reply and the keep-alive connection survives; beyond it, it closes.
+MAX_DRAIN_BYTES = 16 * 1024 * 1024
+PATH_NOT_ALLOWED = ("model_path is not in a directory this server may load weights from "
+                    "(the server's --allowed-weight-dir)")
+
+
+def default_max_body_bytes(max_seq_len: int) -> int:
+    return BODY_BYTES_BASE + BODY_BYTES_PER_TOKEN * max_seq_len
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[:MAX_ERROR_CHARS] + "... (truncated)"
     return JSONResponse({"error": message}, status_code=status)
 
 
-class _ApiKeyMiddleware:
-    """Plain ASGI middleware (BaseHTTPMiddleware would hide client disconnects from the
-    /generate handler, which aborts requests whose client went away)."""
+class _BodyTooLarge(Exception):
+    def __init__(self, limit: int):
+        super().__init__(f"request body exceeds the server's limit of {limit} bytes "
+                         "(--max-body-bytes)")
 
-    def __init__(self, app, api_key: str):
+
+async def _drain(receive, limit: int) -> None:
+    """Reads and drops the rest of a request body (at most ``limit`` bytes)."""
+    drained = 0
+    while drained <= limit:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        drained += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
+class _Guard:
+    """Plain ASGI middleware in front of every route: the API key, the body-size limit,
+    and a last-resort 500 for our own bugs that keeps the keep-alive connection open
+    (an ``Exception`` handler in FastAPI re-raises after replying, and uvicorn then drops
+    the connection, which a client must take for a dead server). Not BaseHTTPMiddleware,
+    which would hide client disconnects from the /generate handler."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = _error(
-                    "missing or wrong API key (send 'Authorization: Bearer <key>')", 401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.expected is not None and not hmac.compare_digest(
+                headers.get(b"authorization", b""), self.expected):
+            response = _error("missing or wrong API key (send 'Authorization: Bearer <key>')", 401)
+            await response(scope, receive, send)
+            return
+        limit = self.max_body_bytes
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            declared = 0
+        if declared > limit:
+            await _drain(receive, MAX_DRAIN_BYTES)
+            await _error(str(_BodyTooLarge(limit)), 413)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    if message.get("more_body", False):
+                        await _drain(receive, MAX_DRAIN_BYTES)
+                    raise _BodyTooLarge(limit)
+            return message
+
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracked_send)
+        except Exception as exc:  # noqa: BLE001 - last resort, see the class doc
+            logger.exception("internal error on %s", scope.get("path"))
+            if not started:
+                await _error(f"internal server error: {type(exc).__name__}: {exc}", 500)(
+                    scope, receive, send)
 
 
-def create_app(engine: GenerationEngine, *, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``."""
+def normalize_allowed_dirs(dirs: list[str]) -> list[str]:
+    """Absolute, symlink-free local directories (or normalised ``scheme://`` prefixes)."""
+    out = []
+    for d in dirs:
+        if "://" in d:
+            scheme, rest = d.split("://", 1)
+            out.append(f"{scheme}://{posixpath.normpath(rest)}")
+        else:
+            out.append(os.path.realpath(d))
+    return out
+
+
+def path_allowed(path: str, allowed: list[str]) -> bool:
+    """True if ``path`` is one of ``allowed`` (normalised) or inside one. No file system
+    access beyond resolving symlinks, so the answer never depends on what exists outside."""
+    if not isinstance(path, str) or not path or "\x00" in path:
+        return False
+    if "://" in path:
+        scheme, rest = path.split("://", 1)
+        if ".." in rest.split("/"):
+            return False
+        target = f"{scheme}://{posixpath.normpath(rest)}"
+    else:
+        target = os.path.realpath(path)
+    return any(target == a or target.startswith(a.rstrip("/") + "/") for a in allowed)
+
+
+def create_app(engine: GenerationEngine, *, api_key: str | None = None,
+               allowed_weight_dirs: list[str] | None = None,
+               max_body_bytes: int | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``.
+
+    ``allowed_weight_dirs`` None allows only the served model's own directory;
+    ``max_body_bytes`` None sizes the limit for the longest prompt ``max_seq_len`` allows.
+    """
     app = FastAPI(title="areal-jax generation engine", docs_url=None, redoc_url=None)
     app.state.engine = engine
+    allowed = normalize_allowed_dirs(
+        [engine.model_path] if allowed_weight_dirs is None else list(allowed_weight_dirs))
+    limit = max_body_bytes or default_max_body_bytes(engine.max_seq_len)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limit)
 
-    if api_key is not None:
-        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    @app.exception_handler(_BodyTooLarge)
+    async def body_too_large(request: Request, exc: _BodyTooLarge):
+        return _error(str(exc), 413)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -85,14 +210,13 @@ def create_app(engine: GenerationEngine, *, api_key: str | None = None) -> FastA
     async def http_error(request: Request, exc: StarletteHTTPException):
         return _error(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
 
+    @app.exception_handler(EngineStoppedError)
+    async def engine_stopped(request: Request, exc: EngineStoppedError):
+        return _error(str(exc), 503)
+
     @app.exception_handler(ProtocolError)
     async def protocol_error(request: Request, exc: ProtocolError):
         return _error(str(exc))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception):
-        logger.exception("internal error on %s", request.url.path)
-        return _error(f"internal server error: {type(exc).__name__}: {exc}", 500)
 
     # ------------------------------------------------------------------ generation
     @app.api_route("/generate", methods=["POST", "PUT"])
@@ -144,10 +268,15 @@ def create_app(engine: GenerationEngine, *, api_key: str | None = None) -> FastA
     async def update_weights_from_disk(request: Request):
         body = parse_json_body(await request.body(), "/update_weights_from_disk")
         model_path, version, abort_all = parse_update_weights_from_disk(body)
+        if not path_allowed(model_path, allowed):
+            return JSONResponse({"success": False, "message": PATH_NOT_ALLOWED,
+                                 "error": PATH_NOT_ALLOWED, "num_paused_requests": 0},
+                                status_code=403)
         result = await asyncio.to_thread(
             engine.update_weights_from_disk, model_path, version, abort_all)
         if not result["success"]:
-            return JSONResponse({**result, "error": result["message"]}, status_code=400)
+            status = 400 if engine.healthy else 503
+            return JSONResponse({**result, "error": result["message"]}, status_code=status)
         return result
 
     @app.post("/update_weight_version")
@@ -216,7 +345,20 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel", type=int, default=1,
                    help="split the slots over this many devices (on CPU: this many XLA CPU "
                         "devices, one core each); max-slots must be a multiple")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY'; visible in ps, so prefer the "
+                        f"{API_KEY_ENV} environment variable or --api-key-file")
+    p.add_argument("--api-key-file", default=None,
+                   help="read the API key from this file (surrounding whitespace stripped)")
+    p.add_argument("--allowed-weight-dir", action="append", default=None, metavar="DIR",
+                   help="/update_weights_from_disk may load from DIR and below (repeatable; "
+                        "default: the --model-path directory only)")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body accepted (default: 64 KiB + 16 bytes per token "
+                        "of max-seq-len)")
+    p.add_argument("--skip-weight-check", action="store_true",
+                   help="swap in weight updates without checking dtypes and finiteness "
+                        "(faster on huge models)")
     p.add_argument("--seed", type=int, default=0, help="seeds requests without sampling_seed")
     p.add_argument("--weight-version", default="0", help="initial weight_version (a string)")
     p.add_argument("--warmup", action="store_true", help="compile all shapes at start-up")
@@ -250,15 +392,46 @@ def _apply_process_settings(cpu_affinity: str | None, parent_pid: int | None) ->
         threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
 
 
+def resolve_api_key(flag: str | None, key_file: str | None) -> str | None:
+    """The key from --api-key, else --api-key-file, else $AREAL_JAX_API_KEY (None: no key)."""
+    if flag is not None and key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if key_file is not None:
+        try:
+            key = open(key_file, encoding="utf-8").read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {key_file}: {e}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {key_file} is empty")
+        return key
+    if flag is not None:
+        if not flag:
+            raise ValueError("--api-key is empty")
+        return flag
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         _apply_process_settings(args.cpu_affinity, args.parent_pid)
+        api_key = resolve_api_key(args.api_key, args.api_key_file)
+        if args.max_body_bytes is not None and args.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+        for d in args.allowed_weight_dir or []:
+            if "://" not in d and not os.path.isdir(d):
+                raise ValueError(f"--allowed-weight-dir {d} is not a directory")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.api_key is not None:
+        logger.warning("--api-key is visible to every user in ps; prefer %s or --api-key-file",
+                       API_KEY_ENV)
+    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without an API key: anyone who can reach the port can "
+                       "generate and pause or update weights (set %s)", args.host, API_KEY_ENV)
     request_cpu_devices(args.data_parallel)  # CPU devices for the slot shards
     if args.compilation_cache_dir:
         import jax
@@ -270,14 +443,17 @@ def main(argv: list[str] | None = None) -> int:
             model_path=args.model_path, max_slots=args.max_slots, max_seq_len=args.max_seq_len,
             dtype=args.dtype, cache_dtype=args.cache_dtype, prefill_rows=args.prefill_rows,
             decode_steps=args.decode_steps, data_parallel=args.data_parallel, seed=args.seed,
-            weight_version=args.weight_version, warmup=args.warmup)
+            weight_version=args.weight_version, warmup=args.warmup,
+            check_weights=not args.skip_weight_check)
         engine = GenerationEngine(config)
     except (ModelPathError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import uvicorn
 
-    app = create_app(engine, api_key=args.api_key)
+    allowed = [engine.model_path, *(args.allowed_weight_dir or [])]
+    app = create_app(engine, api_key=api_key, allowed_weight_dirs=allowed,
+                     max_body_bytes=args.max_body_bytes)
     logger.info("serving %s on http://%s:%d (weight_version %s, %d compilations so far)",
                 args.model_path, args.host, args.port, engine.weight_version,
                 engine.num_compilations)

@@ -14,10 +14,23 @@ What it does beyond one HTTP call:
   appended to the prompt and ``max_new_tokens`` reduced, until the request ends in
   ``stop`` or ``length``. Each output token carries the ``weight_version`` (parsed as an
   int) of the reply that delivered it.
-* **Failover.** A connection error, timeout or 5xx marks a server down; the request is
-  retried elsewhere, keeping the tokens already received. Down servers are re-probed on
-  ``/health`` every ``health_check_interval`` seconds; one that comes back is brought to
-  the fleet's latest weights (and paused, if the fleet is) before it gets requests again.
+* **Slow is not dead.** A timeout, a 5xx reply or a dropped connection is retried on the
+  same server with exponential backoff (``retry_backoff_s`` doubling up to
+  ``retry_backoff_max_s``) for up to ``retry_deadline_s`` seconds; 5xx replies and dropped
+  connections at most ``max_retries`` times in a row (a server that keeps failing one way
+  is broken, not slow). This holds for generation and for weight updates alike.
+* **Failover.** A server that refuses connections (nothing listens: it is gone), or that
+  is still failing when its retries run out, is marked down; a request moves to another
+  server, keeping the tokens already received. Down servers are re-probed on ``/health``
+  every ``health_check_interval`` seconds; one that comes back is brought to the fleet's
+  latest weights (and paused, if the fleet is) before it gets requests again.
+* **Every SGLang reply shape.** An abort of a request still in the server's waiting queue
+  comes back, depending on the SGLang version, without ``output_ids`` /
+  ``output_token_logprobs`` / ``weight_version`` (up to 0.5.3: ``"Abort before
+  prefill"``), with empty lists, or with empty lists and a ``weight_version``. Each is an
+  interruption with no new tokens, resubmitted as usual. Tokens in a reply get the reply's
+  ``weight_version``; a reply that carries tokens but no version gets the version this
+  client last loaded (with one warning).
 
 HTTP goes through aiohttp, one keep-alive connection pool for the client's lifetime. (It
 was httpx until profiling the trainer showed httpcore's connection-pool bookkeeping
@@ -87,8 +100,16 @@ def _normalize_address(address: str) -> str:
     return address
 
 
-# What a failed connection, a reset or a timeout raises; such a server is marked down.
+# What a failed connection, a reset or a timeout raises.
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+class _ServerDown(Exception):
+    """A server that is gone (refuses connections) or still failing after its retries."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass
@@ -188,6 +209,9 @@ class RolloutClient:
         health_check_interval: float = 5.0,
         no_server_timeout: float = 60.0,
         max_interruptions: int = 10_000,
+        retry_deadline_s: float = 300.0,
+        retry_backoff_s: float = 0.5,
+        retry_backoff_max_s: float = 10.0,
     ):
         if isinstance(addresses, str):
             addresses = [addresses]
@@ -197,6 +221,14 @@ class RolloutClient:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if not retry_deadline_s >= 0:
+            raise ValueError(f"retry_deadline_s must be >= 0, got {retry_deadline_s}")
+        if not 0 < retry_backoff_s <= retry_backoff_max_s:
+            raise ValueError(f"need 0 < retry_backoff_s <= retry_backoff_max_s, got "
+                             f"{retry_backoff_s} and {retry_backoff_max_s}")
+        self.retry_deadline_s = retry_deadline_s
+        self.retry_backoff_s = retry_backoff_s
+        self.retry_backoff_max_s = retry_backoff_max_s
         urls = [_normalize_address(a) for a in addresses]
         if len(set(urls)) != len(urls):
             raise ValueError(f"duplicate server addresses in {urls}")
@@ -207,6 +239,7 @@ class RolloutClient:
         self.no_server_timeout = no_server_timeout
         self.max_interruptions = max_interruptions
         self.control_timeout = control_timeout
+        self.request_timeout = request_timeout
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = _Http(request_timeout, connect_timeout, headers)
         self._rr = itertools.count()
@@ -244,15 +277,12 @@ class RolloutClient:
             attempt += 1
             server.inflight += 1
             try:
-                resp = await self._http.post(f"{server.url}/generate", json=payload)
-            except TRANSPORT_ERRORS as e:
-                self._mark_down(server, f"{type(e).__name__}: {e}")
+                resp = await self._call(server, "/generate", payload, None, vary_rid=True)
+            except _ServerDown as e:
+                self._mark_down(server, e.reason)
                 resp = None
             finally:
                 server.inflight -= 1
-            if resp is not None and resp.status_code >= 500:
-                self._mark_down(server, f"HTTP {resp.status_code}: {_error_message(resp)}")
-                resp = None
             if resp is None:
                 failures += 1
                 if failures > self.max_retries:
@@ -299,23 +329,35 @@ class RolloutClient:
 
     def _parse_reply(self, resp: _Reply, server: ServerState
                      ) -> tuple[list[int], list[float], int, Any]:
+        """(tokens, logprobs, weight version, finish_reason) of a /generate reply."""
+        where = f"{server.url} sent a /generate reply"
         try:
             data = resp.json()
-            meta = data["meta_info"]
-            entries = meta["output_token_logprobs"]
+        except ValueError:
+            raise RolloutError(f"{where} that is not JSON: {resp.text[:200]!r}") from None
+        meta = data.get("meta_info") if isinstance(data, dict) else None
+        if not isinstance(meta, dict):
+            raise RolloutError(f"{where} without a meta_info object")
+        finish_reason = meta.get("finish_reason")
+        entries = meta.get("output_token_logprobs")
+        output_ids = data.get("output_ids")
+        if entries is None and not output_ids and _finish_type(finish_reason) == FINISH_ABORT:
+            entries = []  # SGLang <= 0.5.3 aborting a queued request ("Abort before prefill")
+        try:
             tokens = [int(e[1]) for e in entries]
             logprobs = [float(e[0]) for e in entries]
-        except (ValueError, KeyError, TypeError, IndexError) as e:
+        except (KeyError, TypeError, IndexError, ValueError) as e:
             raise RolloutError(
-                f"{server.url} sent a /generate reply without meta_info.output_token_logprobs "
-                f"([logprob, token_id, text] entries): {type(e).__name__}: {e}") from None
-        output_ids = data.get("output_ids")
-        if isinstance(output_ids, list) and [int(t) for t in output_ids] != tokens:
+                f"{where} without meta_info.output_token_logprobs ([logprob, token_id, text] "
+                f"entries; send return_logprob): {type(e).__name__}: {e}") from None
+        if output_ids is not None and (
+                not isinstance(output_ids, list) or [int(t) for t in output_ids] != tokens):
             raise RolloutError(
                 f"{server.url}: output_ids and output_token_logprobs disagree "
-                f"({len(output_ids)} vs {len(tokens)} tokens)")
-        return tokens, logprobs, self._parse_version(meta.get("weight_version")), meta.get(
-            "finish_reason")
+                f"({len(output_ids) if isinstance(output_ids, list) else output_ids!r} vs "
+                f"{len(tokens)} tokens)")
+        version = self._parse_version(meta.get("weight_version")) if tokens else -1
+        return tokens, logprobs, version, finish_reason
 
     def _parse_version(self, version: Any) -> int:
         """SGLang's weight_version is a string; ours are decimal integers."""
@@ -325,9 +367,54 @@ class RolloutClient:
             fallback = self._latest_weights[1] if self._latest_weights else 0
             if str(version) not in self._warned_versions:
                 self._warned_versions.add(str(version))
-                logger.warning("server weight_version %r is not an integer; recording %d "
-                               "(launch SGLang with --weight-version 0)", version, fallback)
+                if version is None:
+                    logger.warning("server replies carry no weight_version (an SGLang without "
+                                   "it); recording the version this client loaded last, %d",
+                                   fallback)
+                else:
+                    logger.warning("server weight_version %r is not an integer; recording %d "
+                                   "(launch SGLang with --weight-version 0)", version, fallback)
             return fallback
+
+    async def _call(self, server: ServerState, route: str, body: dict[str, Any],
+                    timeout: float | None, vary_rid: bool = False) -> _Reply:
+        """POSTs ``body`` to one server, retrying transient trouble (see the module doc).
+
+        Returns any reply below 500. Raises _ServerDown if the server refuses connections
+        or is still failing when its retries run out. ``vary_rid`` gives each retry its own
+        rid (the abandoned attempt may still hold the old one on the server).
+        """
+        url = f"{server.url}{route}"
+        first_failure: float | None = None
+        in_a_row = 0
+        delay = self.retry_backoff_s
+        for attempt in itertools.count():
+            if vary_rid and attempt:
+                body = {**body, "rid": f"{body['rid']}~{attempt}"}
+            try:
+                reply = await self._http.post(url, json=body, timeout=timeout)
+            except TimeoutError:  # slow, not dead (aiohttp's timeouts subclass it)
+                waited = timeout if timeout is not None else self.request_timeout
+                reason, counted = f"{route}: no reply within {waited}s", False
+            except aiohttp.ClientConnectorError as e:  # nothing listens: the server is gone
+                raise _ServerDown(f"{route}: cannot connect: {e}") from None
+            except TRANSPORT_ERRORS as e:  # dropped or reset connection
+                reason, counted = f"{route}: {type(e).__name__}: {e}", True
+            else:
+                if reply.status_code < 500:
+                    return reply
+                reason = f"{route}: HTTP {reply.status_code}: {_error_message(reply)}"
+                counted = True
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            in_a_row += counted
+            if in_a_row > self.max_retries or now + delay - first_failure > self.retry_deadline_s:
+                raise _ServerDown(reason)
+            logger.warning("rollout server %s: %s; retrying in %.1fs (gives up %.0fs after the "
+                           "first failure)", server.url, reason, delay, self.retry_deadline_s)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, self.retry_backoff_max_s)
+        raise AssertionError("unreachable")
 
     # ================================================================== scheduling
     async def _choose_server(self) -> ServerState:
@@ -413,9 +500,9 @@ class RolloutClient:
 
         async def one(s: ServerState) -> dict[str, Any] | None:
             try:
-                r = await self._post(s, route, body)
-            except TRANSPORT_ERRORS as e:
-                self._mark_down(s, f"{route}: {type(e).__name__}: {e}")
+                r = await self._call(s, route, body or {}, self.control_timeout)
+            except _ServerDown as e:
+                self._mark_down(s, e.reason)
                 return None
             try:
                 reply = r.json()
