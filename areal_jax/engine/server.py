@@ -188,13 +188,15 @@ def create_app(engine: GenerationEngine, *, api_key: str | None = None,
                max_body_bytes: int | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
-    ``allowed_weight_dirs`` None allows only the served model's own directory;
+    ``allowed_weight_dirs`` None allows only the served model's own directory (as given,
+    and its local copy if it was downloaded);
     ``max_body_bytes`` None sizes the limit for the longest prompt ``max_seq_len`` allows.
     """
     app = FastAPI(title="areal-jax generation engine", docs_url=None, redoc_url=None)
     app.state.engine = engine
     allowed = normalize_allowed_dirs(
-        [engine.model_path] if allowed_weight_dirs is None else list(allowed_weight_dirs))
+        [engine.config.model_path, engine.model_path] if allowed_weight_dirs is None
+        else list(allowed_weight_dirs))
     limit = max_body_bytes or default_max_body_bytes(engine.max_seq_len)
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limit)
 
@@ -451,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    allowed = [engine.model_path, *(args.allowed_weight_dir or [])]
+    # The model's own directory as given (a gs:// URL stays one) and its local copy.
+    allowed = [args.model_path, engine.model_path, *(args.allowed_weight_dir or [])]
     app = create_app(engine, api_key=api_key, allowed_weight_dirs=allowed,
                      max_body_bytes=args.max_body_bytes)
     logger.info("serving %s on http://%s:%d (weight_version %s, %d compilations so far)",
