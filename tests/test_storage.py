@@ -140,3 +140,34 @@ def test_orbax_checkpoint_in_the_bucket_is_atomic(gcs):  # noqa: F811
         params, _, meta = ck.restore()
     np.testing.assert_array_equal(np.asarray(params["w"]), np.arange(6.0).reshape(2, 3))
     assert meta["version"] == 1
+
+
+def test_engine_reads_gs_weights_through_one_cache_slot(gcs, tmp_path, monkeypatch):  # noqa: F811
+    """The engine's model dir check downloads a gs:// version into this process's cache
+    slot, which holds one version at a time (a long run does not fill the disk)."""
+    from areal_jax.engine.model_dir import ModelPathError, check_model_dir
+
+    monkeypatch.setenv("AREAL_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    assets = REPO / "areal_jax" / "data" / "assets" / "arith_sft"
+    for v in (1, 2):
+        storage.upload(assets, f"gs://test-bucket/slot/v{v}")
+    first = check_model_dir("gs://test-bucket/slot/v1")
+    assert (first / "config.json").read_bytes() == (assets / "config.json").read_bytes()
+    second = check_model_dir("gs://test-bucket/slot/v2")
+    assert second.parent == tmp_path / "cache" / "weights" / f"pid{os.getpid()}"
+    assert second.is_dir() and not first.exists()
+    with pytest.raises(ModelPathError, match=r"^model_path gs://test-bucket/slot/v9 does not "
+                                             r"exist or is not a directory$"):
+        check_model_dir("gs://test-bucket/slot/v9")
+
+
+def test_config_file_read_from_the_bucket(gcs):  # noqa: F811
+    from areal_jax.config import ConfigError, load_config
+
+    text = (REPO / "configs" / "tiny_demo.yaml").read_text()
+    storage.write_text("gs://test-bucket/configs/demo.yaml", text)
+    cfg = load_config("gs://test-bucket/configs/demo.yaml", ["run_dir=gs://test-bucket/r"])
+    assert cfg.run_dir == "gs://test-bucket/r" and cfg.model.path == "builtin:arith_sft"
+    with pytest.raises(ConfigError, match="config file gs://test-bucket/configs/none.yaml does "
+                                          "not exist"):
+        load_config("gs://test-bucket/configs/none.yaml")
