@@ -5,8 +5,9 @@
 
 Routes: /generate, /pause_generation, /continue_generation, /update_weights_from_disk,
 /update_weight_version, /abort_request, /flush_cache, /health, /health_generate,
-/get_model_info, /get_server_info. Malformed requests get HTTP 400 ``{"error": message}``
-(413 for a body over ``--max-body-bytes``); a 500 means a bug of ours, and even then the
+/get_model_info, /get_server_info; OpenAI-compatible /v1/completions, /v1/chat/completions
+and /v1/models (areal_jax.engine.openai_api, errors in OpenAI's shape). Malformed requests
+get HTTP 400 ``{"error": message}`` (413 for a body over ``--max-body-bytes``); a 500 means a bug of ours, and even then the
 keep-alive connection stays open. With an API key (``AREAL_JAX_API_KEY``,
 ``--api-key-file`` or ``--api-key``) every route needs ``Authorization: Bearer KEY``
 (else 401). Weights load only from ``--allowed-weight-dir`` directories (default: the
@@ -40,6 +41,7 @@ from areal_jax.engine.engine import (
     ModelPathError,
 )
 from areal_jax.engine.launch import API_KEY_ENV
+from areal_jax.engine.openai_api import register_engine_routes
 from areal_jax.engine.protocol import (
     ProtocolError,
     generate_reply,
@@ -326,6 +328,7 @@ def create_app(engine: GenerationEngine, *, api_key: str | None = None,
     async def get_server_info():
         return {**engine.info(), "engine": "areal-jax", "version": areal_jax.__version__}
 
+    register_engine_routes(app, engine)  # /v1/completions, /v1/chat/completions, /v1/models
     return app
 
 

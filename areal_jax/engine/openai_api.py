@@ -1,0 +1,529 @@
+"""OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions`` routes.
+
+The routes turn an OpenAI request into token ids (a chat request through the model's chat
+template), generate through a *backend*, and answer in OpenAI's shapes, streaming (SSE)
+included. Two backends use them:
+
+- :func:`engine_backend`: the embedded engine (``scripts/serve.py``), registered by the
+  engine server. Requests aborted by a weight update are resumed under the new weights
+  with their partial output appended, so an OpenAI client never sees the interruption.
+- the agentic workflow's per-trajectory endpoint (``areal_jax.rollout.agent``), which
+  generates through the rollout client and records every call token-in/token-out.
+
+Bad requests get a 4xx with OpenAI's error body
+``{"error": {"message", "type", "param", "code"}}``. Supported: ``prompt`` (a string, one
+string in a list, or token ids), ``messages`` (string or text-part content),
+``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stream``
+(+ ``stream_options.include_usage``), ``logprobs`` (the sampled token's logprob;
+``top_logprobs`` only 0), ``n`` = 1. Stop strings, penalties, ``echo``, ``best_of``,
+``logit_bias`` and tool definitions are refused with a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from areal_jax.engine.request import EngineRequest, SamplingParams
+
+TokenCallback = Callable[[list[int], list[float]], None]
+# backend(key, input_ids, params, on_tokens) -> Generated. ``key`` is the route's {key} path
+# parameter ("" without one); ``on_tokens`` (streaming only) gets new tokens as they come.
+Backend = Callable[[str, list[int], SamplingParams, TokenCallback | None], Awaitable["Generated"]]
+
+_COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stream",
+                  "stream_options", "logprobs", "top_logprobs", "n", "user", "stop",
+                  "presence_penalty", "frequency_penalty", "logit_bias"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice",
+                                "parallel_tool_calls", "response_format", "metadata", "store"}
+logger = logging.getLogger(__name__)
+POLL_S = 0.02  # how often a streaming request looks for new tokens
+
+
+class OpenAIError(Exception):
+    """A request error, answered as OpenAI's error body with ``status``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind,
+                                       "param": self.param, "code": self.code}},
+                            status_code=self.status)
+
+
+@dataclass
+class Generated:
+    """What a backend returns for one completion."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    weight_version: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    input_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    model: str
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float,
+            lo_open: bool = False) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or \
+            not (lo < v if lo_open else lo <= v) or v > hi:
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise OpenAIError(f"{key} must be a number in {interval}, got {v!r}", key)
+    return float(v)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw) if raw.strip() else None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OpenAIError(f"request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise OpenAIError("request body must be a JSON object")
+    return body
+
+
+def _refuse_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise OpenAIError(f"unsupported field {unknown[0]!r}", unknown[0])
+    refusals = {
+        "stop": "stop strings are not supported; the model stops at its end-of-turn tokens",
+        "presence_penalty": "presence_penalty is not supported (only 0)",
+        "frequency_penalty": "frequency_penalty is not supported (only 0)",
+        "logit_bias": "logit_bias is not supported",
+        "echo": "echo is not supported",
+        "suffix": "suffix is not supported",
+        "tools": "tool definitions are not supported; describe tools in the prompt and parse "
+                 "calls from the text",
+        "response_format": "response_format is not supported",
+    }
+    for key, reason in refusals.items():
+        if body.get(key) not in (None, 0, 0.0, False, [], {}, "") and \
+                not (key == "response_format" and body[key] == {"type": "text"}):
+            raise OpenAIError(reason, key)
+    if body.get("best_of") not in (None, 1):
+        raise OpenAIError("best_of must be 1", "best_of")
+    if body.get("n") not in (None, 1):
+        raise OpenAIError("n must be 1; send one request per sample", "n")
+    if body.get("tool_choice") not in (None, "none"):
+        raise OpenAIError("tool_choice is not supported (only 'none')", "tool_choice")
+
+
+def _message_text(i: int, m: Any) -> dict[str, Any]:
+    if not isinstance(m, dict):
+        raise OpenAIError(f"messages[{i}] must be an object with role and content", "messages")
+    role, content = m.get("role"), m.get("content")
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise OpenAIError(f"messages[{i}].role={role!r}; expected system, developer, user, "
+                          "assistant or tool", "messages")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or \
+                    not isinstance(part.get("text"), str):
+                raise OpenAIError(f"messages[{i}].content: only text parts are supported",
+                                  "messages")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if content is None and m.get("tool_calls"):
+        raise OpenAIError(f"messages[{i}]: tool_calls are not supported", "messages")
+    if not isinstance(content, str):
+        raise OpenAIError(f"messages[{i}].content must be a string or text parts, got "
+                          f"{type(content).__name__}", "messages")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Any) -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template with the
+    generation prompt (an OpenAIError for malformed messages)."""
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError("messages must be a non-empty list", "messages")
+    if tokenizer is None:
+        raise OpenAIError("this model has no tokenizer, so chat requests cannot be rendered; "
+                          "use /v1/completions with token ids")
+    msgs = [_message_text(i, m) for i, m in enumerate(messages)]
+    try:
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - a template's raise_exception names the problem
+        raise OpenAIError(f"messages cannot be rendered by the chat template: {e}",
+                          "messages") from None
+    return tokenizer.encode(text)
+
+
+def completion_prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise OpenAIError("this model has no tokenizer; send the prompt as token ids", "prompt")
+        if not prompt:
+            raise OpenAIError("prompt is empty", "prompt")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return list(prompt)
+    raise OpenAIError("prompt must be a non-empty string, one string in a list, or a list of "
+                      "token ids (batches are not supported: one request per prompt)", "prompt")
+
+
+def parse_request(body: dict[str, Any], *, chat: bool, tokenizer: Any, vocab_size: int,
+                  max_seq_len: int, stop_token_ids: tuple[int, ...] = (),
+                  default_max_tokens: int = 16) -> ParsedRequest:
+    """Validates an OpenAI body and turns it into token ids and sampling params."""
+    _refuse_unsupported(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIError("model is required (any name; this server serves one model)", "model")
+    if chat:
+        ids = chat_prompt_ids(tokenizer, body.get("messages"))
+    else:
+        if "prompt" not in body:
+            raise OpenAIError("prompt is required", "prompt")
+        ids = completion_prompt_ids(tokenizer, body["prompt"])
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise OpenAIError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                          "prompt")
+    room = max_seq_len - len(ids)
+    if room < 1:
+        raise OpenAIError(f"the prompt has {len(ids)} tokens but the context length is "
+                          f"{max_seq_len}; shorten it", "messages" if chat else "prompt",
+                          code="context_length_exceeded")
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = body.get(key)
+    if max_tokens is None:
+        max_tokens = room if chat else min(default_max_tokens, room)
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise OpenAIError(f"{key} must be a positive integer, got {max_tokens!r}", key)
+    if max_tokens > room:
+        raise OpenAIError(f"{key}={max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
+                          f"context length {max_seq_len}", key, code="context_length_exceeded")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        raise OpenAIError(f"seed must be a non-negative integer, got {seed!r}", "seed")
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise OpenAIError(f"stream must be true or false, got {stream!r}", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise OpenAIError("stream_options supports only include_usage", "stream_options")
+    logprobs = body.get("logprobs")
+    if chat:
+        if logprobs not in (None, True, False):
+            raise OpenAIError(f"logprobs must be true or false, got {logprobs!r}", "logprobs")
+        if body.get("top_logprobs") not in (None, 0):
+            raise OpenAIError("top_logprobs is not supported (only 0: the sampled token's "
+                              "logprob)", "top_logprobs")
+        want_logprobs = bool(logprobs)
+    else:
+        if logprobs is not None and (not _is_int(logprobs) or logprobs != 0):
+            raise OpenAIError("logprobs must be 0 (the sampled token's logprob; alternatives "
+                              f"are not returned), got {logprobs!r}", "logprobs")
+        want_logprobs = logprobs is not None
+    params = SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        stop_token_ids=tuple(stop_token_ids), seed=seed, skip_special_tokens=True)
+    return ParsedRequest(ids, params, bool(stream), bool(options.get("include_usage")),
+                         want_logprobs, model)
+
+
+# ---------------------------------------------------------------------- replies
+class _TextDecoder:
+    """Incremental detokenisation: text deltas that never split a multi-byte character."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode, self.ids, self.sent = decode, [], ""
+
+    def add(self, ids: list[int], final: bool = False) -> str:
+        self.ids += ids
+        text = self.decode(self.ids)
+        if not final and text.endswith("\ufffd"):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+def _finish(gen_reason: str) -> str:
+    return "length" if gen_reason == "length" else "stop"
+
+
+def _token_strs(decode_one: Callable[[int], str], ids: list[int]) -> list[str]:
+    return [decode_one(t) for t in ids]
+
+
+def _chat_logprobs(strs: list[str], lps: list[float]) -> dict[str, Any]:
+    return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+                        for s, lp in zip(strs, lps, strict=True)]}
+
+
+def _completion_logprobs(strs: list[str], lps: list[float], offset0: int) -> dict[str, Any]:
+    offsets, pos = [], offset0
+    for s in strs:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": strs, "token_logprobs": list(lps), "top_logprobs": None,
+            "text_offset": offsets}
+
+
+def _usage(n_prompt: int, n_out: int) -> dict[str, int]:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out}
+
+
+def _visible(ids: list[int], lps: list[float], stops: set[int]) -> tuple[list[int], list[float]]:
+    """The output without its final stop token (OpenAI does not show the stop)."""
+    if ids and ids[-1] in stops:
+        return ids[:-1], lps[:-1]
+    return ids, lps
+
+
+class OpenAIRoutes:
+    """The two routes over one backend. ``prefix`` may hold a ``{key}`` path parameter,
+    which is passed to the backend (the agentic workflow's per-trajectory id)."""
+
+    def __init__(self, backend: Backend, *, tokenizer: Any, vocab_size: int, max_seq_len: int,
+                 model_name: str, stop_token_ids: tuple[int, ...] = (),
+                 params_hook: Callable[[SamplingParams], SamplingParams] | None = None):
+        self.backend, self.tokenizer = backend, tokenizer
+        self.vocab_size, self.max_seq_len, self.model_name = vocab_size, max_seq_len, model_name
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.params_hook = params_hook
+
+    def register(self, app: FastAPI, prefix: str = "") -> None:
+        async def completions(request: Request):
+            return await self.handle(request, chat=False)
+
+        async def chat_completions(request: Request):
+            return await self.handle(request, chat=True)
+
+        async def models():
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                "created": 0, "owned_by": "areal-jax"}]}
+
+        app.add_api_route(f"{prefix}/v1/completions", completions, methods=["POST"])
+        app.add_api_route(f"{prefix}/v1/chat/completions", chat_completions, methods=["POST"])
+        app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"])
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer else ""
+
+    def _decode_one(self, t: int) -> str:
+        return self.tokenizer.decode([t], skip_special_tokens=False) if self.tokenizer else str(t)
+
+    async def handle(self, request: Request, *, chat: bool):
+        try:
+            body = parse_body(await request.body())
+            parsed = parse_request(body, chat=chat, tokenizer=self.tokenizer,
+                                   vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
+                                   stop_token_ids=self.stop_token_ids)
+            params = self.params_hook(parsed.params) if self.params_hook else parsed.params
+            parsed = ParsedRequest(parsed.input_ids, params, parsed.stream, parsed.include_usage,
+                                   parsed.logprobs, parsed.model)
+            key = str(request.path_params.get("key", ""))
+            if parsed.stream:
+                return StreamingResponse(self._stream(key, parsed, chat),
+                                         media_type="text/event-stream")
+            gen = await self.backend(key, parsed.input_ids, parsed.params, None)
+        except OpenAIError as e:
+            return e.response()
+        return JSONResponse(self._reply(parsed, gen, chat))
+
+    def _reply(self, parsed: ParsedRequest, gen: Generated, chat: bool) -> dict[str, Any]:
+        ids, lps = _visible(gen.output_ids, gen.logprobs, set(self.stop_token_ids))
+        text = self._decode(ids)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(gen.finish_reason)}
+        logprobs = None
+        if parsed.logprobs:
+            strs = _token_strs(self._decode_one, ids)
+            logprobs = _chat_logprobs(strs, lps) if chat else _completion_logprobs(strs, lps, 0)
+        if chat:
+            choice.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
+        else:
+            choice.update(text=text, logprobs=logprobs)
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": parsed.model, "choices": [choice],
+                "usage": _usage(len(parsed.input_ids), len(gen.output_ids)),
+                "weight_version": gen.weight_version}
+
+    async def _stream(self, key: str, parsed: ParsedRequest, chat: bool) -> AsyncIterator[str]:
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        stops = set(self.stop_token_ids)
+        queue: asyncio.Queue[tuple[list[int], list[float]]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def on_tokens(ids: list[int], lps: list[float]) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (list(ids), list(lps)))
+
+        def chunk(delta_text: str | None, strs: list[str], lps: list[float], offset: int,
+                  finish: str | None, first: bool = False) -> str:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+            logprobs = None
+            if parsed.logprobs and strs:
+                logprobs = (_chat_logprobs(strs, lps) if chat
+                            else _completion_logprobs(strs, lps, offset))
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant"} if first else {}
+                if delta_text:
+                    delta["content"] = delta_text
+                choice.update(delta=delta, logprobs=logprobs)
+            else:
+                choice.update(text=delta_text or "", logprobs=logprobs)
+            out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                   "created": created, "model": parsed.model, "choices": [choice]}
+            if parsed.include_usage:
+                out["usage"] = None
+            return f"data: {json.dumps(out)}\n\n"
+
+        task = asyncio.create_task(self.backend(key, parsed.input_ids, parsed.params, on_tokens))
+        decoder, offset = _TextDecoder(self._decode), 0
+        if chat:
+            yield chunk(None, [], [], 0, None, first=True)
+        try:
+            while True:
+                getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    if queue.empty():
+                        break
+                    continue
+                ids, lps = getter.result()
+                ids_vis = [t for t in ids if t not in stops]
+                lps_vis = [lp for t, lp in zip(ids, lps, strict=True) if t not in stops]
+                delta = decoder.add(ids_vis)
+                if delta or ids_vis:
+                    yield chunk(delta, _token_strs(self._decode_one, ids_vis), lps_vis, offset,
+                                None)
+                    offset += len(delta)
+            try:
+                gen = task.result()
+            except OpenAIError as e:
+                err = {"error": {"message": e.message, "type": e.kind, "param": e.param,
+                                 "code": e.code}}
+                yield f"data: {json.dumps(err)}\n\n"
+                return
+            tail = decoder.add([], final=True)
+            yield chunk(tail, [], [], offset, _finish(gen.finish_reason))
+            if parsed.include_usage:
+                usage = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                         "created": created, "model": parsed.model, "choices": [],
+                         "usage": _usage(len(parsed.input_ids), len(gen.output_ids))}
+                yield f"data: {json.dumps(usage)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if not task.done():
+                task.cancel()
+
+
+# ---------------------------------------------------------------------- engine backend
+def engine_backend(engine: Any) -> Backend:
+    """Generates on the embedded engine; a request aborted by a weight update is resumed
+    under the new weights with its partial output appended (as the rollout client does)."""
+
+    async def generate(key: str, input_ids: list[int], params: SamplingParams,
+                       on_tokens: TokenCallback | None) -> Generated:
+        loop = asyncio.get_running_loop()
+        out_ids: list[int] = []
+        out_lps: list[float] = []
+        versions: list[str] = []
+        while True:
+            finished: asyncio.Future[EngineRequest] = loop.create_future()
+
+            def on_finish(req: EngineRequest, fut: asyncio.Future = finished) -> None:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
+
+            remaining = params.max_new_tokens - len(out_ids)
+            seed = None if params.seed is None else params.seed + len(versions)
+            sub = SamplingParams(**{**params.__dict__, "max_new_tokens": remaining, "seed": seed})
+            try:
+                req = engine.submit(input_ids + out_ids, sub, on_finish=on_finish)
+            except ValueError as e:  # EngineRequestError: a bad prompt
+                raise OpenAIError(str(e), "prompt") from None
+            except RuntimeError as e:  # the engine stopped
+                raise OpenAIError(str(e), status=503, kind="server_error") from None
+            sent = 0
+            try:
+                while not finished.done():
+                    await asyncio.wait({finished}, timeout=POLL_S if on_tokens else None)
+                    if on_tokens is not None:
+                        n = len(req.output_ids)
+                        if n > sent:
+                            on_tokens(req.output_ids[sent:n], req.output_logprobs[sent:n])
+                            sent = n
+            except asyncio.CancelledError:
+                await asyncio.to_thread(engine.abort, req.rid)
+                raise
+            if req.error is not None:
+                raise OpenAIError(f"generation failed: {req.error}", status=500,
+                                  kind="server_error")
+            if on_tokens is not None and len(req.output_ids) > sent:
+                on_tokens(req.output_ids[sent:], req.output_logprobs[sent:])
+            out_ids += req.output_ids
+            out_lps += req.output_logprobs
+            versions.append(req.weight_version)
+            reason = req.finish_reason or {}
+            kind = reason.get("type")
+            if kind == "abort" and "/abort_request" in str(reason.get("message", "")):
+                raise OpenAIError("the request was aborted by /abort_request", status=409,
+                                  kind="server_error", code="aborted")
+            if kind != "abort":  # pause / weight-update aborts resume under the new weights
+                return Generated(out_ids, out_lps, "length" if kind == "length" else "stop",
+                                 req.weight_version, {"weight_versions": versions})
+            if len(out_ids) >= params.max_new_tokens:
+                return Generated(out_ids, out_lps, "length", req.weight_version,
+                                 {"weight_versions": versions})
+
+    return generate
+
+
+def register_engine_routes(app: FastAPI, engine: Any) -> None:
+    """Adds the OpenAI routes for the embedded engine to its server app. Text goes through
+    the model directory's tokenizer and chat template (areal_jax.data.tokenizer)."""
+    tok = None
+    if engine.tokenizer is not None:
+        from areal_jax.data.tokenizer import load_tokenizer
+
+        try:
+            tok = load_tokenizer(engine.model_path)
+        except Exception as e:  # noqa: BLE001 - text requests then get a clear 400
+            logger.warning("OpenAI routes: no tokenizer from %s (%s); send token ids",
+                           engine.model_path, e)
+    stops = tuple(dict.fromkeys([*(getattr(tok, "stop_token_ids", None) or []),
+                                 *engine.eos_token_ids]))
+    OpenAIRoutes(engine_backend(engine), tokenizer=tok, vocab_size=engine.vocab_size,
+                 max_seq_len=engine.max_seq_len, model_name=str(engine.model_path),
+                 stop_token_ids=stops).register(app)

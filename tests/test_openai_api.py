@@ -1,0 +1,173 @@
+"""The OpenAI-compatible routes of the engine server, driven by the official ``openai``
+client against a real server on 127.0.0.1: completions, chat (the model's chat template),
+streaming, logprobs, and bad input as 4xx in OpenAI's error shape. Each reply is checked
+against the server's own /generate on the same token ids."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from areal_jax.data.tokenizer import load_tokenizer
+from areal_jax.engine.launch import launch_server
+from areal_jax.trainer_setup import ASSETS_DIR
+
+API_KEY = "k"
+MAX_SEQ_LEN = 96
+# Only characters of the built-in task's vocabulary: user turns verbatim, assistant turns
+# followed by <eos>, so a conversation renders to the task's own format.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}"
+                 "<eos>{% endif %}{% endfor %}")
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("openai") / "arith"
+    shutil.copytree(ASSETS_DIR / "arith_sft", out)
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    cache = tmp_path_factory.getbasetemp() / "engine_compilation_cache"
+    with launch_server(model_dir, max_slots=4, max_seq_len=MAX_SEQ_LEN, api_key=API_KEY,
+                       compilation_cache_dir=cache) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
+                         timeout=120.0)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return load_tokenizer(model_dir)
+
+
+def native(server, ids, **sampling):
+    r = httpx.post(f"{server.url}/generate", timeout=120.0,
+                   headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"input_ids": ids, "return_logprob": True,
+                         "sampling_params": {"max_new_tokens": 24, "temperature": 0.0, **sampling}})
+    assert r.status_code == 200, r.text
+    data = r.json()
+    lps = [e[0] for e in data["meta_info"]["output_token_logprobs"]]
+    return data["output_ids"], lps, data["meta_info"]["finish_reason"]["type"]
+
+
+def visible(ids, lps):
+    return (ids[:-1], lps[:-1]) if ids and ids[-1] == EOS else (ids, lps)
+
+
+def test_completion_matches_generate_with_logprobs(server, client, tok):
+    prompt = "Q:17+5-8="
+    want_ids, want_lps, want_finish = native(server, tok.encode(prompt))
+    r = client.completions.create(model="arith", prompt=prompt, max_tokens=24, temperature=0,
+                                  logprobs=0)
+    ids, lps = visible(want_ids, want_lps)
+    choice = r.choices[0]
+    assert choice.text == tok.decode(ids, skip_special_tokens=True) and choice.text
+    assert choice.finish_reason == want_finish
+    assert choice.logprobs.tokens == [tok.decode([t]) for t in ids]
+    # Greedy decoding of the same ids by the same engine: the same computation, so equal.
+    np.testing.assert_array_equal(choice.logprobs.token_logprobs, lps)
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(want_ids)
+    # Token ids are a prompt too; no logprobs unless asked.
+    r2 = client.completions.create(model="arith", prompt=tok.encode(prompt), max_tokens=24,
+                                   temperature=0)
+    assert r2.choices[0].text == choice.text and r2.choices[0].logprobs is None
+
+
+def test_chat_uses_the_models_chat_template(server, client, tok):
+    messages = [{"role": "user", "content": "Q:3+4="},
+                {"role": "assistant", "content": "3+4=7;A:7"},
+                {"role": "user", "content": "Q:20-6+1="}]
+    ids_in = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    assert ids_in == tok.encode("Q:3+4=3+4=7;A:7") + [EOS] + tok.encode("Q:20-6+1=")
+    want_ids, want_lps, _ = native(server, ids_in)
+    r = client.chat.completions.create(model="arith", messages=messages, max_tokens=24,
+                                       temperature=0, logprobs=True)
+    ids, lps = visible(want_ids, want_lps)
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and msg.content == tok.decode(ids, skip_special_tokens=True)
+    np.testing.assert_array_equal([c.logprob for c in r.choices[0].logprobs.content], lps)
+    assert r.usage.prompt_tokens == len(ids_in)
+    assert client.models.list().data[0].object == "model"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streaming_gives_the_same_text_and_logprobs(client, chat):
+    kwargs = dict(model="arith", max_tokens=24, temperature=1.0, seed=11, stream=True,
+                  stream_options={"include_usage": True})
+    if chat:
+        plain = client.chat.completions.create(
+            messages=[{"role": "user", "content": "Q:9+9-3="}], logprobs=True,
+            **{**kwargs, "stream": False, "stream_options": None})
+        chunks = list(client.chat.completions.create(
+            messages=[{"role": "user", "content": "Q:9+9-3="}], logprobs=True, **kwargs))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        lps = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]
+        want_text = plain.choices[0].message.content
+        want_lps = [e.logprob for e in plain.choices[0].logprobs.content]
+    else:
+        plain = client.completions.create(prompt="Q:9+9-3=", logprobs=0,
+                                          **{**kwargs, "stream": False, "stream_options": None})
+        chunks = list(client.completions.create(prompt="Q:9+9-3=", logprobs=0, **kwargs))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        lps = [x for c in chunks if c.choices and c.choices[0].logprobs
+               for x in c.choices[0].logprobs.token_logprobs]
+        want_text = plain.choices[0].text
+        want_lps = plain.choices[0].logprobs.token_logprobs
+    # Same seed, same engine: the same tokens, whether streamed or not.
+    assert text == want_text and len(text) > 0
+    np.testing.assert_array_equal(lps, want_lps)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == plain.choices[0].finish_reason and all(f is None for f in finishes[:-1])
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+@pytest.mark.parametrize("kwargs, param, fragment", [
+    (dict(n=2), "n", "n must be 1"),
+    (dict(stop=["A"]), "stop", "stop strings are not supported"),
+    (dict(max_tokens=0), "max_tokens", "max_tokens must be a positive integer"),
+    (dict(max_tokens=500), "max_tokens", "exceeds the context length 96"),
+    (dict(temperature=5.0), "temperature", "temperature must be a number in [0.0, 2.0]"),
+    (dict(prompt="Q:1+1=" * 20), "prompt", "the context length is 96"),
+    (dict(prompt=[5, 99]), "prompt", "token id 99 is outside the vocabulary [0, 32)"),
+    (dict(logprobs=3), "logprobs", "logprobs must be 0"),
+    (dict(extra_body={"frobnicate": 1}), "frobnicate", "unsupported field 'frobnicate'"),
+])
+def test_bad_completion_requests_get_openai_400s(client, kwargs, param, fragment):
+    args = {"model": "arith", "prompt": "Q:1+1=", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**args)
+    err = info.value.body
+    assert info.value.status_code == 400 and fragment in err["message"], err
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
+def test_bad_chat_requests_and_bodies(server, client):
+    for messages, fragment in [([], "messages must be a non-empty list"),
+                               ([{"role": "robot", "content": "Q:"}], "messages[0].role='robot'"),
+                               ([{"role": "user", "content": 3}], "content must be a string")]:
+        with pytest.raises(openai.BadRequestError, match=None) as info:
+            client.chat.completions.create(model="arith", messages=messages)
+        assert fragment in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="arith", messages=[{"role": "user", "content": "Q:"}],
+                                       logprobs=True, top_logprobs=2)
+    assert info.value.body["param"] == "top_logprobs"
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    # The server is still up and answering.
+    assert client.completions.create(model="arith", prompt="Q:1+1=", max_tokens=2).choices
