@@ -119,6 +119,14 @@ def join(base: str | os.PathLike, *parts: str) -> str:
     return os.path.join(_strip_file(text), *parts)
 
 
+def parent_of(path: str | os.PathLike) -> str:
+    """The directory holding ``path`` (``gs://b/run/weights`` for ``gs://b/run/weights/v3``)."""
+    text = os.fspath(path).rstrip("/")
+    if is_url(text):
+        return text.rsplit("/", 1)[0]
+    return os.path.dirname(os.path.abspath(text))
+
+
 def name_of(path: str | os.PathLike) -> str:
     return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
 

@@ -627,7 +627,7 @@ def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,
         try:
             handle = launch_server(weights, max_slots=ro.max_slots, max_seq_len=ro.max_seq_len,
                                    cpu_affinity=ro.server_cpu_cores, api_key=ro.api_key,
-                                   allowed_weight_dirs=[weights.parent],  # later versions
+                                   allowed_weight_dirs=[storage.parent_of(weights)],  # later versions
                                    warmup=True,  # compile every shape now, not mid-run
                                    log_path=logs / f"server{i}.log",
                                    startup_timeout=ro.server_startup_timeout_s,

@@ -37,6 +37,8 @@ def test_local_and_url_paths_join_alike():
     assert storage.normalize("gs://b/run/") == "gs://b/run"
     assert storage.normalize("file:///tmp/x") == "/tmp/x"
     assert storage.name_of("gs://b/run/weights/v3/") == "v3"
+    assert storage.parent_of("gs://b/run/weights/v3/") == "gs://b/run/weights"
+    assert storage.parent_of("/tmp/run/weights/v3") == "/tmp/run/weights"
 
 
 def test_files_round_trip_in_the_bucket(gcs, tmp_path):  # noqa: F811
