@@ -145,10 +145,10 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
             raise RunStopped(
                 f"the training loss was not finite for {nonfinite} versions in a row (versions "
                 f"{version + 2 - nonfinite}-{version + 1}; rewards this batch: min "
-                f"{rewards.min():g}, max {rewards.max():g}); the weights are no longer "
-                f"trustworthy. Check the reward scale (reward.max_abs, reward.scale) and "
-                f"optim.lr, then resume from the last checkpoint "
-                f"(watchdog.max_nonfinite_versions={limit})")
+                f"{rewards.min():g}, max {rewards.max():g}): the learner skipped those "
+                f"updates, so the run is not learning. Check the rewards' scale "
+                f"(reward.max_abs, reward.scale) and optim.lr, then resume from the last "
+                f"checkpoint (watchdog.max_nonfinite_versions={limit})")
         if ctx.critic is not None:
             critic_metrics = ctx.critic.train_step(batches, returns=targets.returns,
                                                    old_values=targets.old_values)

@@ -109,3 +109,77 @@ def test_second_signal_exits_at_once(tmp_path):
     while any(_alive(c) for c in children) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(c) for c in children)
+
+
+# ----------------------------------------------------------------------------- no progress
+@pytest.mark.parametrize("fn, cause", [
+    ("always_raises", "ZeroDivisionError: cannot score"),
+    pytest.param("returns_string", "reward must be a real number (int, float or bool), got str '1.0'",
+                 marks=pytest.mark.slow),
+    pytest.param("returns_huge", "reward 1e+39 is outside [-1e+06, 1e+06]", marks=pytest.mark.slow),
+], ids=["raises", "string", "1e39"])
+def test_run_that_cannot_progress_stops_with_its_cause(tmp_path, fn, cause):
+    """A reward that always fails (raises, returns "1.0", returns 1e39) used to give a run
+    that made 0 versions and logged warnings forever; now the watchdog stops it with one
+    line naming the cause, and exit status 3."""
+    run_dir = tmp_path / "run"
+    res = _run([f"run_dir={run_dir}", "train.total_versions=3",
+                f"reward.fn=tests._faulty_rewards:{fn}",
+                "watchdog.max_attempts_without_progress=8"])
+    assert res.returncode == STOPPED, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("stopped: no progress: ") and cause in last, last
+    assert "watchdog.max_attempts_without_progress=8" in last
+    assert "Traceback" not in res.stderr
+    assert _rows(run_dir) == []
+
+
+@pytest.mark.slow
+def test_nonfinite_loss_for_k_versions_stops_the_run(tmp_path):
+    """Rewards of 1e39 let through (reward.max_abs=.inf) overflow float32: the loss is NaN,
+    the learner skips every update; after K such versions the run stops (it used to exit 0)."""
+    run_dir = tmp_path / "run"
+    res = _run([f"run_dir={run_dir}", "train.total_versions=6",
+                "reward.fn=tests._faulty_rewards:returns_huge", "reward.max_abs=.inf",
+                "watchdog.max_nonfinite_versions=2"])
+    assert res.returncode == STOPPED, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert "the training loss was not finite for 2 versions in a row" in last, last
+    assert "Traceback" not in res.stderr
+    assert len(_rows(run_dir)) == 1  # version 1's row, then the stop at version 2
+
+
+# ----------------------------------------------------------------------------- resume
+def test_resume_writes_each_version_once_and_publish_update_s_is_measured(tmp_path):
+    """A run killed after version 3 but before its checkpoint committed trains version 3
+    again on resume; metrics.jsonl and consumed_prompts.jsonl keep one row per version.
+    With a checkpoint every version (which waits for the servers' update), every row after
+    the first still reports how long its weights' server update took (it used to be 0)."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    args = [f"run_dir={run_dir}", "train.total_versions=3", "checkpoint.every_versions=1",
+            "checkpoint.keep=3"]
+    res = _run(args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _rows(run_dir)
+    assert [r["version"] for r in rows] == [1, 2, 3]
+    assert rows[0]["publish_update_s"] == 0.0  # v0 was loaded at start-up, not published
+    assert all(r["publish_update_s"] > 0 for r in rows[1:]), rows
+    # As if killed before checkpoint 3 was committed.
+    shutil.rmtree(run_dir / "checkpoints" / "3")
+    res = _run(args + ["--resume"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout + res.stderr and "at version 2" in res.stdout + res.stderr
+    assert [r["version"] for r in _rows(run_dir)] == [1, 2, 3]
+    assert [r["version"] for r in _rows(run_dir, "consumed_prompts.jsonl")] == [1, 2, 3]
+
+
+# ----------------------------------------------------------------------------- start-up
+def test_server_startup_timeout_is_a_config_key_named_in_the_error(tmp_path):
+    res = _run([f"run_dir={tmp_path / 'run'}", "rollout.server_startup_timeout_s=0.5"])
+    assert res.returncode == BAD_INPUT, res.stderr[-3000:]
+    first = next(line for line in res.stderr.splitlines() if line.startswith("error: "))
+    assert "embedded rollout server 0 failed to start" in first
+    assert "raise rollout.server_startup_timeout_s (now 0.5s)" in first
+    assert "Traceback" not in res.stderr

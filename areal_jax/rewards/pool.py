@@ -154,7 +154,8 @@ class _Worker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         code = (f"from areal_jax.rewards.pool import _worker_main; "
-                f"_worker_main({child_sock.fileno()}, {os.getpid()}, {preload!r}, {max_abs!r})")
+                f"_worker_main({child_sock.fileno()}, {os.getpid()}, {preload!r}, "
+                f"float({str(float(max_abs))!r}))")  # repr(inf) is not Python
         self.process = subprocess.Popen([sys.executable, "-c", code], env=env,
                                         pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL)
         child_sock.close()
