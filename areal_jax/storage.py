@@ -309,6 +309,9 @@ def local_copy(path: str | os.PathLike, cache_dir: str | None = None,
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     download(url, tmp)
+    if marker.exists() and dest.exists():  # another process finished the same copy first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return dest
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
     marker.write_text(url + "\n")
