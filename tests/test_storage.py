@@ -173,3 +173,22 @@ def test_config_file_read_from_the_bucket(gcs):  # noqa: F811
     with pytest.raises(ConfigError, match="config file gs://test-bucket/configs/none.yaml does "
                                           "not exist"):
         load_config("gs://test-bucket/configs/none.yaml")
+
+
+def test_run_files_are_uploaded_on_a_schedule(gcs, tmp_path):  # noqa: F811
+    """Without any explicit sync, the background upload brings a new row to the bucket."""
+    import time
+
+    run_dir = "gs://test-bucket/scheduled"
+    files = storage.RunFiles(run_dir, cache_dir=str(tmp_path), upload_every_s=0.2)
+    files.start()
+    try:
+        with files.path("metrics.jsonl").open("a") as f:
+            f.write('{"version": 1}\n')
+        deadline = time.monotonic() + 60  # generous: only the eventual upload is checked
+        url = storage.join(run_dir, "metrics.jsonl")
+        while not storage.isfile(url) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert storage.read_text(url) == '{"version": 1}\n'
+    finally:
+        files.close()
