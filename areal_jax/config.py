@@ -214,6 +214,9 @@ class TrainLoopConfig:
     seq_len: int = 256  # tokens per packed row
     rows_per_micro_batch: int = 8  # rows per micro-batch (a multiple of data * fsdp)
     logp_chunk_size: int = 4096  # vocabulary chunk for logprobs
+    # Process 0 writes each version's packed global batch to RUN_DIR/batches/v{N}.npz (the
+    # batch that trained version N; read back with data.trajectories.load_batch).
+    record_batches: bool = False
 
     def __post_init__(self) -> None:
         _positive("train", batch_size=self.batch_size, total_versions=self.total_versions,
@@ -244,6 +247,9 @@ class CheckpointConfig:
     async_save: bool = True
     dir: str | None = None  # default: RUN_DIR/checkpoints (local path or gs://)
     on_interrupt: bool = False  # SIGINT/SIGTERM: also save a checkpoint of the current version
+    # Serving weights v{N}, read by the rollout servers: on several hosts a directory they
+    # can all read (a shared filesystem or gs://). Default RUN_DIR/weights.
+    publish_dir: str | None = None
 
     def __post_init__(self) -> None:
         _positive("checkpoint", keep=self.keep, keep_weights=self.keep_weights)
@@ -293,6 +299,16 @@ class DistributedConfig:
     coordinator_address: str | None = None  # host:port; default from the environment
     num_processes: int | None = None
     process_id: int | None = None
+    # Several processes: a process that stops heart-beating this long counts as failed,
+    # and every process ends (a failure with an error message ends them at once).
+    peer_timeout_s: float = 15.0
+    auto_detect: bool = True  # with nothing set: join a detected Slurm / TPU pod / MPI job
+
+    def __post_init__(self) -> None:
+        _positive("distributed", num_processes=self.num_processes)
+        if self.peer_timeout_s < 2:
+            raise ValueError(f"distributed.peer_timeout_s must be >= 2 (heartbeats every 0.5 s), "
+                             f"got {self.peer_timeout_s}")
 
 
 @dataclass(frozen=True)

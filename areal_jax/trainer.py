@@ -36,7 +36,6 @@ from areal_jax.trainer_setup import (
     RunStopped,
     TrainerError,
     build_components,
-    group_advantages_for,
     shaped_rewards_for,
 )
 
@@ -100,39 +99,44 @@ def _checkpoint_on_interrupt(cfg: TrainConfig, ctx: RunContext) -> None:
 
 
 def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
-    learner, executor, _publisher = ctx.learner, ctx.executor, ctx.publisher
-    writer: MetricsWriter = ctx.writer
+    """Every process runs this loop; only process 0 (``ctx.is_main``) has the executor,
+    the servers and the metrics writer, and its batches reach the others' learners as rows."""
+    learner, executor = ctx.learner, ctx.executor
+    writer: MetricsWriter | None = ctx.writer
     total = cfg.train.total_versions
     row: dict[str, Any] = {}
     nonfinite = 0  # versions in a row with a non-finite loss
-    if ctx.start_version == 0 and cfg.eval.at_start and ctx.eval_items:
+    if ctx.is_main and ctx.start_version == 0 and cfg.eval.at_start and ctx.eval_items:
         row = writer.log({"version": 0, "step": 0, **ctx.evaluate("eval_")})
 
     for version in range(ctx.start_version, total):
         t_step = time.perf_counter()
-        # Steps 1-3: the executor has been generating all along; take the B oldest groups.
+        # Steps 1-3: the executor has been generating all along; the trajectory pipeline
+        # takes the B oldest groups, computes advantages and packs (this process's rows).
         t0 = time.perf_counter()
         from areal_jax.rollout.executor import NoProgressError
 
         try:
-            groups = executor.prepare_batch(cfg.train.batch_size)
+            batch = next(ctx.batches)
         except NoProgressError as e:
             raise RunStopped(str(e)) from None
-        wait_s = time.perf_counter() - t0
-        trajs = [t for g in groups for t in g]
-        writer.log_consumed(version + 1, [g[0].prompt_id for g in groups])
-        rewards = np.array([t.reward for t in trajs], np.float32)
-        try:
-            if ctx.critic is not None:  # PPO: GAE advantages from the critic's values
-                batches = ctx.pack(trajs, np.zeros(len(trajs), np.float32))
-                targets = ctx.critic.gae_targets(batches, trajs, gamma=cfg.algo.gamma,
-                                                 lam=cfg.algo.lam, normalize=True,
-                                                 rewards=shaped_rewards_for(cfg, trajs))
-            else:  # GRPO / RLOO / Dr.GRPO: group baselines
-                batches = ctx.pack(trajs, group_advantages_for(cfg, trajs, len(groups[0])))
         except ValueError as e:  # e.g. a trajectory longer than a packed row
             raise RunStopped(f"cannot pack the batch of version {version + 1}: {e} "
                              f"(train.seq_len={cfg.train.seq_len})") from None
+        wait_s = time.perf_counter() - t0
+        batches, groups, trajs = batch.micro_batches, batch.groups, batch.trajectories
+        if cfg.train.record_batches and ctx.is_main:
+            from areal_jax.data.trajectories import save_batch
+
+            os.makedirs(os.path.join(ctx.run_files.local, "batches"), exist_ok=True)
+            save_batch(os.path.join(ctx.run_files.local, "batches", f"v{version + 1}.npz"), batch)
+        if ctx.is_main:
+            writer.log_consumed(version + 1, [g[0].prompt_id for g in groups])
+        rewards = np.array([t.reward for t in trajs], np.float32)
+        if ctx.critic is not None:  # PPO (one process): GAE advantages from the critic's values
+            targets = ctx.critic.gae_targets(batches, trajs, gamma=cfg.algo.gamma,
+                                             lam=cfg.algo.lam, normalize=True,
+                                             rewards=shaped_rewards_for(cfg, trajs))
 
         # Step 4: train (prox_logp recompute happens inside train_step when decoupled).
         if ctx.ref_learner is not None:
@@ -142,10 +146,11 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
         nonfinite = 0 if math.isfinite(float(train_metrics.get("loss", 0.0))) else nonfinite + 1
         limit = cfg.watchdog.max_nonfinite_versions
         if limit and nonfinite >= limit:
+            seen = (f"; rewards this batch: min {rewards.min():g}, max {rewards.max():g}"
+                    if len(rewards) else "")  # process 0 has the trajectories
             raise RunStopped(
                 f"the training loss was not finite for {nonfinite} versions in a row (versions "
-                f"{version + 2 - nonfinite}-{version + 1}; rewards this batch: min "
-                f"{rewards.min():g}, max {rewards.max():g}): the learner skipped those "
+                f"{version + 2 - nonfinite}-{version + 1}{seen}): the learner skipped those "
                 f"updates, so the run is not learning. Check the rewards' scale "
                 f"(reward.max_abs, reward.scale) and optim.lr, then resume from the last "
                 f"checkpoint (watchdog.max_nonfinite_versions={limit})")
@@ -159,10 +164,12 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
         ctx.publish(version + 1)
         publish_s = time.perf_counter() - t0
 
-        # Step 6: checkpoint.
+        # Step 6: checkpoint (every process takes part).
         if cfg.checkpoint.every_versions and (version + 1) % cfg.checkpoint.every_versions == 0:
             ctx.save_checkpoint()
 
+        if not ctx.is_main:
+            continue
         ctx.consumed_tokens += int(sum(t.num_tokens for t in trajs))
         row = {
             "version": version + 1,
@@ -174,9 +181,10 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
             "tokens_consumed": ctx.consumed_tokens,
             "step_time_s": time.perf_counter() - t_step,
             "rollout_wait_s": wait_s,
-            "publish_s": publish_s,  # the learner's share: the weight export
-            # the server update of the weights this version trained from (v`version`),
-            # whoever waited for it (this publish, an eval or a checkpoint)
+            "publish_s": publish_s,  # the learner's wait: a host copy of the params
+            # the background write and server update of the weights this version trained
+            # from (v`version`), whoever waited for them (this publish, an eval, a checkpoint)
+            "publish_write_s": ctx.write_s.pop(version, 0.0),
             "publish_update_s": ctx.update_s.pop(version, 0.0),
             "wall_time_s": ctx.elapsed(),
             "token_version_max": int(max(int(t.versions.max()) for t in trajs)),
@@ -253,7 +261,24 @@ def install_signal_handlers(shutdown_timeout_s: float) -> None:
 def main_guarded(cfg: TrainConfig, resume: bool | None) -> int:
     """Entry point used by scripts/train.py: runs training and returns its exit status
     (``EXIT_CODES``; 128 + signal number after SIGINT/SIGTERM). Errors for users are
-    printed as one line, never a traceback."""
+    printed as one line, never a traceback. With several processes, a process that fails
+    tells the others (which exit at once with status 1) and exits without waiting in
+    JAX's shutdown barrier."""
+    from areal_jax.parallel import job_guard
+
+    code, message = _run_for_status(cfg, resume)
+    guard = job_guard()
+    if guard is not None:
+        if code == EXIT_CODES["done"]:
+            guard.done()
+        else:
+            guard.fail(message, code)  # does not return
+    return code
+
+
+def _run_for_status(cfg: TrainConfig, resume: bool | None) -> tuple[int, str]:
+    from areal_jax.parallel import job_guard
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if threading.current_thread() is threading.main_thread():
         install_signal_handlers(cfg.watchdog.shutdown_timeout_s)
@@ -261,16 +286,24 @@ def main_guarded(cfg: TrainConfig, resume: bool | None) -> int:
         run_training(cfg, resume, exit_deadline=True)
     except Interrupted as e:
         saved = " (and a checkpoint of this version)" if cfg.checkpoint.on_interrupt else ""
-        print(f"interrupted by {signal.Signals(e.signum).name}: servers, executor and files "
-              f"closed; the last completed checkpoint is kept{saved}", file=sys.stderr, flush=True)
-        return 128 + e.signum
+        message = (f"interrupted by {signal.Signals(e.signum).name}: servers, executor and files "
+                   f"closed; the last completed checkpoint is kept{saved}")
+        code = 128 + e.signum
     except RunStopped as e:
-        print(f"stopped: {e}", file=sys.stderr, flush=True)
-        return EXIT_CODES["stopped"]
+        message, code = f"stopped: {e}", EXIT_CODES["stopped"]
     except TrainerError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_CODES["bad_input"]
-    return EXIT_CODES["done"]
+        message, code = f"error: {e}", EXIT_CODES["bad_input"]
+    except Exception as e:  # with several processes the others must hear of it
+        if job_guard() is None:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        message, code = f"error: {type(e).__name__}: {e}", EXIT_CODES["crash"]
+    else:
+        return EXIT_CODES["done"], ""
+    print(message, file=sys.stderr, flush=True)
+    return code, message
 
 
 def resolved_config_text(cfg: TrainConfig) -> str:

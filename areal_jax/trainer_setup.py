@@ -258,6 +258,20 @@ def group_advantages_for(cfg: TrainConfig, trajs: list, group_size: int) -> np.n
     return np.asarray(adv, np.float32)
 
 
+def learner_configs(cfg: TrainConfig) -> tuple[Any, Any]:
+    """The learner's (OptimizerConfig, PPOConfig) for a run config (ValueError if invalid)."""
+    from areal_jax.learner import OptimizerConfig, PPOConfig
+
+    optim = OptimizerConfig.from_section(cfg.optim, total_steps=cfg.train.total_versions
+                                         * cfg.algo.ppo_n_minibatches)
+    seq_norm = (float(cfg.rollout.max_new_tokens) if cfg.algo.agg_mode == "seq-mean-token-sum"
+                else None)  # Dr.GRPO: a constant normaliser, the max generation length
+    ppo = PPOConfig.from_algo(cfg.algo, temperature=cfg.rollout.temperature,
+                              logp_chunk_size=cfg.train.logp_chunk_size,
+                              seq_token_sum_normalizer=seq_norm)
+    return optim, ppo
+
+
 # ----------------------------------------------------------------------------- the run
 @dataclass
 class RunContext:
@@ -267,15 +281,19 @@ class RunContext:
     executor: Any
     publisher: Any
     checkpointer: Any
-    writer: MetricsWriter
+    writer: MetricsWriter | None  # process 0 only
     tokenizer: Any
     tokenizer_dir: Path
     reward_pool: Any
     reward_fn: str
     eval_items: list[dict]
     ref_learner: Any = None
-    _pending_publish: Any = None  # (version, Future) of the last publish's server update
+    batches: Any = None  # iterator of TrainBatch: this process's rows of each version's batch
+    mesh: Any = None
+    is_main: bool = True  # process 0: executor, servers, metrics and run files
+    _pending_publish: Any = None  # (version, Future) of the last publish's write + server update
     update_s: dict[int, float] = field(default_factory=dict)  # version -> its server update's s
+    write_s: dict[int, float] = field(default_factory=dict)  # version -> its weight write's s
     critic: Any = None  # algo.name == "ppo": the value model
     critic_ckpt: Any = None
     start_version: int = 0
@@ -285,37 +303,43 @@ class RunContext:
     elapsed_before: float = 0.0
     rng_seed: int = 0
     run_files: Any = None  # storage.RunFiles: metrics, logs, config (uploaded for gs://)
+    first_params: Any = None  # host copy of the start-up weights, until they are published
 
     def elapsed(self) -> float:
         return self.elapsed_before + (time.time() - self.t_start)
-
-    # -- step 3: packing
-    def pack(self, trajs: list, advantages: np.ndarray) -> list:
-        from areal_jax.learner import pack_trajectories
-
-        return pack_trajectories(
-            trajs, list(advantages), seq_len=self.cfg.train.seq_len,
-            rows_per_micro_batch=self.cfg.train.rows_per_micro_batch,
-            n_shards=self.learner.n_batch_shards,
-            n_minibatches=self.cfg.algo.ppo_n_minibatches)
 
     # -- step 5: publishing
     def publish(self, version: int) -> None:
         """Exports weights v{version} and hands them to the servers.
 
-        The export blocks (the next train step changes the params); the server side does
-        not. Pausing the servers (aborting in-flight requests when ``interruptible``, else
-        waiting for them to finish), the weight update, ``executor.set_version`` and the
-        resume run as one coroutine on the executor's loop while the learner trains on
-        its next batch. In sync mode (η = 0) nothing starts under v{version} before
+        The learner waits only for a host copy of the params (with several processes, a
+        gather that every process joins). Writing them to ``checkpoint.publish_dir/v{N}``
+        (in a thread), then pausing the servers (aborting in-flight requests when
+        ``interruptible``, else waiting for them to finish), the weight update (sent only
+        once the version is completely written), ``executor.set_version`` and the resume
+        run as one coroutine on process 0's executor loop while the learner trains on its
+        next batch. In sync mode (η = 0) nothing starts under v{version} before
         ``set_version``, so sync runs stay exactly on-policy. The update must be done
         before the next one, an eval, a checkpoint or the end: ``wait_published``.
         """
+        from areal_jax.checkpoint.publish import host_params
+
         self.wait_published()
-        path = self.publisher.publish(self.learner.model, self.learner.model_cfg, version,
-                                      tokenizer_dir=self.tokenizer_dir)
+        params = host_params(self.learner.model)  # a collective with several processes
+        if not self.is_main:
+            return
         self._pending_publish = (version, self.executor.submit_coroutine(
-            self._update_servers(str(path), version)))
+            self._write_and_update(params, version)))
+
+    async def _write_and_update(self, params: Any, version: int) -> tuple[float, float]:
+        """Runs on the executor's loop: the write, then the servers' update (seconds each)."""
+        import asyncio
+
+        t0 = time.perf_counter()
+        path = await asyncio.to_thread(self.publisher.publish, params, self.learner.model_cfg,
+                                       version, tokenizer_dir=self.tokenizer_dir)
+        write_s = time.perf_counter() - t0
+        return write_s, await self._update_servers(str(path), version)
 
     async def _update_servers(self, path: str, version: int) -> float:
         """Runs on the executor's loop. Returns the seconds it took."""
@@ -339,18 +363,19 @@ class RunContext:
         return time.perf_counter() - t0
 
     def wait_published(self) -> float:
-        """Waits for the last ``publish`` to reach the servers; returns the seconds it took
-        there (0.0 if none was pending) and records them in ``update_s``, whoever waits
-        (the next publish, an eval or a checkpoint). Raises RunStopped if the update failed."""
+        """Waits for the last ``publish`` to be written and reach the servers; returns the
+        seconds the servers' side took (0.0 if none was pending) and records the write's and
+        the update's seconds in ``write_s`` / ``update_s``, whoever waits (the next publish,
+        an eval or a checkpoint). Raises RunStopped if the write or the update failed."""
         if self._pending_publish is None:
             return 0.0
         version, future = self._pending_publish
         self._pending_publish = None
         try:
-            seconds = future.result()
-        except Exception as e:  # noqa: BLE001 - a transport or server error, reported as such
+            write_s, seconds = future.result()
+        except Exception as e:  # noqa: BLE001 - a storage, transport or server error
             raise RunStopped(f"weight update to v{version} failed: {type(e).__name__}: {e}") from e
-        self.update_s[version] = seconds
+        self.write_s[version], self.update_s[version] = write_s, seconds
         return seconds
 
     # -- step 6: checkpointing
@@ -362,10 +387,10 @@ class RunContext:
         self.wait_published()  # the executor state must be at the published version
 
         st = self.learner.state_dict()
-        meta = {
+        meta = {  # every process saves; process 0 writes meta (only it has an executor)
             "step": int(st["step"]),
             "version": int(st["version"]),
-            "executor": self.executor.state_dict(),
+            "executor": self.executor.state_dict() if self.executor is not None else {},
             "model_config": self.learner.model_cfg.to_hf_dict(),
             "consumed_tokens": self.consumed_tokens,
             "elapsed_s": self.elapsed(),
@@ -439,15 +464,42 @@ def _prepare_run_dir(cfg: TrainConfig, resume: bool | None) -> tuple[str, str, b
 
 
 def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitStack) -> RunContext:
-    """Everything a run needs, in dependency order; registers shutdown on ``stack``."""
+    """Everything a run needs, in dependency order; registers shutdown on ``stack``.
+
+    With several JAX processes every process builds the learner, the checkpointer and the
+    trajectory pipeline's receiving end; process 0 alone also the run files, servers,
+    executor and metrics writer."""
+    # Several processes (JAX multi-controller): join before anything touches JAX devices.
+    # A one-process run skips this; with nothing set, srun / TPU pod / mpirun jobs are
+    # detected by JAX itself (distributed.auto_detect).
+    from areal_jax.parallel import detected_cluster, initialize_distributed, start_job_guard
+
+    d = cfg.distributed
+    try:
+        initialize_distributed(d.coordinator_address, d.num_processes, d.process_id,
+                               auto_detect=d.auto_detect and detected_cluster() is not None)
+    except ValueError as e:
+        raise TrainerError(f"distributed: {e}") from None
+    import jax
+
+    is_main, multi = jax.process_index() == 0, jax.process_count() > 1
+    guard = start_job_guard(d.peer_timeout_s)  # one process failing ends all of them
+    if guard is not None:
+        guard.add_cleanup(lambda: [handle.kill() for handle in list(LIVE_SERVERS)])
+    if multi and cfg.algo.name == "ppo":
+        raise TrainerError("algo.name=ppo (a critic with GAE over whole trajectories) runs as one "
+                           f"process; this job has {jax.process_count()}: use grpo/rloo/drgrpo")
+
     # Cheap checks first: nothing below this block takes long.
     cache_dir = cfg.storage.cache_dir
     model_path = resolve_model_path(cfg.model.path, cache_dir)
     tokenizer_dir = (resolve_model_path(cfg.model.tokenizer_path, cache_dir, "model.tokenizer_path")
                      if cfg.model.tokenizer_path else model_path)
-    if cfg.rollout.servers:
+    if cfg.rollout.servers and is_main:
         check_servers_reachable(list(cfg.rollout.servers), cfg.rollout.api_key)
     run_dir, ckpt_dir, has_ckpt = _prepare_run_dir(cfg, resume)
+    if not is_main:  # a learner only: its rows of every batch come from process 0
+        return _build_learner_side(cfg, resume, stack, model_path, run_dir, ckpt_dir, has_ckpt)[0]
     try:  # the run's own files: a local working copy, uploaded on a schedule for gs://
         run_files = storage.RunFiles(run_dir, cache_dir=cache_dir,
                                      upload_every_s=cfg.storage.upload_every_s,
@@ -483,72 +535,31 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
 
     storage.write_text(local_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     run_files.sync()
+    from areal_jax.checkpoint import WeightPublisher
 
-    # Learner on its mesh.
-    from areal_jax.checkpoint import TrainCheckpointer, WeightPublisher
-    from areal_jax.learner import Learner, OptimizerConfig, PPOConfig
-    from areal_jax.parallel import initialize_distributed, make_mesh
+    try:  # where the servers read the serving weights
+        publish_dir = (storage.check_location(cfg.checkpoint.publish_dir, "checkpoint.publish_dir",
+                                              write=True)
+                       if cfg.checkpoint.publish_dir else storage.join(run_dir, "weights"))
+        publisher = WeightPublisher(publish_dir, keep=cfg.checkpoint.keep_weights)
+    except (storage.StorageError, OSError, ValueError, RuntimeError) as e:
+        raise TrainerError(f"checkpoint.publish_dir: {e}") from None
 
-    initialize_distributed(cfg.distributed.coordinator_address, cfg.distributed.num_processes,
-                           cfg.distributed.process_id)
-    try:
-        mesh = make_mesh(cfg.mesh)
-        optim = OptimizerConfig.from_section(cfg.optim, total_steps=cfg.train.total_versions
-                                             * cfg.algo.ppo_n_minibatches)
-        seq_norm = (float(cfg.rollout.max_new_tokens) if cfg.algo.agg_mode == "seq-mean-token-sum"
-                    else None)  # Dr.GRPO: a constant normaliser, the max generation length
-        ppo = PPOConfig.from_algo(cfg.algo, temperature=cfg.rollout.temperature,
-                                  logp_chunk_size=cfg.train.logp_chunk_size,
-                                  seq_token_sum_normalizer=seq_norm)
-    except ValueError as e:
-        raise TrainerError(user_key_message(str(e))) from None
-    learner = Learner.from_hf(str(model_path), optim, ppo, mesh=mesh, compute_dtype=cfg.model.dtype,
-                              remat=cfg.model.remat)
-    ref_learner = None
-    if cfg.algo.kl_coef > 0:
-        ref_learner = Learner.from_hf(str(model_path), optim, ppo, mesh=mesh,
-                                      compute_dtype=cfg.model.dtype, remat=cfg.model.remat,
-                                      trainable=False)
+    # Learner on its mesh (spanning every process's devices), checkpoint restored.
+    ctx, meta = _build_learner_side(cfg, resume, stack, model_path, run_dir, ckpt_dir, has_ckpt,
+                                    tokenizer_dir=tokenizer_dir)
+    learner, mesh, start_version = ctx.learner, ctx.mesh, ctx.start_version
+    from areal_jax.parallel import n_batch_shards
 
-    checkpointer = TrainCheckpointer(ckpt_dir, keep=cfg.checkpoint.keep,
-                                     async_save=cfg.checkpoint.async_save)
-    stack.callback(checkpointer.close)
-    critic = critic_ckpt = None
-    if cfg.algo.name == "ppo":  # actor-critic: a value model with its own optimizer state
-        from areal_jax.learner.critic import Critic
-
-        critic = Critic.from_hf(str(model_path), optim, mesh=mesh,
-                                value_eps_clip=cfg.algo.value_eps_clip,
-                                value_coef=cfg.algo.value_coef,
-                                ppo_n_minibatches=cfg.algo.ppo_n_minibatches,
-                                compute_dtype=cfg.model.dtype, remat=cfg.model.remat)
-        critic_ckpt = TrainCheckpointer(f"{ckpt_dir.rstrip('/')}-critic", keep=cfg.checkpoint.keep,
-                                        async_save=cfg.checkpoint.async_save)
-        stack.callback(critic_ckpt.close)
-    meta: dict[str, Any] = {}
-    if has_ckpt and resume is not False:
-        st = learner.state_dict()
-        params, opt_state, meta = checkpointer.restore(params_target=st["params"],
-                                                       opt_state_target=st["opt_state"])
-        learner.load_state(params, opt_state, step=meta["step"], version=meta["version"])
-        if critic is not None:
-            cst = critic.state_dict()
-            cstep = meta["version"] if meta["version"] in critic_ckpt.all_steps() else None
-            cp, co, cmeta = critic_ckpt.restore(cstep, params_target=cst["params"],
-                                                opt_state_target=cst["opt_state"])
-            critic.load_state(cp, co, step=cmeta["step"], version=cmeta["version"])
-        print(f"resumed from {ckpt_dir} at version {meta['version']} (step {meta['step']})",
-              flush=True)
-    start_version = int(meta.get("version", 0))
-
-    # Serving weights for the current version, then the servers.
-    weights_dir = storage.join(run_dir, "weights")
-    publisher = WeightPublisher(weights_dir, keep=cfg.checkpoint.keep_weights)
-    first = publisher.publish(learner.model, learner.model_cfg, start_version, tokenizer_dir=tokenizer_dir)
+    # Serving weights for the current version (every process joined the gather in
+    # _build_learner_side; process 0 writes them), then the servers.
+    first = publisher.publish(ctx.first_params, learner.model_cfg, start_version,
+                              tokenizer_dir=tokenizer_dir)
+    ctx.first_params = None
     addresses = list(cfg.rollout.servers) or _launch_servers(cfg, first, start_version, local_dir,
                                                               stack)
 
-    # Rollout side: client, reward pool, workflow, prompts, executor.
+    # Rollout side (process 0): client, reward pool, workflow, prompts, executor.
     from areal_jax.data.prompts import load_prompt_dataset, read_records
     from areal_jax.rewards.pool import RewardPool
     from areal_jax.rollout.client import RolloutClient
@@ -605,14 +616,102 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
                            resumed=bool(meta))
     stack.callback(writer.close)
     run_files.start()
-    return RunContext(
-        cfg=cfg, run_dir=run_dir, learner=learner, executor=executor, publisher=publisher,
-        checkpointer=checkpointer, writer=writer, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
-        reward_pool=reward_pool, reward_fn=reward_fn, eval_items=eval_items, ref_learner=ref_learner,
-        critic=critic, critic_ckpt=critic_ckpt,
+
+    # The trajectory pipeline: the B oldest groups -> advantages -> packed micro-batches
+    # (over the global batch shards), then, with several processes, each process's rows.
+    from areal_jax.data.trajectories import ProcessRowsDataset, TrajectoryBatchDataset
+
+    def advantages(groups: list) -> np.ndarray:
+        return group_advantages_for(cfg, [t for g in groups for t in g], len(groups[0]))
+
+    stream = TrajectoryBatchDataset(
+        executor, seq_len=cfg.train.seq_len, rows_per_micro_batch=cfg.train.rows_per_micro_batch,
+        batch_size=cfg.train.batch_size, n_shards=n_batch_shards(mesh),
+        n_minibatches=cfg.algo.ppo_n_minibatches,
+        advantages_fn=None if ctx.critic is not None else advantages)  # PPO: GAE after packing
+    ctx.batches = iter(ProcessRowsDataset(stream, mesh, start_step=start_version) if multi
+                       else stream)
+    ctx.executor, ctx.publisher, ctx.writer, ctx.tokenizer = executor, publisher, writer, tokenizer
+    ctx.reward_pool, ctx.reward_fn, ctx.eval_items = reward_pool, reward_fn, eval_items
+    ctx.run_files = run_files
+    return ctx
+
+
+def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitStack,
+                        model_path: Path, run_dir: str, ckpt_dir: str, has_ckpt: bool,
+                        tokenizer_dir: Path | None = None) -> tuple[RunContext, dict[str, Any]]:
+    """The learner (and reference model, critic) on the mesh, the checkpointer and the
+    restored state: what every process has. Returns a context without the rollout side
+    (which process 0 adds; other processes receive their rows of each batch), and the
+    restored checkpoint's meta."""
+    import jax
+
+    from areal_jax.checkpoint import TrainCheckpointer
+    from areal_jax.checkpoint.publish import host_params
+    from areal_jax.learner import Learner
+    from areal_jax.parallel import make_mesh
+
+    multi, is_main = jax.process_count() > 1, jax.process_index() == 0
+    try:
+        mesh = make_mesh(cfg.mesh)
+        optim, ppo = learner_configs(cfg)
+    except ValueError as e:
+        raise TrainerError(user_key_message(str(e))) from None
+    # With several processes each one feeds only the rows its devices hold.
+    learner = Learner.from_hf(str(model_path), optim, ppo, mesh=mesh, compute_dtype=cfg.model.dtype,
+                              remat=cfg.model.remat, process_local_batches=multi)
+    ref_learner = None
+    if cfg.algo.kl_coef > 0:
+        ref_learner = Learner.from_hf(str(model_path), optim, ppo, mesh=mesh,
+                                      compute_dtype=cfg.model.dtype, remat=cfg.model.remat,
+                                      trainable=False, process_local_batches=multi)
+    checkpointer = TrainCheckpointer(ckpt_dir, keep=cfg.checkpoint.keep,
+                                     async_save=cfg.checkpoint.async_save)
+    stack.callback(checkpointer.close)
+    critic = critic_ckpt = None
+    if cfg.algo.name == "ppo":  # actor-critic: a value model with its own optimizer state
+        from areal_jax.learner.critic import Critic
+
+        critic = Critic.from_hf(str(model_path), optim, mesh=mesh,
+                                value_eps_clip=cfg.algo.value_eps_clip,
+                                value_coef=cfg.algo.value_coef,
+                                ppo_n_minibatches=cfg.algo.ppo_n_minibatches,
+                                compute_dtype=cfg.model.dtype, remat=cfg.model.remat)
+        critic_ckpt = TrainCheckpointer(f"{ckpt_dir.rstrip('/')}-critic", keep=cfg.checkpoint.keep,
+                                        async_save=cfg.checkpoint.async_save)
+        stack.callback(critic_ckpt.close)
+    meta: dict[str, Any] = {}
+    if has_ckpt and resume is not False:
+        st = learner.state_dict()
+        params, opt_state, meta = checkpointer.restore(params_target=st["params"],
+                                                       opt_state_target=st["opt_state"])
+        learner.load_state(params, opt_state, step=meta["step"], version=meta["version"])
+        if critic is not None:
+            cst = critic.state_dict()
+            cstep = meta["version"] if meta["version"] in critic_ckpt.all_steps() else None
+            cp, co, cmeta = critic_ckpt.restore(cstep, params_target=cst["params"],
+                                                opt_state_target=cst["opt_state"])
+            critic.load_state(cp, co, step=cmeta["step"], version=cmeta["version"])
+        if is_main:
+            print(f"resumed from {ckpt_dir} at version {meta['version']} (step {meta['step']})",
+                  flush=True)
+    start_version = int(meta.get("version", 0))
+    ctx = RunContext(
+        cfg=cfg, run_dir=run_dir, learner=learner, executor=None, publisher=None,
+        checkpointer=checkpointer, writer=None, tokenizer=None, tokenizer_dir=tokenizer_dir,
+        reward_pool=None, reward_fn="", eval_items=[], ref_learner=ref_learner,
+        critic=critic, critic_ckpt=critic_ckpt, mesh=mesh, is_main=is_main,
         start_version=start_version, consumed_tokens=int(meta.get("consumed_tokens", 0)),
         last_saved_version=start_version if meta else -1,
-        elapsed_before=float(meta.get("elapsed_s", 0.0)), rng_seed=cfg.seed, run_files=run_files)
+        elapsed_before=float(meta.get("elapsed_s", 0.0)), rng_seed=cfg.seed)
+    # The current weights on the host, for publishing v{start_version} (a collective).
+    ctx.first_params = host_params(learner.model)
+    if not is_main:
+        from areal_jax.data.trajectories import ProcessRowsDataset
+
+        ctx.first_params = None
+        ctx.batches = iter(ProcessRowsDataset(None, mesh, start_step=start_version))
+    return ctx, meta
 
 
 def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,

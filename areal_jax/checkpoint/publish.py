@@ -70,6 +70,19 @@ def _gather_to_host(pure: Any) -> Any:
     return multihost_utils.process_allgather(pure, tiled=True)
 
 
+def host_params(model: Any) -> Any:
+    """A host (numpy) copy of a model's state, as its pure dict: what :meth:`WeightPublisher.
+    publish` needs, safe to write from another thread while the learner trains on.
+
+    ``model``: a ``CausalLM``, an ``nnx.State`` or a pure dict. With several JAX processes
+    this is a collective (arrays are all-gathered): every process must call it.
+    """
+    if isinstance(model, nnx.Module):
+        model = nnx.state(model)
+    pure = model.to_pure_dict() if isinstance(model, nnx.State) else model
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), _gather_to_host(pure))
+
+
 def params_to_model(params: Any, model_cfg: ModelConfig | Mapping[str, Any]) -> CausalLM:
     """A ``CausalLM`` holding ``params`` (a model, an ``nnx.State`` or its pure dict).
 

@@ -14,10 +14,17 @@ packed by the learner's :func:`~areal_jax.learner.packing.pack_trajectories`
 :meth:`load_state_dict` (which include the prompt iterator's state), so checkpointing the
 stream checkpoints the whole rollout side. The stream ends when the executor's prompts
 run out (:class:`~areal_jax.rollout.executor.PromptsExhausted`).
+
+With several JAX processes, :class:`ProcessRowsDataset` wraps the stream: the executor and
+the packing run on process 0 only (one staleness authority for the global batch), and each
+process receives the rows of every micro-batch that its own devices hold, in micro-batches of
+the same count and shape on every process (the learner's ``process_local_batches`` input).
 """
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +47,8 @@ class TrainBatch:
     groups: list[list[Trajectory]]
     version: int  # the executor's version when the batch was taken
     stats: dict[str, float] = field(default_factory=dict)
+    # With several processes, on process 0: every process's rows (``micro_batches`` are its own).
+    global_micro_batches: list[PackedBatch] | None = None
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -123,3 +132,138 @@ class TrajectoryBatchDataset(grain.IterDataset):
 
     def __str__(self) -> str:
         return f"TrajectoryBatchDataset(batch_size={self.batch_size}, {self.pack_kwargs})"
+
+
+# ----------------------------------------------------------------------------- several processes
+def encode_rows(batch: TrainBatch, rows: slice) -> bytes:
+    """``rows`` of every micro-batch of ``batch`` (plus what the learner needs) as npz bytes."""
+    arrays: dict[str, np.ndarray] = {}
+    header = {"version": batch.version, "stats": batch.stats, "micro_batches": []}
+    for i, mb in enumerate(batch.micro_batches):
+        header["micro_batches"].append({"minibatch_id": mb.minibatch_id,
+                                        "minibatch_loss_tokens": mb.minibatch_loss_tokens,
+                                        "n_shards": mb.n_shards})
+        for key, value in mb.arrays().items():
+            arrays[f"{i}/{key}"] = np.ascontiguousarray(value[rows])
+    arrays["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def decode_rows(data: bytes) -> TrainBatch:
+    """Inverse of :func:`encode_rows`: a TrainBatch of this process's rows, without groups."""
+    with np.load(io.BytesIO(data)) as z:
+        header = json.loads(z["header"].tobytes().decode())
+        micro_batches = []
+        for i, meta in enumerate(header["micro_batches"]):
+            fields = {k.split("/", 1)[1]: z[k] for k in z.files if k.startswith(f"{i}/")}
+            micro_batches.append(PackedBatch(**fields, **meta))
+    return TrainBatch(micro_batches, [], int(header["version"]), header["stats"])
+
+
+def save_batch(path: str, batch: TrainBatch) -> None:
+    """Writes a batch's (global) micro-batches as one npz file."""
+    whole = TrainBatch(batch.global_micro_batches or batch.micro_batches, [], batch.version,
+                       batch.stats)
+    with open(path, "wb") as f:
+        f.write(encode_rows(whole, slice(None)))
+
+
+def load_batch(path: str) -> TrainBatch:
+    """A batch written by :func:`save_batch` (micro-batches only, no trajectories)."""
+    with open(path, "rb") as f:
+        return decode_rows(f.read())
+
+
+_END = b"end"
+
+
+class ProcessRowsIterator(grain.DatasetIterator):
+    """Iterator of :class:`ProcessRowsDataset`."""
+
+    def __init__(self, ds: ProcessRowsDataset) -> None:
+        super().__init__()
+        self._ds = ds
+        self._source = iter(ds.source) if ds.source is not None else None
+        self._step = ds.start_step
+
+    def __next__(self) -> TrainBatch:
+        from areal_jax.parallel import receive_bytes, send_bytes
+
+        ds, key = self._ds, f"batch/{self._step}"
+        if self._source is None:  # a receiving process
+            data = receive_bytes(f"{key}/{ds.process_id}")
+            if data == _END:
+                raise StopIteration
+            self._step += 1
+            return decode_rows(data)
+        try:
+            batch = next(self._source)
+        except StopIteration:
+            for pid in ds.rows_of:
+                if pid != ds.process_id:
+                    send_bytes(f"{key}/{pid}", _END)
+            raise
+        rows_of = ds.rows_of_batch(batch.micro_batches[0].shape[0])
+        for pid, rows in rows_of.items():
+            if pid != ds.process_id:
+                send_bytes(f"{key}/{pid}", encode_rows(batch, rows))
+        own = rows_of[ds.process_id]
+        local = [PackedBatch(**{k: v[own] for k, v in mb.arrays().items()},
+                             minibatch_id=mb.minibatch_id,
+                             minibatch_loss_tokens=mb.minibatch_loss_tokens, n_shards=mb.n_shards)
+                 for mb in batch.micro_batches]
+        self._step += 1
+        return TrainBatch(local, batch.groups, batch.version, batch.stats, batch.micro_batches)
+
+    def get_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"step": self._step}
+        if self._source is not None:
+            state["source"] = self._source.get_state()
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._step = int(state["step"])
+        if self._source is not None and "source" in state:
+            self._source.set_state(state["source"])
+
+
+class ProcessRowsDataset(grain.IterDataset):
+    """Each JAX process's rows of a trajectory stream that runs on one process.
+
+    On the sending process (``source`` given: process 0, the one staleness authority), each
+    :class:`TrainBatch` of ``source`` is split by rows: every other process is sent, through
+    the ``jax.distributed`` coordination service, the rows its devices hold of every
+    micro-batch (:func:`~areal_jax.parallel.process_batch_rows`), and this process keeps its
+    own. On a receiving process (``source=None``) each element is those rows, with the
+    batch's version and stats but no groups. Every process therefore gets micro-batches of
+    the same count and shape, holding different rows; the learner takes them with
+    ``process_local_batches=True``. ``start_step`` numbers the batches (a resumed run
+    starts at its version, on every process).
+    """
+
+    def __init__(self, source: TrajectoryBatchDataset | None, mesh: Any, *,
+                 start_step: int = 0) -> None:
+        super().__init__()
+        import jax
+
+        self.source = source
+        self.mesh = mesh
+        self.start_step = start_step
+        self.process_id = jax.process_index()
+        self.rows_of = {d.process_index for d in mesh.devices.flat}
+        self._rows_cache: dict[int, dict[int, slice]] = {}
+
+    def rows_of_batch(self, global_rows: int) -> dict[int, slice]:
+        from areal_jax.parallel import process_batch_rows
+
+        if global_rows not in self._rows_cache:
+            self._rows_cache[global_rows] = process_batch_rows(self.mesh, global_rows)
+        return self._rows_cache[global_rows]
+
+    def __iter__(self) -> ProcessRowsIterator:
+        return ProcessRowsIterator(self)
+
+    def __str__(self) -> str:
+        return f"ProcessRowsDataset(process {self.process_id}, source={self.source})"

@@ -1,6 +1,15 @@
 """Device mesh (``--mesh data=D,fsdp=F,tensor=T``), batch sharding, multi-host start-up."""
 
-from areal_jax.parallel.distributed import initialize_distributed, is_main_process
+from areal_jax.parallel.distributed import (
+    JobGuard,
+    detected_cluster,
+    initialize_distributed,
+    is_main_process,
+    job_guard,
+    receive_bytes,
+    send_bytes,
+    start_job_guard,
+)
 from areal_jax.parallel.mesh import (
     BATCH_AXES,
     MESH_AXES,
@@ -12,23 +21,31 @@ from areal_jax.parallel.mesh import (
     mesh_sizes,
     n_batch_shards,
     parse_mesh_spec,
+    process_batch_rows,
     put_batch,
     replicated,
 )
 
 __all__ = [
     "BATCH_AXES",
+    "JobGuard",
     "MESH_AXES",
     "MeshSpecError",
     "batch_sharding",
+    "detected_cluster",
     "format_mesh_spec",
     "initialize_distributed",
     "is_main_process",
+    "job_guard",
     "local_batch_rows",
     "make_mesh",
     "mesh_sizes",
     "n_batch_shards",
     "parse_mesh_spec",
+    "process_batch_rows",
     "put_batch",
+    "receive_bytes",
     "replicated",
+    "send_bytes",
+    "start_job_guard",
 ]

@@ -9,7 +9,11 @@ Open MPI, ...). Must run before anything else touches JAX devices.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import jax
 
@@ -30,6 +34,26 @@ def _env_int(name: str) -> int | None:
 
 def _is_initialized() -> bool:
     return bool(jax.distributed.is_initialized())
+
+
+def detected_cluster() -> str | None:
+    """The multi-process cluster this process was started in, as JAX can auto-detect it:
+    "slurm" (srun with several tasks), "tpu" (a multi-host TPU VM slice), "mpi"
+    (mpirun with several ranks); None otherwise."""
+    def more_than_one(name: str) -> bool:
+        try:
+            return int(os.environ.get(name, "1").split("(")[0]) > 1
+        except ValueError:
+            return False
+
+    if "SLURM_JOB_ID" in os.environ and (more_than_one("SLURM_STEP_NUM_TASKS")
+                                         or more_than_one("SLURM_NTASKS")):
+        return "slurm"
+    if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
+        return "tpu"
+    if more_than_one("OMPI_COMM_WORLD_SIZE"):
+        return "mpi"
+    return None
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -85,3 +109,157 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
 
 def is_main_process() -> bool:
     return jax.process_index() == 0
+
+
+# ----------------------------------------------------------------------------- one job, one fate
+# Keys in the coordination service's key-value store (hosted by process 0).
+_KV_PREFIX = "areal_jax"
+
+
+def _kv_client() -> Any:
+    """The ``jax.distributed`` client (its key-value store); None when single-process."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
+class JobGuard:
+    """Ends every process of a multi-process job within seconds when one of them fails.
+
+    Without it, a process that dies leaves the others blocked in a collective until JAX's
+    shutdown barrier aborts them minutes later. A daemon thread on every process writes a
+    heartbeat to the coordination service every ``interval_s`` and reads everyone else's:
+
+    * a process that raises calls :meth:`fail`: it publishes its error, runs its cleanups
+      and exits at once (skipping JAX's shutdown barrier);
+    * every other process sees that error on its next tick, prints it, runs its cleanups
+      and exits with status 1;
+    * a process that stops beating for ``peer_timeout_s`` (killed, hung) counts as failed;
+      losing the coordinator (process 0) is a failure at once.
+
+    A process that finished cleanly calls :meth:`done` first, so that its silence afterwards
+    is not taken for a failure.
+    """
+
+    def __init__(self, *, peer_timeout_s: float = 15.0, interval_s: float = 0.5) -> None:
+        import threading
+
+        if peer_timeout_s <= interval_s:
+            raise ValueError(f"peer_timeout_s ({peer_timeout_s}) must exceed interval_s ({interval_s})")
+        self.process_id, self.num_processes = jax.process_index(), jax.process_count()
+        self.peer_timeout_s, self.interval_s = peer_timeout_s, interval_s
+        self._client = _kv_client()
+        if self._client is None:
+            raise RuntimeError("JobGuard needs jax.distributed to be initialised")
+        self._cleanups: list[Callable[[], Any]] = []
+        self._stop = threading.Event()
+        self._exiting = threading.Lock()
+        self._thread = threading.Thread(target=self._watch, name="areal-job-guard", daemon=True)
+        self._thread.start()
+
+    def add_cleanup(self, fn: Callable[[], Any]) -> None:
+        """Runs ``fn`` before this process exits because of a failure (e.g. stop servers)."""
+        self._cleanups.append(fn)
+
+    def fail(self, message: str, exit_code: int = 1) -> NoReturn:
+        """Tells every process that this one failed with ``message``, then exits."""
+        with contextlib.suppress(Exception):
+            self._client.key_value_set(f"{_KV_PREFIX}/guard/failed/{self.process_id}", message[:4000],
+                                       allow_overwrite=True)
+        self._exit(exit_code, None)
+
+    def done(self) -> None:
+        """This process finished cleanly: stop watching, and let the others not wait on it."""
+        self._stop.set()
+        self._thread.join(timeout=10 * self.interval_s)
+        with contextlib.suppress(Exception):
+            self._client.key_value_set(f"{_KV_PREFIX}/guard/done/{self.process_id}", "1",
+                                       allow_overwrite=True)
+
+    def _exit(self, exit_code: int, message: str | None) -> NoReturn:
+        self._exiting.acquire()  # one exit path; a second caller blocks until the process ends
+        if message:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        for fn in reversed(self._cleanups):
+            with contextlib.suppress(Exception):
+                fn()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+
+    def _watch(self) -> None:
+        import time
+
+        beat = 0
+        seen: dict[int, tuple[str, float]] = {}  # peer -> (last heartbeat value, when it changed)
+        start = time.monotonic()
+        while not self._stop.wait(self.interval_s):
+            beat += 1
+            try:
+                self._client.key_value_set(f"{_KV_PREFIX}/guard/alive/{self.process_id}", str(beat),
+                                           allow_overwrite=True)
+                entries = dict(self._client.key_value_dir_get(f"{_KV_PREFIX}/guard/"))
+            except Exception as e:  # noqa: BLE001 - any transport error: the coordinator is gone
+                if self._stop.is_set():
+                    return
+                self._exit(1, f"process {self.process_id}: lost the job's coordinator (process 0 "
+                              f"died or is unreachable): {type(e).__name__}: {str(e)[:300]}")
+            now = time.monotonic()
+            for key, value in entries.items():
+                if "/failed/" in key and not key.endswith(f"/failed/{self.process_id}"):
+                    self._exit(1, f"process {key.rsplit('/', 1)[1]} failed: {value}")
+            for peer in range(self.num_processes):
+                if peer == self.process_id or f"{_KV_PREFIX}/guard/done/{peer}" in entries:
+                    continue
+                value = entries.get(f"{_KV_PREFIX}/guard/alive/{peer}", "")
+                last, since = seen.get(peer, ("", start))
+                if value != last:
+                    seen[peer] = (value, now)
+                elif now - since > self.peer_timeout_s:
+                    self._exit(1, f"process {peer} stopped responding for "
+                                  f"{now - since:.0f} s (killed or hung); ending process "
+                                  f"{self.process_id} too")
+
+
+_guard: JobGuard | None = None
+
+
+def start_job_guard(peer_timeout_s: float = 15.0) -> JobGuard | None:
+    """Starts this process's :class:`JobGuard` (once); None when running single-process."""
+    global _guard
+    if _guard is None and _is_initialized() and jax.process_count() > 1:
+        _guard = JobGuard(peer_timeout_s=peer_timeout_s)
+    return _guard
+
+
+def job_guard() -> JobGuard | None:
+    """The running :class:`JobGuard`, if any."""
+    return _guard
+
+
+# ----------------------------------------------------------------------------- process 0 -> all
+def send_bytes(key: str, data: bytes, chunk_bytes: int = 1 << 20) -> None:
+    """Stores ``data`` under ``key`` in the coordination service (in chunks), for
+    :func:`receive_bytes` on another process. Each key is read once."""
+    client = _kv_client()
+    chunks = [data[i:i + chunk_bytes] for i in range(0, len(data), chunk_bytes)] or [b""]
+    for i, chunk in enumerate(chunks):
+        client.key_value_set_bytes(f"{_KV_PREFIX}/data/{key}/{i}", chunk)
+    client.key_value_set(f"{_KV_PREFIX}/data/{key}/n", str(len(chunks)))  # last: complete
+
+
+def receive_bytes(key: str, poll_ms: int = 5000) -> bytes:
+    """Waits (as long as it takes; the :class:`JobGuard` ends a failed job) for
+    :func:`send_bytes`'s ``key``, returns it and deletes it from the store."""
+    client = _kv_client()
+    while True:
+        try:
+            n = int(client.blocking_key_value_get(f"{_KV_PREFIX}/data/{key}/n", poll_ms))
+            break
+        except Exception as e:  # noqa: BLE001 - a timeout: keep waiting
+            if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
+                raise
+    data = b"".join(client.blocking_key_value_get_bytes(f"{_KV_PREFIX}/data/{key}/{i}", poll_ms)
+                    for i in range(n))
+    client.key_value_delete(f"{_KV_PREFIX}/data/{key}/")
+    return data

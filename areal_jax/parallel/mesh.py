@@ -137,6 +137,25 @@ def local_batch_rows(mesh: Mesh, global_rows: int) -> slice:
     return slice(lo, hi)
 
 
+def process_batch_rows(mesh: Mesh, global_rows: int) -> dict[int, slice]:
+    """The contiguous rows of a [global_rows, ...] batch that each process's devices hold:
+    what :func:`local_batch_rows` returns on that process, known to every process."""
+    index_map = batch_sharding(mesh, 1).devices_indices_map((global_rows,))
+    spans: dict[int, set[int]] = {}
+    for device, idx in index_map.items():
+        start = idx[0].start or 0
+        stop = global_rows if idx[0].stop is None else idx[0].stop
+        spans.setdefault(device.process_index, set()).update(range(start, stop))
+    out = {}
+    for pid, rows in sorted(spans.items()):
+        lo, hi = min(rows), max(rows) + 1
+        if len(rows) != hi - lo:
+            raise ValueError(f"process {pid}'s batch rows are not contiguous in the mesh; build the "
+                             "mesh with make_mesh so each process owns one block of (data, fsdp) shards")
+        out[pid] = slice(lo, hi)
+    return out
+
+
 def put_batch(array: np.ndarray, mesh: Mesh, *, process_local: bool = False) -> jax.Array:
     """Place a host batch [R, ...] on the mesh, rows over ("data", "fsdp").
 
