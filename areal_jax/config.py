@@ -114,8 +114,21 @@ class RolloutConfig:
     # long before it is dropped; one that refuses connections is dropped at once.
     request_retry_deadline_s: float = 300.0
     api_key: str | None = None
+    # Agentic RL (areal_jax.rollout.agent): "agent" runs rollout.agent, a "module:function"
+    # written against the OpenAI API, per sample, recording every call token-in/token-out.
+    workflow: Literal["rlvr", "agent"] = "rlvr"
+    agent: str | None = None
+    max_turns: int = 4  # agent: model calls per trajectory
+    max_total_tokens: int | None = None  # agent: tokens per trajectory; null: train.seq_len
 
     def __post_init__(self) -> None:
+        _positive("rollout", max_turns=self.max_turns, max_total_tokens=self.max_total_tokens)
+        if self.workflow == "agent" and not self.agent:
+            raise ValueError("rollout.workflow='agent' needs rollout.agent, the agent function "
+                             "as 'module:function'")
+        if self.agent and self.workflow != "agent":
+            raise ValueError(f"rollout.agent is set but rollout.workflow={self.workflow!r}; "
+                             "set rollout.workflow: agent")
         _positive("rollout", num_servers=self.num_servers, max_slots=self.max_slots,
                   max_seq_len=self.max_seq_len, n_samples=self.n_samples,
                   max_new_tokens=self.max_new_tokens, max_concurrent=self.max_concurrent,

@@ -573,8 +573,20 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
     sampling = SamplingConfig(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
                               top_p=ro.top_p, top_k=ro.top_k)
     group_filter = (lambda g: len({t.reward for t in g}) > 1) if cfg.algo.dynamic_filter else None
-    workflow = RLVRWorkflow(reward_fn, n_samples=ro.n_samples, gconfig=sampling, tokenizer=tokenizer,
-                            group_filter=group_filter)
+    if ro.workflow == "agent":
+        from areal_jax.rollout.agent import AgenticWorkflow
+
+        try:
+            workflow: Any = AgenticWorkflow(
+                ro.agent, n_samples=ro.n_samples, gconfig=sampling, tokenizer=tokenizer,
+                max_turns=ro.max_turns, reward_max_abs=cfg.reward.max_abs,
+                max_total_tokens=min(ro.max_total_tokens or cfg.train.seq_len, ro.max_seq_len))
+        except ValueError as e:
+            raise TrainerError(f"rollout.agent: {e}") from None
+        stack.callback(workflow.close)
+    else:
+        workflow = RLVRWorkflow(reward_fn, n_samples=ro.n_samples, gconfig=sampling,
+                                tokenizer=tokenizer, group_filter=group_filter)
     try:
         prompts = load_prompt_dataset(train_path, prompt_key=cfg.data.prompt_key,
                                       answer_key=cfg.data.answer_key, seed=cfg.seed,

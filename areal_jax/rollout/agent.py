@@ -1,0 +1,305 @@
+"""Agentic workflows: a user's agent, written against the OpenAI API, becomes trajectories.
+
+    async def my_agent(base_url: str, item: dict) -> float:      # or a plain function
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused")
+        r = await client.chat.completions.create(model="policy", messages=[...])
+        ...  # call tools, call the model again, ...
+        return reward
+
+    workflow = AgenticWorkflow(my_agent, n_samples=8, gconfig=..., tokenizer=...)
+
+Each sample gets its own endpoint ``{proxy}/traj/{id}/v1`` on a small OpenAI-compatible
+server in this process (the routes of :mod:`areal_jax.engine.openai_api`). Every call to it
+is generated through the rollout client, so weight-update interruptions, server failover
+and the executor's staleness gate work as for single-turn workflows, and is recorded
+token-in/token-out: prompt ids, output ids, behaviour logprobs and per-token weight
+versions.
+
+**The trajectory** is the *last* call's prompt + output. Tokens of earlier calls are found
+in it by position: an earlier call whose prompt ids are a prefix of the final sequence
+contributes its output tokens (loss mask 1, their logprobs and versions) as far as they
+appear there unchanged. Everything else (the prompt, tool output, template tokens between
+turns) has loss mask 0. So a multi-turn agent that resends the growing conversation gets
+one sequence with the model's turns masked in; a call whose output the agent edited, or a
+side conversation, is counted in ``agent_calls_unmatched`` and not trained on.
+
+Sampling is the run's: temperature, top-p and top-k come from ``gconfig`` whatever the agent
+asks (the learner recomputes logprobs at that temperature), ``max_tokens`` is capped by
+``gconfig.max_new_tokens``. More than ``max_turns`` calls, or a prompt reaching
+``max_total_tokens``, get a 400 with ``code`` ``turn_limit`` / ``context_length_exceeded``.
+If the agent raises or returns no valid reward, or made no call, the group is rejected
+(counted as ``agent_failed_groups``), as a failed reward rejects a single-turn group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from areal_jax.engine.openai_api import Generated, OpenAIError, OpenAIRoutes
+from areal_jax.engine.request import SamplingParams
+from areal_jax.rewards.pool import check_reward_value
+from areal_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, Trajectory
+from areal_jax.rollout.workflows import SamplingConfig, WorkflowContext
+
+logger = logging.getLogger(__name__)
+AgentFn = Callable[..., Any]
+
+
+@dataclass
+class RecordedCall:
+    """One completion request of an agent, token-in/token-out."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    n_interruptions: int = 0
+
+
+@dataclass
+class _Recorder:
+    client: Any
+    loop: asyncio.AbstractEventLoop
+    gconfig: SamplingConfig
+    seed: int
+    rid: str
+    max_turns: int
+    max_total_tokens: int
+    calls: list[RecordedCall] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def assemble_trajectory(calls: list[RecordedCall], reward: float, **fields: Any
+                        ) -> tuple[Trajectory, int]:
+    """The trajectory of an agent run (see the module docstring) and how many earlier
+    calls did not match the final sequence."""
+    if not calls:
+        raise ValueError("the agent made no model call, so there is nothing to train on")
+    final = calls[-1]
+    ids = list(final.prompt_ids) + list(final.output_ids)
+    n_prompt = len(final.prompt_ids)
+    mask = [0] * n_prompt + [1] * len(final.output_ids)
+    logp = [0.0] * n_prompt + list(final.logprobs)
+    versions = [-1] * n_prompt + list(final.versions)
+    unmatched = 0
+    for call in calls[:-1]:
+        start = len(call.prompt_ids)
+        if start > n_prompt or ids[:start] != list(call.prompt_ids):
+            unmatched += 1
+            continue
+        for j, token in enumerate(call.output_ids):
+            pos = start + j
+            if pos >= n_prompt or ids[pos] != token:
+                break
+            mask[pos], logp[pos], versions[pos] = 1, call.logprobs[j], call.versions[j]
+    info = {"turns": len(calls), "calls_unmatched": unmatched,
+            "n_interruptions": sum(c.n_interruptions for c in calls), **fields.pop("info", {})}
+    traj = Trajectory(input_ids=ids, loss_mask=mask, behav_logp=logp, versions=versions,
+                      reward=float(reward), finish_reason=final.finish_reason, info=info, **fields)
+    return traj, unmatched
+
+
+class AgentProxy:
+    """The per-trajectory OpenAI endpoints: one HTTP server on 127.0.0.1 (its own thread and
+    event loop), routing ``/traj/{key}/v1/...`` to the recorder registered under ``key``."""
+
+    def __init__(self, tokenizer: Any, *, vocab_size: int, max_seq_len: int,
+                 host: str = "127.0.0.1") -> None:
+        import uvicorn
+        from fastapi import FastAPI
+
+        self._recorders: dict[str, _Recorder] = {}
+        stops = tuple(getattr(tokenizer, "stop_token_ids", None) or ())
+        app = FastAPI(title="areal-jax agent proxy", docs_url=None, redoc_url=None)
+        OpenAIRoutes(self._generate, tokenizer=tokenizer, vocab_size=vocab_size,
+                     max_seq_len=max_seq_len, model_name="policy",
+                     stop_token_ids=stops).register(app, prefix="/traj/{key}")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        self.url = f"http://{host}:{sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                     timeout_keep_alive=30))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="agent-proxy", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30.0
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the agent proxy server did not start")
+            time.sleep(0.01)
+
+    def open(self, recorder: _Recorder) -> str:
+        key = uuid.uuid4().hex
+        self._recorders[key] = recorder
+        return key
+
+    def base_url(self, key: str) -> str:
+        return f"{self.url}/traj/{key}/v1"
+
+    def release(self, key: str) -> None:
+        self._recorders.pop(key, None)
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10.0)
+
+    async def _generate(self, key: str, input_ids: list[int], params: SamplingParams,
+                        on_tokens: Any) -> Generated:
+        rec = self._recorders.get(key)
+        if rec is None:
+            raise OpenAIError(f"no running trajectory {key!r} (it has finished)", status=404,
+                              code="unknown_trajectory")
+        with rec.lock:
+            turn = len(rec.calls)
+            if turn >= rec.max_turns:
+                raise OpenAIError(f"turn limit reached: this trajectory allows {rec.max_turns} "
+                                  "model calls", code="turn_limit")
+            rec.calls.append(None)  # type: ignore[arg-type]  # reserves the turn
+        room = rec.max_total_tokens - len(input_ids)
+        if room < 1:
+            raise OpenAIError(f"the prompt has {len(input_ids)} tokens; this trajectory allows "
+                              f"{rec.max_total_tokens} in all", "messages",
+                              code="context_length_exceeded")
+        stops = list(dict.fromkeys([*rec.gconfig.stop_token_ids, *params.stop_token_ids]))
+        gconfig = replace(rec.gconfig, stop_token_ids=tuple(stops))
+        request = gconfig.request(input_ids, seed=rec.seed + turn, rid=f"{rec.rid}.{turn}",
+                                  max_new_tokens=min(params.max_new_tokens,
+                                                     rec.gconfig.max_new_tokens, room))
+        future = None
+        try:
+            future = asyncio.run_coroutine_threadsafe(rec.client.agenerate(request), rec.loop)
+            resp = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if future is not None:
+                future.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - answered to the agent as a 5xx
+            raise OpenAIError(f"generation failed: {type(e).__name__}: {e}", status=502,
+                              kind="server_error") from None
+        call = RecordedCall(list(input_ids), list(resp.output_ids), list(resp.output_logprobs),
+                            list(resp.output_versions), resp.finish_reason, resp.n_interruptions)
+        with rec.lock:
+            rec.calls[turn] = call
+        if on_tokens is not None and call.output_ids:
+            on_tokens(call.output_ids, call.logprobs)
+        finish = FINISH_LENGTH if resp.finish_reason == FINISH_LENGTH else FINISH_STOP
+        return Generated(call.output_ids, call.logprobs, finish,
+                         str(max(call.versions, default=-1)))
+
+
+def resolve_agent(agent: AgentFn | str) -> AgentFn:
+    """A callable, or ``"module:function"`` imported now (ValueError naming what is wrong)."""
+    if callable(agent):
+        return agent
+    if not isinstance(agent, str) or ":" not in agent:
+        raise ValueError(f"agent {agent!r} must be a callable or a 'module:function' string "
+                         "(e.g. 'areal_jax.rollout.agent_examples:arith_retry_agent')")
+    module_name, _, attr = agent.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"agent {agent!r}: cannot import module {module_name!r}: {e}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"agent {agent!r}: module {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+class AgenticWorkflow:
+    """Runs ``agent(base_url, item, **agent_kwargs) -> reward`` ``n_samples`` times per
+    prompt, each against its own recording endpoint; returns the group of trajectories.
+
+    ``agent`` may be async (run on the executor's loop) or plain (run in a thread). Token
+    budgets: ``max_turns`` model calls and ``max_total_tokens`` per trajectory.
+    """
+
+    def __init__(self, agent: AgentFn | str, *, n_samples: int = 1,
+                 gconfig: SamplingConfig | None = None, tokenizer: Any = None,
+                 max_turns: int = 4, max_total_tokens: int = 1024, vocab_size: int | None = None,
+                 reward_max_abs: float | None = None,
+                 agent_kwargs: dict[str, Any] | None = None) -> None:
+        if n_samples < 1 or max_turns < 1 or max_total_tokens < 2:
+            raise ValueError(f"AgenticWorkflow needs n_samples >= 1, max_turns >= 1, "
+                             f"max_total_tokens >= 2; got {n_samples}, {max_turns}, "
+                             f"{max_total_tokens}")
+        self.agent = resolve_agent(agent)
+        self.n_samples, self.max_turns, self.max_total_tokens = n_samples, max_turns, max_total_tokens
+        self.gconfig = gconfig or SamplingConfig()
+        self.tokenizer = tokenizer
+        if tokenizer is not None and not self.gconfig.stop_token_ids:
+            self.gconfig = replace(self.gconfig,
+                                   stop_token_ids=tuple(tokenizer.stop_token_ids))
+        self.vocab_size = vocab_size
+        self.reward_max_abs = reward_max_abs
+        self.agent_kwargs = dict(agent_kwargs or {})
+        self._proxy: AgentProxy | None = None
+        self._proxy_lock = threading.Lock()
+
+    def proxy(self, tokenizer: Any) -> AgentProxy:
+        """The recording server, started on first use."""
+        with self._proxy_lock:
+            if self._proxy is None:
+                vocab = self.vocab_size or (tokenizer.vocab_size if tokenizer else 2**31 - 1)
+                self._proxy = AgentProxy(tokenizer, vocab_size=vocab,
+                                         max_seq_len=self.max_total_tokens)
+            return self._proxy
+
+    def close(self) -> None:
+        if self._proxy is not None:
+            self._proxy.close()
+            self._proxy = None
+
+    async def _sample(self, client: Any, item: dict[str, Any], ctx: WorkflowContext,
+                      index: int) -> tuple[float | None, list[RecordedCall], str | None]:
+        proxy = self.proxy(self.tokenizer or ctx.tokenizer)
+        rec = _Recorder(client=client, loop=asyncio.get_running_loop(), gconfig=self.gconfig,
+                        seed=ctx.seed + 1000 * index, rid=f"{ctx.group_id}/{index}",
+                        max_turns=self.max_turns, max_total_tokens=self.max_total_tokens)
+        key = proxy.open(rec)
+        max_abs = self.reward_max_abs or ctx.reward_max_abs
+        try:
+            if inspect.iscoroutinefunction(self.agent):
+                value = await self.agent(proxy.base_url(key), item, **self.agent_kwargs)
+            else:  # a plain agent blocks: it runs in a thread, the loop stays free
+                value = await asyncio.to_thread(self.agent, proxy.base_url(key), item,
+                                                **self.agent_kwargs)
+            reward, problem = check_reward_value(value, max_abs), None
+        except Exception as e:  # noqa: BLE001 - one bad episode must not stop the run
+            name = getattr(self.agent, "__name__", repr(self.agent))
+            reward, problem = None, f"agent {name} failed: {type(e).__name__}: {e}"
+        finally:
+            proxy.release(key)
+        calls = [c for c in rec.calls if c is not None]
+        if problem is None and not calls:
+            problem = "the agent made no model call"
+        return reward, calls, problem
+
+    async def arun(self, client: Any, item: dict[str, Any],
+                   ctx: WorkflowContext) -> list[Trajectory] | None:
+        results = await asyncio.gather(*(self._sample(client, item, ctx, i)
+                                         for i in range(self.n_samples)))
+        group = []
+        for i, (reward, calls, problem) in enumerate(results):
+            if problem is not None or reward is None:
+                logger.warning("agent sample %s/%d: %s", ctx.group_id, i, problem)
+                ctx.count("agent_failed_groups")
+                ctx.note_problem(problem or "the agent returned no reward")
+                return None
+            traj, unmatched = assemble_trajectory(calls, reward, info={"sample_index": i})
+            if unmatched:
+                ctx.count("agent_calls_unmatched", unmatched)
+            ctx.count("agent_turns", len(calls))
+            group.append(traj)
+        return group

@@ -1,0 +1,196 @@
+"""The agentic workflow: agents written against the openai client, run against a real
+engine server on 127.0.0.1 through the per-trajectory recording endpoint. The trajectory's
+loss mask covers exactly the model's tokens (not the prompt, tool output or template
+tokens), its logprobs are the ones the API returned, and its versions follow weight
+updates between turns."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections import Counter
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from areal_jax.config import ConfigError, load_config
+from areal_jax.data.tokenizer import load_tokenizer
+from areal_jax.engine.launch import launch_server
+from areal_jax.rollout.agent import AgenticWorkflow, RecordedCall, assemble_trajectory
+from areal_jax.rollout.client import RolloutClient
+from areal_jax.rollout.workflows import SamplingConfig, WorkflowContext
+from areal_jax.trainer_setup import ASSETS_DIR
+
+EOS = 2
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}"
+                 "<eos>{% endif %}{% endfor %}")
+GREEDY = SamplingConfig(max_new_tokens=40, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("agent") / "arith"
+    shutil.copytree(ASSETS_DIR / "arith_sft", out)
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    cache = tmp_path_factory.getbasetemp() / "engine_compilation_cache"
+    with launch_server(model_dir, max_slots=4, max_seq_len=160,
+                       compilation_cache_dir=cache) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return load_tokenizer(model_dir)
+
+
+def run(workflow, server, tok, item, counts=None):
+    counts = counts if counts is not None else Counter()
+
+    async def go():
+        async with RolloutClient([server.url]) as client:
+            ctx = WorkflowContext(start_version=0, seed=5, group_id="g0", tokenizer=tok,
+                                  _count=lambda name, n: counts.update({name: n}))
+            return await workflow.arun(client, item, ctx)
+
+    try:
+        return asyncio.run(go()), counts
+    finally:
+        workflow.close()
+
+
+ITEM = {"prompt_id": "p0", "prompt": "Q:17+5-8=", "answer": "14"}
+SEEN: dict[str, list] = {}
+
+
+async def tool_agent(base_url, item):
+    """Two completions; between them a 'tool' result the model did not write."""
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0) as client:
+        r1 = await client.completions.create(model="p", prompt=item["prompt"], max_tokens=40,
+                                             logprobs=0)
+        text = r1.choices[0].text
+        tool = "Q:3+4="
+        r2 = await client.completions.create(model="p", prompt=item["prompt"] + text + "<eos>"
+                                             + tool, max_tokens=40, logprobs=0)
+        SEEN["tool"] = [r1, r2, tool]
+        return 0.5
+
+
+def test_completions_agent_masks_model_tokens_only(server, tok):
+    group, counts = run(AgenticWorkflow(tool_agent, n_samples=1, gconfig=GREEDY, tokenizer=tok,
+                                        max_turns=2, max_total_tokens=160), server, tok, ITEM)
+    (traj,) = group
+    r1, r2, tool = SEEN["tool"]
+    p = tok.encode(ITEM["prompt"])
+    o1 = tok.encode(r1.choices[0].text)
+    o2 = tok.encode(r2.choices[0].text)
+    assert r1.choices[0].finish_reason == "stop"  # so the <eos> it ended with is the model's
+    between = tok.encode(tool)
+    want_ids = p + o1 + [EOS] + between + o2 + ([EOS] if r2.choices[0].finish_reason == "stop" else [])
+    assert traj.input_ids.tolist() == want_ids
+    n_o2 = len(want_ids) - len(p) - len(o1) - 1 - len(between)
+    want_mask = [0] * len(p) + [1] * (len(o1) + 1) + [0] * len(between) + [1] * n_o2
+    assert traj.loss_mask.tolist() == want_mask
+    # The logprobs the agent saw are the trajectory's behaviour logprobs (the API hides the
+    # stop token, the trajectory keeps it).
+    lp = traj.behav_logp
+    np.testing.assert_array_equal(lp[len(p):len(p) + len(o1)], r1.choices[0].logprobs.token_logprobs)
+    start2 = len(p) + len(o1) + 1 + len(between)
+    np.testing.assert_array_equal(lp[start2:start2 + len(o2)], r2.choices[0].logprobs.token_logprobs)
+    assert np.all(lp[np.array(want_mask) == 0] == 0.0) and np.all(lp[np.array(want_mask) == 1] < 0)
+    assert traj.versions.tolist() == [0 if m else -1 for m in want_mask]
+    assert traj.reward == 0.5 and traj.info["turns"] == 2
+    assert counts["agent_turns"] == 2 and counts["agent_calls_unmatched"] == 0
+
+
+def chat_agent(base_url, item, *, between):
+    """A plain (blocking) agent over the chat API; ``between`` runs between its turns."""
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": item["prompt"]}]
+    a1 = client.chat.completions.create(model="p", messages=messages, logprobs=True)
+    between()
+    messages += [{"role": "assistant", "content": a1.choices[0].message.content},
+                 {"role": "user", "content": "Q:2+2="}]
+    a2 = client.chat.completions.create(model="p", messages=messages, logprobs=True)
+    SEEN["chat"] = [a1, a2]
+    return 1
+
+
+def test_chat_agent_across_a_weight_update(server, tok):
+    def bump_version():
+        r = httpx.post(f"{server.url}/update_weight_version", json={"new_version": "1"})
+        assert r.status_code == 200
+
+    wf = AgenticWorkflow(chat_agent, n_samples=1, gconfig=GREEDY, tokenizer=tok, max_turns=2,
+                         max_total_tokens=160, agent_kwargs={"between": bump_version})
+    try:
+        (traj,), _ = run(wf, server, tok, ITEM)
+    finally:
+        httpx.post(f"{server.url}/update_weight_version", json={"new_version": "0"})
+    a1, a2 = SEEN["chat"]
+    n1 = len(tok.encode(a1.choices[0].message.content)) + 1  # + its <eos>
+    n2 = a2.usage.completion_tokens
+    p = len(tok.encode(ITEM["prompt"]))
+    between = len(tok.encode("Q:2+2="))
+    assert traj.num_tokens == p + n1 + between + n2
+    assert traj.loss_mask.tolist() == [0] * p + [1] * n1 + [0] * between + [1] * n2
+    # Each turn's tokens carry the version that generated them.
+    assert traj.versions.tolist() == [-1] * p + [0] * n1 + [-1] * between + [1] * n2
+    np.testing.assert_array_equal(traj.behav_logp[p:p + n1 - 1],
+                                  [c.logprob for c in a1.choices[0].logprobs.content])
+
+
+async def greedy_agent(base_url, item, *, calls=3, reward=1.0):
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0) as client:
+        for _ in range(calls):
+            await client.completions.create(model="p", prompt=item["prompt"], max_tokens=4)
+    return reward
+
+
+@pytest.mark.parametrize("kwargs, problem", [
+    ({"calls": 3}, "turn limit reached"),
+    ({"calls": 1, "reward": "1.0"}, "reward must be a real number"),
+    ({"calls": 0}, "the agent made no model call"),
+])
+def test_failed_agents_reject_the_group(server, tok, kwargs, problem, caplog):
+    wf = AgenticWorkflow(greedy_agent, n_samples=2, gconfig=GREEDY, tokenizer=tok, max_turns=2,
+                         max_total_tokens=160, agent_kwargs=kwargs)
+    group, counts = run(wf, server, tok, ITEM)
+    assert group is None and counts["agent_failed_groups"] == 1
+    assert problem in caplog.text
+
+
+def test_assemble_trajectory_keeps_only_calls_inside_the_final_sequence():
+    calls = [RecordedCall([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [0, 0, 0], "stop"),
+             RecordedCall([9, 9], [7], [-0.5], [0], "stop"),  # a side conversation
+             RecordedCall([1, 2, 3, 4, 8, 6], [7, 2], [-0.4, -0.6], [1, 1], "stop")]
+    traj, unmatched = assemble_trajectory(calls, 1.0)
+    assert unmatched == 1
+    assert traj.input_ids.tolist() == [1, 2, 3, 4, 8, 6, 7, 2]
+    # The first call's tokens count up to where the agent changed them (5 -> 8).
+    assert traj.loss_mask.tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
+    np.testing.assert_array_equal(traj.behav_logp, np.float32([0, 0, -0.1, -0.2, 0, 0, -0.4, -0.6]))
+    assert traj.versions.tolist() == [-1, -1, 0, 0, -1, -1, 1, 1]
+    with pytest.raises(ValueError, match="the agent made no model call"):
+        assemble_trajectory([], 1.0)
+
+
+def test_agent_workflow_from_config(tmp_path):
+    base = ["model.path=builtin:arith_sft", "rollout.workflow=agent"]
+    cfg = load_config(None, base + ["rollout.agent=areal_jax.rollout.agent_examples:arith_retry_agent",
+                                    "rollout.max_turns=2"])
+    assert cfg.rollout.workflow == "agent" and cfg.rollout.max_turns == 2
+    with pytest.raises(ConfigError, match="rollout.workflow='agent' needs rollout.agent"):
+        load_config(None, base)
+    with pytest.raises(ConfigError, match="rollout.max_turns must be > 0"):
+        load_config(None, base + ["rollout.agent=a:b", "rollout.max_turns=0"])
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module'"):
+        AgenticWorkflow("no_such_module:agent")
+    with pytest.raises(ValueError, match="has no callable 'nope'"):
+        AgenticWorkflow("areal_jax.rollout.agent_examples:nope")
