@@ -112,11 +112,15 @@ def test_no_cache_entry_survives_a_weight_swap(unchecked_engine, ckpt, tmp_path)
 
     engine = unchecked_engine
     prompts = [[3, 4, 5], [7, 8, 9, 10, 11]]
-    before = [engine.generate(p, greedy(8), timeout=120).output_ids for p in prompts]
+    # 20 new tokens attend to 32 cache positions, beyond their 16-token prefill bucket,
+    # where the NaN phase's 20-token prompts (prefill bucket 32) left NaN rows, which
+    # masking alone does not neutralise (0 * NaN).
+    before = [engine.generate(p, greedy(20), timeout=120).output_ids for p in prompts]
     assert engine.update_weights_from_disk(str(nan_dir), "1")["success"]
-    poisoned = [engine.generate(p, greedy(8), timeout=120) for p in prompts]
+    poisoned = [engine.generate(list(range(3 + 20 * i, 23 + 20 * i)), greedy(4), timeout=120)
+                for i in range(2)]
     assert all(r.error is not None and "non-finite logprob" in r.error for r in poisoned)
     assert engine.healthy  # a request that fails fails alone
     assert engine.update_weights_from_disk(str(ckpt), "2")["success"]
-    after = [engine.generate(p, greedy(8), timeout=120).output_ids for p in prompts]
+    after = [engine.generate(p, greedy(20), timeout=120).output_ids for p in prompts]
     assert after == before
