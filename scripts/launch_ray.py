@@ -72,10 +72,13 @@ class ProcessRunner:
 
         return str(resolve_model_path(spec))
 
-    def start(self, cmd: list[str], env: dict[str, str]) -> tuple[str, int]:
+    def start(self, cmd: list[str], env: dict[str, str], make_dirs: tuple[str, ...] = ()
+              ) -> tuple[str, int]:
         import subprocess
         import threading
 
+        for d in make_dirs:  # e.g. the publish dir a server is allowed to load from
+            os.makedirs(d, exist_ok=True)
         full_env = {**os.environ, **env}
         if full_env.get("CUDA_VISIBLE_DEVICES") == "":  # Ray's for a GPU-less actor: not ours
             del full_env["CUDA_VISIBLE_DEVICES"]
@@ -170,9 +173,10 @@ class Job:
         self.actors[role] = actor
         return actor
 
-    def start(self, role: str, cmd: list[str], env: dict[str, str]) -> None:
+    def start(self, role: str, cmd: list[str], env: dict[str, str],
+              make_dirs: tuple[str, ...] = ()) -> None:
         # Waits for the actor to be placed: a timeout when the resource stays taken.
-        host, pid = self.ray.get(self.actors[role].start.remote(cmd, env),
+        host, pid = self.ray.get(self.actors[role].start.remote(cmd, env, make_dirs),
                                  timeout=self.startup_timeout_s)
         self.hosts[role] = host
         self.started.append({"role": role, "host": host, "pid": pid})
@@ -231,11 +235,17 @@ def run(args: argparse.Namespace) -> int:
 
     from areal_jax.config import ConfigError, load_config
 
+    if "://" not in args.config:  # every process resolves paths the same way
+        args.config = os.path.abspath(args.config)
     try:
         cfg = load_config(args.config, list(args.overrides) + ([f"mesh={args.mesh}"] if args.mesh else []))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if "://" not in cfg.run_dir and not os.path.isabs(cfg.run_dir):
+        args.overrides = [*args.overrides, f"run_dir={os.path.abspath(cfg.run_dir)}"]
+    run_dir = cfg.run_dir if "://" in cfg.run_dir else os.path.abspath(cfg.run_dir)
+    publish_dir = cfg.checkpoint.publish_dir or f"{run_dir.rstrip('/')}/weights"
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     ray.init(address=args.address, log_to_driver=False, logging_level="warning")
     needed = {args.trainer_resource: args.trainers, args.server_resource: args.servers}
@@ -268,8 +278,11 @@ def run(args: argparse.Namespace) -> int:
             else:
                 cmd = [sys.executable, SERVE, "--model-path", model, "--host", ip, "--port", str(port),
                        "--max-slots", str(cfg.rollout.max_slots),
-                       "--max-seq-len", str(cfg.rollout.max_seq_len), *shlex.split(args.server_args)]
-            job.start(role, cmd, {**common_env, **_env(args.server_env)})
+                       "--max-seq-len", str(cfg.rollout.max_seq_len),
+                       "--allowed-weight-dir", publish_dir,  # the run's serving weights
+                       *shlex.split(args.server_args)]
+            job.start(role, cmd, {**common_env, **_env(args.server_env)},
+                      make_dirs=() if "://" in publish_dir else (publish_dir,))
             urls.append(f"http://{ip}:{port}")
         for i, url in enumerate(urls):
             _wait_healthy(url, job, f"server{i}", args.startup_timeout_s)
