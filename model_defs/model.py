@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from model_defs.attention import attention
 from model_defs.config import ModelConfig
 from model_defs.sharding import shard
 
 Array = jax.Array
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 # --------------------------------------------------------------------------- cache
@@ -91,47 +91,6 @@ def apply_rope(x_btnd: Array, cos_btd: Array, sin_btd: Array) -> Array:
     return x_btnd * cos_btd[:, :, None, :] + rotated * sin_btd[:, :, None, :]
 
 
-# --------------------------------------------------------------------------- attention
-# Query rows per block in the cache-free path. Keys past a block's last row are masked
-# for every row of the block (causal), so each block only reads keys [0, block end):
-# about half the work of the full T x T product and a T/QUERY_CHUNK smaller score buffer.
-QUERY_CHUNK = 256
-
-
-def _attention(q_btkgd: Array, k_bskd: Array, v_bskd: Array, mask_bts: Array) -> Array:
-    """Grouped-query attention (KV heads not repeated), fp32 scores and softmax."""
-    scores_bkgts = jnp.einsum(
-        "btkgd,bskd->bkgts", q_btkgd, k_bskd, preferred_element_type=jnp.float32
-    )
-    scores_bkgts = jnp.where(mask_bts[:, None, None, :, :], scores_bkgts, _MASK_VALUE)
-    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(q_btkgd.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs_bkgts, v_bskd)
-
-
-def _causal_attention_chunked(
-    q_btkgd: Array, k_btkd: Array, v_btkd: Array, mask_bts: Array
-) -> Array:
-    """Self-attention whose mask is causal by token index (plus anything stricter, e.g.
-    segments), computed in query blocks in a head-major layout (faster on CPU)."""
-    t = q_btkgd.shape[1]
-    q_bkgtd = q_btkgd.transpose(0, 2, 3, 1, 4)
-    k_bksd = k_btkd.transpose(0, 2, 1, 3)
-    v_bksd = v_btkd.transpose(0, 2, 1, 3)
-    outs = []
-    for start in range(0, t, QUERY_CHUNK):
-        end = min(t, start + QUERY_CHUNK)
-        scores_bkgcs = jnp.einsum(
-            "bkgcd,bksd->bkgcs", q_bkgtd[:, :, :, start:end], k_bksd[:, :, :end],
-            preferred_element_type=jnp.float32,
-        )
-        mask_bcs = mask_bts[:, start:end, :end]
-        scores_bkgcs = jnp.where(mask_bcs[:, None, None], scores_bkgcs, _MASK_VALUE)
-        probs_bkgcs = jax.nn.softmax(scores_bkgcs, axis=-1).astype(q_btkgd.dtype)
-        outs.append(jnp.einsum("bkgcs,bksd->bkgcd", probs_bkgcs, v_bksd[:, :, :end]))
-    out_bkgtd = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
-    return out_bkgtd.transpose(0, 3, 1, 2, 4)
-
-
 # --------------------------------------------------------------------------- layers
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, *, dtype: Any, param_dtype: Any):
@@ -178,16 +137,10 @@ class Attention(nnx.Module):
             out_btnh = out_btnh + bias[...].astype(self.dtype)
         return out_btnh
 
-    def __call__(
-        self,
-        x_btd: Array,
-        cos_sin: tuple[Array, Array],
-        mask_bts: Array,
-        positions_bt: Array,
-        cache: KVCache | None,
-        cache_rows_b: Array | None,
-        layer_idx: int,
-    ) -> tuple[Array, KVCache | None]:
+    def project_qkv(self, x_btd: Array, cos_sin: tuple[Array, Array]
+                    ) -> tuple[Array, Array, Array]:
+        """Head-major attention inputs of normed hidden states [B, T, D]: queries
+        [B, K, G, T, Dh] scaled by Dh**-0.5, keys and values [B, K, T, Dh] (RoPE applied)."""
         b, t, _ = x_btd.shape
         q_bthd = self._project(x_btd, self.q_kernel_dhk, self.q_bias)
         k_btkd = self._project(x_btd, self.k_kernel_dkh, self.k_bias)
@@ -199,30 +152,44 @@ class Attention(nnx.Module):
         q_bthd = shard(apply_rope(q_bthd, cos, sin), ("batch", "seq", "heads", "head_dim"))
         k_btkd = shard(apply_rope(k_btkd, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
         v_btkd = shard(v_btkd, ("batch", "seq", "kv_heads", "head_dim"))
+        kv, dh = self.num_kv_heads, self.head_dim
+        q_bkgtd = q_bthd.reshape(b, t, kv, self.num_heads // kv, dh).transpose(0, 2, 3, 1, 4)
+        q_bkgtd = q_bkgtd * jnp.asarray(dh**-0.5, self.dtype)
+        return q_bkgtd, k_btkd.transpose(0, 2, 1, 3), v_btkd.transpose(0, 2, 1, 3)
 
-        if cache is not None:
-            cache = KVCache(
-                k=_write_cache(cache.k, layer_idx, k_btkd, positions_bt, cache_rows_b),
-                v=_write_cache(cache.v, layer_idx, v_btkd, positions_bt, cache_rows_b),
-            )
-            keys_bskd, values_bskd = cache.k[layer_idx], cache.v[layer_idx]
-            if cache_rows_b is not None:
-                keys_bskd, values_bskd = keys_bskd[cache_rows_b], values_bskd[cache_rows_b]
-            keys_bskd = keys_bskd.astype(self.dtype)
-            values_bskd = values_bskd.astype(self.dtype)
-        else:
-            keys_bskd, values_bskd = k_btkd, v_btkd
+    def project_out(self, out_bkgtd: Array) -> Array:
+        """Output projection of head-major attention outputs, -> [B, T, D]."""
+        b, k, g, t, dh = out_bkgtd.shape
+        out_bthd = out_bkgtd.transpose(0, 3, 1, 2, 4).reshape(b, t, k * g, dh)
+        return jnp.einsum("bthd,hdD->btD", out_bthd, self.o_kernel_hkd[...].astype(self.dtype))
 
-        groups = self.num_heads // self.num_kv_heads
-        q_btkgd = q_bthd.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
-        q_btkgd = q_btkgd * jnp.asarray(self.head_dim**-0.5, self.dtype)
+    def __call__(
+        self,
+        x_btd: Array,
+        cos_sin: tuple[Array, Array],
+        segment_ids_bt: Array | None,
+        positions_bt: Array,
+        cache: KVCache | None,
+        cache_rows_b: Array | None,
+        layer_idx: int,
+    ) -> tuple[Array, KVCache | None]:
+        q_bkgtd, k_bktd, v_bktd = self.project_qkv(x_btd, cos_sin)
         if cache is None:
-            out_btkgd = _causal_attention_chunked(q_btkgd, keys_bskd, values_bskd, mask_bts)
-        else:
-            out_btkgd = _attention(q_btkgd, keys_bskd, values_bskd, mask_bts)
-        out_bthd = out_btkgd.reshape(b, t, self.num_heads, self.head_dim)
-        out_btd = jnp.einsum("bthd,hdD->btD", out_bthd, self.o_kernel_hkd[...].astype(self.dtype))
-        return out_btd, cache
+            out_bkgtd = attention(q_bkgtd, k_bktd, v_bktd, segment_ids_bt=segment_ids_bt)
+            return self.project_out(out_bkgtd), None
+        k_btkd, v_btkd = k_bktd.transpose(0, 2, 1, 3), v_bktd.transpose(0, 2, 1, 3)
+        cache = KVCache(
+            k=_write_cache(cache.k, layer_idx, k_btkd, positions_bt, cache_rows_b),
+            v=_write_cache(cache.v, layer_idx, v_btkd, positions_bt, cache_rows_b),
+        )
+        keys_bskd, values_bskd = cache.k[layer_idx], cache.v[layer_idx]
+        if cache_rows_b is not None:
+            keys_bskd, values_bskd = keys_bskd[cache_rows_b], values_bskd[cache_rows_b]
+        # A query at position p reads cache indices j <= p of its own row.
+        out_bkgtd = attention(q_bkgtd, keys_bskd.astype(self.dtype).transpose(0, 2, 1, 3),
+                              values_bskd.astype(self.dtype).transpose(0, 2, 1, 3),
+                              kv_limit_bt=positions_bt)
+        return self.project_out(out_bkgtd), cache
 
 
 class MLP(nnx.Module):
@@ -248,17 +215,29 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, rngs=rngs, **kw)
 
-    def __call__(self, x_btd, cos_sin, mask_bts, positions_bt, cache, cache_rows_b, layer_idx):
-        attn_btd, cache = self.attn(
-            self.input_norm(x_btd), cos_sin, mask_bts, positions_bt, cache, cache_rows_b, layer_idx
-        )
+    def attention_inputs(self, x_btd: Array, cos_sin: tuple[Array, Array]
+                         ) -> tuple[Array, Array, Array]:
+        """q [B, K, G, T, Dh] (pre-scaled), k, v [B, K, T, Dh] of the layer input [B, T, D]."""
+        return self.attn.project_qkv(self.input_norm(x_btd), cos_sin)
+
+    def finish(self, x_btd: Array, attn_out_bkgtd: Array) -> Array:
+        """The rest of the layer after attention: residual, MLP, residual."""
+        x_btd = shard(x_btd + self.attn.project_out(attn_out_bkgtd), ("batch", "seq", "act_embed"))
+        x_btd = x_btd + self.mlp(self.post_attn_norm(x_btd))
+        return shard(x_btd, ("batch", "seq", "act_embed"))
+
+    def __call__(self, x_btd, cos_sin, segment_ids_bt, positions_bt, cache, cache_rows_b,
+                 layer_idx):
+        attn_btd, cache = self.attn(self.input_norm(x_btd), cos_sin, segment_ids_bt,
+                                    positions_bt, cache, cache_rows_b, layer_idx)
         x_btd = shard(x_btd + attn_btd, ("batch", "seq", "act_embed"))
         x_btd = x_btd + self.mlp(self.post_attn_norm(x_btd))
         return shard(x_btd, ("batch", "seq", "act_embed")), cache
 
 
-def _run_layer(layer, x_btd, cos_sin, mask_bts, positions_bt, cache, cache_rows_b, layer_idx):
-    return layer(x_btd, cos_sin, mask_bts, positions_bt, cache, cache_rows_b, layer_idx)
+def _run_layer(layer, x_btd, cos_sin, segment_ids_bt, positions_bt, cache, cache_rows_b,
+               layer_idx):
+    return layer(x_btd, cos_sin, segment_ids_bt, positions_bt, cache, cache_rows_b, layer_idx)
 
 
 # --------------------------------------------------------------------------- model
@@ -298,6 +277,15 @@ class CausalLM(nnx.Module):
             return self.embed_vd[...].T
         return self.lm_head_dv[...]
 
+    def embed(self, input_ids_bt: Array) -> Array:
+        """Token embeddings [B, T, D] in the compute dtype. Out-of-range ids (e.g. -1
+        padding) are clipped, so they never turn into NaN."""
+        return jnp.take(self.embed_vd[...], input_ids_bt, axis=0, mode="clip").astype(self.dtype)
+
+    def rope(self, positions_bt: Array) -> tuple[Array, Array]:
+        """RoPE cos, sin [B, T, Dh] for integer positions, in the compute dtype."""
+        return rope_cos_sin(rope_inv_freq(self.cfg), positions_bt, self.dtype)
+
     def hidden_states(
         self,
         input_ids_bt: Array,
@@ -332,26 +320,17 @@ class CausalLM(nnx.Module):
                 f"cache has {cache.k.shape[1]} rows but input_ids has batch {b}; "
                 "pass cache_rows to address a subset of cache rows"
             )
-        if cache is not None:
-            # A query at position p sees cache indices j <= p of its own row.
-            key_idx_s = jnp.arange(cache.max_len, dtype=jnp.int32)
-            mask_bts = key_idx_s[None, None, :] <= positions_bt[:, :, None]
-        else:
-            idx_t = jnp.arange(t)
-            mask_bts = jnp.broadcast_to(idx_t[None, :, None] >= idx_t[None, None, :], (b, t, t))
-            if segment_ids is not None:
-                seg_bt = jnp.asarray(segment_ids)
-                if seg_bt.shape != (b, t):
-                    raise ValueError(f"segment_ids has shape {seg_bt.shape}, expected {(b, t)}")
-                mask_bts = mask_bts & (seg_bt[:, :, None] == seg_bt[:, None, :])
+        seg_bt = None
+        if cache is None and segment_ids is not None:
+            seg_bt = jnp.asarray(segment_ids, jnp.int32)
+            if seg_bt.shape != (b, t):
+                raise ValueError(f"segment_ids has shape {seg_bt.shape}, expected {(b, t)}")
 
-        # Out-of-range ids (e.g. -1 padding) are clipped, so they never turn into NaN.
-        x_btd = jnp.take(self.embed_vd[...], input_ids_bt, axis=0, mode="clip").astype(self.dtype)
-        x_btd = shard(x_btd, ("batch", "seq", "act_embed"))
-        cos_sin = rope_cos_sin(rope_inv_freq(self.cfg), positions_bt, self.dtype)
+        x_btd = shard(self.embed(input_ids_bt), ("batch", "seq", "act_embed"))
+        cos_sin = self.rope(positions_bt)
         run = nnx.remat(_run_layer, static_argnums=(7,)) if self.remat else _run_layer
         for i, layer in enumerate(self.layers):
-            x_btd, cache = run(layer, x_btd, cos_sin, mask_bts, positions_bt, cache, cache_rows, i)
+            x_btd, cache = run(layer, x_btd, cos_sin, seg_bt, positions_bt, cache, cache_rows, i)
         hidden_btd = self.final_norm(x_btd)
         return hidden_btd if cache is None else (hidden_btd, cache)
 

@@ -7,6 +7,7 @@ measured side by side in the same run.
     python scripts/bench.py async-vs-sync --config configs/X.yaml
     python scripts/bench.py staleness --config configs/X.yaml
     python scripts/bench.py losses    [options]   # chunked log-probs/entropy vs full logits
+    python scripts/bench.py memory    [options]   # learner compiled memory vs T, bytes/param
 
 Each subcommand lives in scripts/bench_<name>.py and defines
 ``add_arguments(parser)`` and ``run(args) -> dict`` where the dict has
@@ -36,6 +37,7 @@ SUBCOMMANDS = {
     "staleness": "bench_staleness",
     "losses": "bench_losses",
     "executor": "bench_executor",
+    "memory": "bench_memory",
 }
 
 

@@ -206,11 +206,11 @@ def test_remat_gives_same_logits_and_grads(tmp_path):
 
 
 def test_query_chunked_attention_matches_transformers(tmp_path, monkeypatch):
-    """Sequences longer than one query block (here 7 rows, not a divisor of T) still match,
-    with and without packed segments."""
-    import model_defs.model as model_module
+    """Sequences longer than one attention block (here 7 rows, not a divisor of T) still
+    match, with and without packed segments."""
+    import model_defs.attention as attention_module
 
-    monkeypatch.setattr(model_module, "QUERY_CHUNK", 7)
+    monkeypatch.setattr(attention_module, "BLOCK", 7)
     path = make_tiny_hf_checkpoint(tmp_path, arch="qwen3", tie=False, seed=9)
     model, cfg = load_hf(path)
     ids = _ids(2, 40, cfg.vocab_size, seed=6)

@@ -1,8 +1,10 @@
 """The engine's forward passes over its slot KV cache.
 
-They run the model_defs modules and parameters (embedding, norms, q/k/v/o projections,
-q/k norms, RoPE, MLP, unembedding) and own only what serving needs differently from the
-learner: the cache layout and how much of it attention reads.
+They run the model through its public API (``embed``, ``rope``, each layer's
+``attention_inputs`` and ``finish``, ``final_norm``, ``logits_from_hidden``) and the one
+attention function, ``model_defs.attention.attention``, that the learner uses too. They
+own only what serving needs differently from the learner: the cache layout and how much
+of it attention reads.
 
 * The slot cache is head-major: values ``[B_slots, K, S_max, Dh]`` and keys stored
   transposed, ``[B_slots, K, Dh, S_max]``, per layer. Decode attention is then two plain
@@ -13,8 +15,10 @@ learner: the cache layout and how much of it attention reads.
 * Decode attends to the first ``kv_len`` cache positions only (a static bucket that
   covers every active slot), so a step costs what the live sequences need, not S_max.
   A call runs several steps; it reads that prefix once and writes the cache once.
-* Prefill computes a bucket of prompts without reading the cache (causal attention over
-  the prompt, in query blocks) and writes their keys/values into their slots.
+* Prefill computes a bucket of prompts without reading the cache (the learner's causal
+  self-attention over the prompt, blockwise) and writes their keys/values into their slots.
+* Decode attends to the cache prefix and to this call's keys separately and merges the
+  two by their log-sum-exp (``merge_attention``), exactly equal to one softmax over both.
 
 Exactness is tested against model_defs' full forward and transformers.
 """
@@ -28,11 +32,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from areal_jax.engine.sampling import first_argmax
-from model_defs.model import apply_rope, rope_cos_sin, rope_inv_freq
+from model_defs.attention import attention, merge_attention
 
 Array = jax.Array
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-PREFILL_QUERY_BLOCK = 256
 
 
 @struct.dataclass
@@ -56,62 +58,6 @@ def init_slot_cache(cfg: Any, slots: int, max_len: int, dtype: Any) -> SlotCache
                      v=tuple(jnp.zeros(v_shape, dtype) for _ in layers))
 
 
-def _qkv(layer: Any, x_btd: Array, cos_btd: Array, sin_btd: Array
-         ) -> tuple[Array, Array, Array]:
-    """q [B,K,G,T,Dh] (pre-scaled), k and v [B,K,T,Dh] for one layer."""
-    attn = layer.attn
-    h_btd = layer.input_norm(x_btd)
-    q_bthd = attn._project(h_btd, attn.q_kernel_dhk, attn.q_bias)
-    k_btkd = attn._project(h_btd, attn.k_kernel_dkh, attn.k_bias)
-    v_btkd = attn._project(h_btd, attn.v_kernel_dkh, attn.v_bias)
-    if attn.q_norm is not None:
-        q_bthd = attn.q_norm(q_bthd)
-        k_btkd = attn.k_norm(k_btkd)
-    q_bthd = apply_rope(q_bthd, cos_btd, sin_btd)
-    k_btkd = apply_rope(k_btkd, cos_btd, sin_btd)
-    b, t = x_btd.shape[:2]
-    kv, dh = attn.num_kv_heads, attn.head_dim
-    q_bkgtd = q_bthd.reshape(b, t, kv, attn.num_heads // kv, dh).transpose(0, 2, 3, 1, 4)
-    q_bkgtd = q_bkgtd * jnp.asarray(dh**-0.5, attn.dtype)
-    return q_bkgtd, k_btkd.transpose(0, 2, 1, 3), v_btkd.transpose(0, 2, 1, 3)
-
-
-def _attend(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, mask_bts: Array) -> Array:
-    """fp32 scores and softmax, as model_defs. Returns [B, K, G, T, Dh]."""
-    scores_bkgts = jnp.einsum("bkgtd,bksd->bkgts", q_bkgtd, k_bksd,
-                              preferred_element_type=jnp.float32)
-    scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, _MASK_VALUE)
-    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(q_bkgtd.dtype)
-    return jnp.einsum("bkgts,bksd->bkgtd", probs_bkgts, v_bksd)
-
-
-def _attend_two(q_bkgtd: Array, keys_t: tuple[Array, Array], values: tuple[Array, Array],
-                mask_bts: Array) -> Array:
-    """``_attend`` over the concatenation of two key/value sets, without concatenating
-    the (large) keys: scores are computed per set and only the scores are joined. Keys
-    are transposed, [B, K, Dh, S] (the cache layout)."""
-    scores_bkgts = jnp.concatenate(
-        [jnp.einsum("bkgtd,bkds->bkgts", q_bkgtd, k, preferred_element_type=jnp.float32)
-         for k in keys_t], axis=-1)
-    scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, _MASK_VALUE)
-    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(q_bkgtd.dtype)
-    split = keys_t[0].shape[3]
-    return (jnp.einsum("bkgts,bksd->bkgtd", probs_bkgts[..., :split], values[0])
-            + jnp.einsum("bkgts,bksd->bkgtd", probs_bkgts[..., split:], values[1]))
-
-
-def _finish_layer(layer: Any, x_btd: Array, out_bkgtd: Array) -> Array:
-    attn = layer.attn
-    b, k, g, t, dh = out_bkgtd.shape
-    out_bthd = out_bkgtd.transpose(0, 3, 1, 2, 4).reshape(b, t, k * g, dh)
-    x_btd = x_btd + jnp.einsum("bthd,hdD->btD", out_bthd, attn.o_kernel_hkd[...].astype(attn.dtype))
-    return x_btd + layer.mlp(layer.post_attn_norm(x_btd))
-
-
-def _embed(model: Any, ids_bt: Array) -> Array:
-    return jnp.take(model.embed_vd[...], ids_bt, axis=0, mode="clip").astype(model.dtype)
-
-
 def prefill_forward(model: Any, prompt_pt: Array, prompt_len_p: Array, slot_p: Array,
                     cache: SlotCache) -> tuple[Array, SlotCache]:
     """Runs right-padded prompts [P, T] and stores their keys/values in slots ``slot_p``
@@ -119,23 +65,16 @@ def prefill_forward(model: Any, prompt_pt: Array, prompt_len_p: Array, slot_p: A
     each prompt's last token [P, V] and the cache."""
     rows, bucket = prompt_pt.shape
     positions_pt = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (rows, bucket))
-    cos_ptd, sin_ptd = rope_cos_sin(rope_inv_freq(model.cfg), positions_pt, model.dtype)
-    idx_t = jnp.arange(bucket)
-    x_ptd = _embed(model, prompt_pt)
+    cos_sin = model.rope(positions_pt)
+    x_ptd = model.embed(prompt_pt)
     new_k, new_v = [], []
     for layer in model.layers:
-        q_pkgtd, k_pktd, v_pktd = _qkv(layer, x_ptd, cos_ptd, sin_ptd)
+        q_pkgtd, k_pktd, v_pktd = layer.attention_inputs(x_ptd, cos_sin)
         new_k.append(k_pktd)
         new_v.append(v_pktd)
-        outs = []
-        for start in range(0, bucket, PREFILL_QUERY_BLOCK):  # causal: a block reads [0, end)
-            end = min(bucket, start + PREFILL_QUERY_BLOCK)
-            mask_ts = idx_t[start:end, None] >= idx_t[None, :end]
-            mask_pts = jnp.broadcast_to(mask_ts, (rows, end - start, end))
-            outs.append(_attend(q_pkgtd[:, :, :, start:end], k_pktd[:, :, :end],
-                                v_pktd[:, :, :end], mask_pts))
-        out_pkgtd = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
-        x_ptd = _finish_layer(layer, x_ptd, out_pkgtd)
+        # Right padding comes after every real token, so causal attention alone keeps it
+        # out of the real tokens' outputs.
+        x_ptd = layer.finish(x_ptd, attention(q_pkgtd, k_pktd, v_pktd))
     cache = SlotCache(
         k=tuple(c.at[slot_p, :, :, :bucket].set(n.swapaxes(2, 3).astype(c.dtype), mode="drop")
                 for c, n in zip(cache.k, new_k, strict=True)),
@@ -173,28 +112,30 @@ def decode_chunk(model: Any, token_b: Array, position_b: Array, cache: SlotCache
     start_b = position_b
     prefix_k = [k[..., :kv_len].astype(model.dtype) for k in cache.k]  # [B, K, Dh, P]
     prefix_v = [v[:, :, :kv_len].astype(model.dtype) for v in cache.v]  # [B, K, P, Dh]
-    prefix_mask_b1p = (jnp.arange(kv_len)[None, :] < start_b[:, None])[:, None, :]
     kv, dh = cache.v[0].shape[1], cache.v[0].shape[3]
     local_k0 = tuple(jnp.zeros((b, kv, dh, steps), model.dtype) for _ in model.layers)
     local_v0 = tuple(jnp.zeros((b, kv, steps, dh), model.dtype) for _ in model.layers)
-    inv_freq = rope_inv_freq(model.cfg)
+    # The prefix holds positions [0, start_b) of each slot; later indices are stale.
+    prefix_limit_b1 = (start_b - 1)[:, None]
 
     def one_step(carry, step):
         local_k, local_v, token_b, position_b = carry
-        cos_b1d, sin_b1d = rope_cos_sin(inv_freq, position_b[:, None], model.dtype)
-        local_mask_b1c = jnp.broadcast_to(jnp.arange(steps)[None, None, :] <= step, (b, 1, steps))
-        mask_b1s = jnp.concatenate([prefix_mask_b1p, local_mask_b1c], axis=-1)
-        x_b1d = _embed(model, token_b[:, None])
+        cos_sin = model.rope(position_b[:, None])
+        local_limit_b1 = jnp.full((b, 1), step, jnp.int32)  # this call's keys 0..step
+        x_b1d = model.embed(token_b[:, None])
         new_local_k, new_local_v = [], []
         for layer, pk, pv, lk, lv in zip(model.layers, prefix_k, prefix_v, local_k, local_v,
                                          strict=True):
-            q_bkg1d, k_bk1d, v_bk1d = _qkv(layer, x_b1d, cos_b1d, sin_b1d)
+            q_bkg1d, k_bk1d, v_bk1d = layer.attention_inputs(x_b1d, cos_sin)
             lk = jax.lax.dynamic_update_slice_in_dim(lk, k_bk1d.swapaxes(2, 3), step, axis=3)
             lv = jax.lax.dynamic_update_slice_in_dim(lv, v_bk1d, step, axis=2)
             new_local_k.append(lk)
             new_local_v.append(lv)
-            out_bkg1d = _attend_two(q_bkg1d, (pk, lk), (pv, lv), mask_b1s)
-            x_b1d = _finish_layer(layer, x_b1d, out_bkg1d)
+            parts = [attention(q_bkg1d, keys, values, kv_limit_bt=limit, keys_transposed=True,
+                               return_lse=True)
+                     for keys, values, limit in ((pk, pv, prefix_limit_b1),
+                                                 (lk, lv, local_limit_b1))]
+            x_b1d = layer.finish(x_b1d, merge_attention(parts, model.dtype))
         logits_bv = model.logits_from_hidden(model.final_norm(x_b1d))[:, 0]
         next_token_b, extra = choose(logits_bv, step, position_b + 1)
         carry = (tuple(new_local_k), tuple(new_local_v), next_token_b, position_b + 1)

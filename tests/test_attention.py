@@ -1,0 +1,151 @@
+"""model_defs.attention against a plain full-matrix reference: packed causal rows with
+several segments, fp32 and bf16, values and gradients; cache attention and the merge of
+two key sets; and memory that grows linearly with the row length."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import model_defs.attention as attention_module
+from model_defs.attention import attention, merge_attention, reference_attention
+
+EPS32 = float(jnp.finfo(jnp.float32).eps)
+EPS16 = float(jnp.finfo(jnp.bfloat16).eps)
+
+
+def _qkv(b=2, kv=2, g=2, t=45, dh=16, seed=0, dtype=jnp.float32):
+    rng = np.random.RandomState(seed)
+    q = rng.randn(b, kv, g, t, dh).astype(np.float32) * dh**-0.5
+    k = rng.randn(b, kv, t, dh).astype(np.float32)
+    v = rng.randn(b, kv, t, dh).astype(np.float32)
+    return jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+
+
+def _packed_segments(b: int, t: int) -> np.ndarray:
+    """Row 0: segments of 9, 20, 11 tokens then 5 padding (0); row 1: 30 + 15 tokens."""
+    seg = np.zeros((b, t), np.int32)
+    seg[0, :9], seg[0, 9:29], seg[0, 29:40] = 1, 2, 3
+    seg[1, :30], seg[1, 30:] = 1, 2
+    return seg
+
+
+def _self_mask(seg_bt: np.ndarray) -> jax.Array:
+    t = seg_bt.shape[1]
+    causal = np.tril(np.ones((t, t), bool))[None]
+    return jnp.asarray(causal & (seg_bt[:, :, None] == seg_bt[:, None, :]))
+
+
+def _fp32_tol(q, k, v) -> float:
+    """Score rounding (eps * (|s| + sqrt(S))) moves probabilities by that relative amount;
+    the output is a convex combination of values, so scale by max|v|; x4 for the exp,
+    rescaling and division steps."""
+    s_max = float(jnp.max(jnp.abs(jnp.einsum("bkgtd,bksd->bkgts", q, k))))
+    return 4 * EPS32 * (s_max + np.sqrt(k.shape[2])) * float(jnp.max(jnp.abs(v)))
+
+
+@pytest.mark.parametrize("block", [8, 256], ids=["blockwise", "one-block"])
+def test_self_attention_matches_reference_fp32(monkeypatch, block):
+    monkeypatch.setattr(attention_module, "BLOCK", block)  # 45 = 5 blocks of 8, padded
+    q, k, v = _qkv()
+    seg = _packed_segments(2, 45)
+    out = jax.jit(lambda q, k, v, s: attention(q, k, v, segment_ids_bt=s))(q, k, v, seg)
+    ref = reference_attention(q, k, v, _self_mask(seg))
+    assert out.dtype == jnp.float32
+    assert float(jnp.max(jnp.abs(out - ref))) <= _fp32_tol(q, k, v)
+
+
+@pytest.mark.parametrize("block", [8, 256], ids=["blockwise", "one-block"])
+def test_self_attention_gradients_match_reference(monkeypatch, block):
+    monkeypatch.setattr(attention_module, "BLOCK", block)
+    q, k, v = _qkv(seed=1)
+    seg = _packed_segments(2, 45)
+    cot = jnp.asarray(np.random.RandomState(7).randn(*q.shape), jnp.float32)
+
+    def ours(q, k, v):
+        return jnp.sum(attention(q, k, v, segment_ids_bt=seg) * cot)
+
+    def ref(q, k, v):
+        return jnp.sum(reference_attention(q, k, v, _self_mask(seg)) * cot)
+
+    g_ours = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(q, k, v)
+    g_ref = jax.grad(ref, argnums=(0, 1, 2))(q, k, v)
+    # The gradient sums T products of probabilities, values and cotangents (|cot| <= ~4):
+    # the forward tolerance scaled by the cotangent and the reduction length.
+    tol = _fp32_tol(q, k, v) * float(jnp.max(jnp.abs(cot))) * np.sqrt(45)
+    for name, a, b in zip("qkv", g_ours, g_ref, strict=True):
+        assert float(jnp.max(jnp.abs(a - b))) <= tol, name
+
+
+@pytest.mark.parametrize("block", [8, 256], ids=["blockwise", "one-block"])
+def test_self_attention_bf16_within_bf16_rounding(monkeypatch, block):
+    monkeypatch.setattr(attention_module, "BLOCK", block)
+    q, k, v = _qkv(seed=2, dtype=jnp.bfloat16)
+    seg = _packed_segments(2, 45)
+    out = attention(q, k, v, segment_ids_bt=seg)
+    assert out.dtype == jnp.bfloat16
+    ref = reference_attention(q, k, v, _self_mask(seg))  # fp32 math on the same bf16 inputs
+    # Probabilities rounded to bf16 (eps/2 each, a convex combination of |v| <= max|v|)
+    # plus the output's own bf16 rounding (eps/2 * |out| <= eps/2 * max|v|).
+    tol = EPS16 * float(jnp.max(jnp.abs(v.astype(jnp.float32))))
+    assert float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))) <= tol
+
+    cot = jnp.asarray(np.random.RandomState(3).randn(*q.shape), jnp.float32)
+    g = jax.grad(lambda v: jnp.sum(attention(q, k, v, segment_ids_bt=seg).astype(jnp.float32)
+                                   * cot))(v)
+    g_ref = jax.grad(lambda v: jnp.sum(reference_attention(q, k, v, _self_mask(seg)) * cot))(v)
+    # dv_j = sum_i p_ij cot_i over <= T queries: bf16 rounding of p (eps/2) and of the
+    # result (eps/2), bounded by sum_i p_ij |cot_i| <= max|g_ref| + eps-sized terms.
+    g_tol = EPS16 * (float(jnp.max(jnp.abs(g_ref))) + float(jnp.max(jnp.abs(cot))))
+    assert float(jnp.max(jnp.abs(g.astype(jnp.float32) - g_ref))) <= g_tol
+
+
+def test_cache_attention_and_merge_match_one_softmax():
+    """Decode: a prefix (keys transposed, limit per row, one row reads nothing) and a
+    local buffer, merged, equal one softmax over the union."""
+    b, kv, g, dh, p, c = 3, 2, 2, 8, 20, 4
+    q, k_all, v_all = _qkv(b=b, kv=kv, g=g, t=p + c, dh=dh, seed=4)
+    q = q[:, :, :, :1]  # one query per row
+    limit_prefix = np.array([[6], [19], [-1]], np.int32)
+    limit_local = np.array([[2], [0], [3]], np.int32)
+    parts = [
+        attention(q, k_all[:, :, :p].swapaxes(2, 3), v_all[:, :, :p], kv_limit_bt=limit_prefix,
+                  keys_transposed=True, return_lse=True),
+        attention(q, k_all[:, :, p:], v_all[:, :, p:], kv_limit_bt=limit_local,
+                  return_lse=True),
+    ]
+    out = merge_attention(parts, jnp.float32)
+    idx = np.arange(p + c)
+    mask = np.where(idx < p, idx <= limit_prefix, idx - p <= limit_local)[:, None, :]
+    ref = reference_attention(q, k_all, v_all, jnp.asarray(mask))
+    assert float(jnp.max(jnp.abs(out - ref))) <= _fp32_tol(q, k_all, v_all)
+    # The row with limit -1 reads nothing from the prefix: weight 0, no NaN.
+    assert bool(jnp.isneginf(parts[0][1][2]).all()) and bool(jnp.isfinite(out).all())
+
+
+def test_segment_ids_with_kv_limit_is_an_error():
+    q, k, v = _qkv(t=4)
+    with pytest.raises(ValueError, match="segment_ids_bt is for self-attention"):
+        attention(q, k, v, segment_ids_bt=np.ones((2, 4), np.int32),
+                  kv_limit_bt=np.zeros((2, 4), np.int32))
+
+
+def _grad_temp_bytes(t: int) -> int:
+    q = jax.ShapeDtypeStruct((1, 1, 2, t, 32), jnp.float32)
+    k = v = jax.ShapeDtypeStruct((1, 1, t, 32), jnp.float32)
+    seg = jax.ShapeDtypeStruct((1, t), jnp.int32)
+
+    def loss(q, k, v, s):
+        return jnp.sum(attention(q, k, v, segment_ids_bt=s) ** 2)
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v, seg).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_forward_backward_memory_grows_linearly():
+    """Doubling T from 2048 to 4096 at most ~doubles the compiled temporary memory of a
+    forward+backward (a T x T score matrix would quadruple it: 16 MiB -> 64 MiB here)."""
+    small, large = _grad_temp_bytes(2048), _grad_temp_bytes(4096)
+    assert large <= 2.5 * small, (small, large)
