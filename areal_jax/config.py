@@ -50,8 +50,12 @@ def _non_negative(section: str, **values: float | int | None) -> None:
 class ModelSection:
     path: str = ""  # HF directory of the initial policy (config.json + safetensors)
     tokenizer_path: str | None = None  # defaults to model.path
-    dtype: Literal["float32", "bfloat16"] = "float32"  # learner params/compute
-    remat: bool = False  # gradient checkpointing per decoder layer
+    # Compute dtype of the learner, the embedded engines' params and KV cache, and the
+    # published serving weights. The learner's master weights and AdamW state stay fp32.
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # Gradient checkpointing per decoder layer: false/"none", true/"full" (keep only each
+    # layer's input), "dots" (keep matmul outputs), "dots_no_batch" (keep weight matmuls).
+    remat: bool | Literal["none", "full", "dots", "dots_no_batch"] = False
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -92,6 +96,9 @@ class RewardConfig:
                   max_abs=self.max_abs)
 
 
+ENGINE_PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     servers: list[str] = field(default_factory=list)  # external servers (e.g. SGLang); empty: launch embedded
@@ -120,6 +127,11 @@ class RolloutConfig:
     agent: str | None = None
     max_turns: int = 4  # agent: model calls per trajectory
     max_total_tokens: int | None = None  # agent: tokens per trajectory; null: train.seq_len
+    # JAX platform of the embedded engines ("cpu", "gpu", "tpu"); null: the trainer's own
+    # backend (jax.default_backend()). engine_devices: accelerator ids visible to each
+    # engine (CUDA_VISIBLE_DEVICES / TPU_VISIBLE_CHIPS), e.g. [1] to keep it off device 0.
+    engine_platform: str | None = None
+    engine_devices: list[int] | None = None
 
     def __post_init__(self) -> None:
         _positive("rollout", max_turns=self.max_turns, max_total_tokens=self.max_total_tokens)
@@ -129,6 +141,14 @@ class RolloutConfig:
         if self.agent and self.workflow != "agent":
             raise ValueError(f"rollout.agent is set but rollout.workflow={self.workflow!r}; "
                              "set rollout.workflow: agent")
+        if self.engine_platform is not None and self.engine_platform not in ENGINE_PLATFORMS:
+            raise ValueError(f"rollout.engine_platform must be null or one of {ENGINE_PLATFORMS}, "
+                             f"got {self.engine_platform!r}")
+        if self.engine_devices is not None and (
+                not self.engine_devices or any(not isinstance(d, int) or d < 0
+                                               for d in self.engine_devices)):
+            raise ValueError("rollout.engine_devices must be null or a non-empty list of device "
+                             f"ids >= 0, got {self.engine_devices}")
         _positive("rollout", num_servers=self.num_servers, max_slots=self.max_slots,
                   max_seq_len=self.max_seq_len, n_samples=self.n_samples,
                   max_new_tokens=self.max_new_tokens, max_concurrent=self.max_concurrent,

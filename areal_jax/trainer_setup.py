@@ -541,7 +541,8 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
         publish_dir = (storage.check_location(cfg.checkpoint.publish_dir, "checkpoint.publish_dir",
                                               write=True)
                        if cfg.checkpoint.publish_dir else storage.join(run_dir, "weights"))
-        publisher = WeightPublisher(publish_dir, keep=cfg.checkpoint.keep_weights)
+        publisher = WeightPublisher(publish_dir, keep=cfg.checkpoint.keep_weights,
+                                    dtype=cfg.model.dtype)  # bf16 safetensors for a bf16 model
     except (storage.StorageError, OSError, ValueError, RuntimeError) as e:
         raise TrainerError(f"checkpoint.publish_dir: {e}") from None
 
@@ -726,6 +727,26 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
     return ctx, meta
 
 
+def engine_placement(ro: Any) -> tuple[str, dict[str, str] | None]:
+    """(JAX_PLATFORMS, extra env) for the embedded engines: ``rollout.engine_platform``
+    (default: this process's backend) and ``rollout.engine_devices`` as the platform's
+    visible-device variable."""
+    import jax
+
+    platform = ro.engine_platform or jax.default_backend()
+    if ro.engine_devices is None:
+        # Sharing the learner's accelerator: allocate on demand rather than grabbing a
+        # fixed fraction of a memory the learner already holds most of.
+        return platform, (None if platform == "cpu" else {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    if platform == "cpu":
+        raise TrainerError("rollout.engine_devices selects accelerators; with engine_platform "
+                           "cpu use rollout.server_cpu_cores to pick CPU cores")
+    ids = ",".join(str(d) for d in ro.engine_devices)
+    var = "TPU_VISIBLE_CHIPS" if platform == "tpu" else (
+        "HIP_VISIBLE_DEVICES" if platform == "rocm" else "CUDA_VISIBLE_DEVICES")
+    return platform, {var: ids}
+
+
 def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,
                     stack: contextlib.ExitStack) -> list[str]:
     from areal_jax.engine.launch import ServerStartError, launch_server
@@ -733,10 +754,12 @@ def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,
     ro = cfg.rollout
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
+    platform, device_env = engine_placement(ro)
     urls = []
     for i in range(ro.num_servers):
         try:
             handle = launch_server(weights, max_slots=ro.max_slots, max_seq_len=ro.max_seq_len,
+                                   dtype=cfg.model.dtype, jax_platforms=platform, env=device_env,
                                    cpu_affinity=ro.server_cpu_cores, api_key=ro.api_key,
                                    allowed_weight_dirs=[storage.parent_of(weights)],  # later versions
                                    warmup=True,  # compile every shape now, not mid-run

@@ -9,7 +9,7 @@ from model_defs.config import (
     UnsupportedArchitectureError,
 )
 from model_defs.hf_io import HF_PARAM_TABLE, CheckpointError, load_hf, save_hf
-from model_defs.model import CausalLM, KVCache, init_cache
+from model_defs.model import REMAT_POLICIES, CausalLM, KVCache, init_cache, remat_policy_name
 from model_defs.sharding import (
     LOGICAL_AXIS_RULES,
     current_mesh,
@@ -30,6 +30,7 @@ __all__ = [
     "ModelConfig",
     "ModelDirNotFoundError",
     "PRESETS",
+    "REMAT_POLICIES",
     "SUPPORTED_ARCHITECTURES",
     "UnsupportedArchitectureError",
     "current_mesh",
@@ -38,6 +39,7 @@ __all__ = [
     "logical_to_spec",
     "param_logical_axes",
     "param_shardings",
+    "remat_policy_name",
     "save_hf",
     "shard",
     "use_mesh",

@@ -240,6 +240,25 @@ def _run_layer(layer, x_btd, cos_sin, segment_ids_bt, positions_bt, cache, cache
     return layer(x_btd, cos_sin, segment_ids_bt, positions_bt, cache, cache_rows_b, layer_idx)
 
 
+# --------------------------------------------------------------------------- remat
+# What a rematerialised decoder layer keeps for the backward pass (jax.checkpoint policies).
+REMAT_POLICIES = {
+    "none": None,  # no rematerialisation: every activation is kept
+    "full": jax.checkpoint_policies.nothing_saveable,  # only each layer's input
+    "dots": jax.checkpoint_policies.dots_saveable,  # matmul outputs kept, the rest recomputed
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat_policy_name(remat: bool | str) -> str:
+    """Normalises ``remat`` (a bool, or a key of ``REMAT_POLICIES``) to a policy name."""
+    if isinstance(remat, bool):
+        return "full" if remat else "none"
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r}; expected a bool or one of {sorted(REMAT_POLICIES)}")
+    return remat
+
+
 # --------------------------------------------------------------------------- model
 class CausalLM(nnx.Module):
     """Decoder-only LM. ``model(ids)`` -> fp32 logits; with ``cache=`` -> (logits, cache)."""
@@ -251,11 +270,12 @@ class CausalLM(nnx.Module):
         rngs: nnx.Rngs,
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
-        remat: bool = False,
+        remat: bool | str = False,
     ):
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
+        remat_policy_name(remat)  # fails early on an unknown policy
         self.remat = remat
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         self.embed_vd = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
@@ -328,7 +348,9 @@ class CausalLM(nnx.Module):
 
         x_btd = shard(self.embed(input_ids_bt), ("batch", "seq", "act_embed"))
         cos_sin = self.rope(positions_bt)
-        run = nnx.remat(_run_layer, static_argnums=(7,)) if self.remat else _run_layer
+        policy = remat_policy_name(self.remat)
+        run = (_run_layer if policy == "none" else
+               nnx.remat(_run_layer, static_argnums=(7,), policy=REMAT_POLICIES[policy]))
         for i, layer in enumerate(self.layers):
             x_btd, cache = run(layer, x_btd, cos_sin, seg_bt, positions_bt, cache, cache_rows, i)
         hidden_btd = self.final_norm(x_btd)

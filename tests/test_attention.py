@@ -149,3 +149,12 @@ def test_forward_backward_memory_grows_linearly():
     forward+backward (a T x T score matrix would quadruple it: 16 MiB -> 64 MiB here)."""
     small, large = _grad_temp_bytes(2048), _grad_temp_bytes(4096)
     assert large <= 2.5 * small, (small, large)
+
+
+def test_unknown_remat_policy_is_an_error():
+    from flax import nnx
+
+    from model_defs import CausalLM, ModelConfig
+
+    with pytest.raises(ValueError, match=r"remat='every'; expected a bool or one of \['dots'"):
+        CausalLM(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0), remat="every")

@@ -183,10 +183,11 @@ def test_hidden_states_and_unembed_give_logits(tmp_path):
                   <= sum_tolerance(scale, cfg.hidden_size))
 
 
-def test_remat_gives_same_logits_and_grads(tmp_path):
+@pytest.mark.parametrize("remat", [True, "dots"])
+def test_remat_gives_same_logits_and_grads(tmp_path, remat):
     path = make_tiny_hf_checkpoint(tmp_path, arch="qwen2", tie=True)
     model, cfg = load_hf(path)
-    remat_model = CausalLM(cfg, rngs=nnx.Rngs(0), remat=True)
+    remat_model = CausalLM(cfg, rngs=nnx.Rngs(0), remat=remat)
     nnx.update(remat_model, nnx.state(model, nnx.Param))
     ids = jnp.asarray(_ids(2, 12, cfg.vocab_size))
 

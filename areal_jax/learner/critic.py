@@ -41,7 +41,7 @@ from areal_jax.learner.token_logp import predicted_mask, shift_right
 from areal_jax.losses import gae, normalize_advantages, ppo_value_loss
 from areal_jax.parallel.mesh import make_mesh, replicated
 from areal_jax.rollout.types import Trajectory
-from model_defs import CausalLM, ModelConfig, load_hf, use_mesh
+from model_defs import CausalLM, ModelConfig, load_hf, remat_policy_name, use_mesh
 
 VALUE_TRAIN_KEYS = (*LOGP_KEYS, "loss_mask", "returns", "old_values")
 VALUE_SUM_KEYS = ("value_loss", "token_count", "n_tokens", "value_clipped", "value_sum",
@@ -166,7 +166,7 @@ class Critic(Learner):
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim_cfg: OptimizerConfig, *,
                  mesh: Mesh | None = None, value_eps_clip: float | None = 0.2,
                  value_coef: float = 1.0, ppo_n_minibatches: int = 1, compute_dtype: Any = None,
-                 remat: bool | None = None, compiler_options: dict[str, Any] | None = None):
+                 remat: bool | str | None = None, compiler_options: dict[str, Any] | None = None):
         if not isinstance(model, CausalLM):
             raise TypeError(f"Critic model must be a model_defs.CausalLM, got {type(model).__name__}")
         if value_eps_clip is not None and not (np.isfinite(value_eps_clip) and value_eps_clip > 0):
@@ -176,7 +176,7 @@ class Critic(Learner):
         self.value_eps_clip = None if value_eps_clip is None else float(value_eps_clip)
         self.value_coef = float(value_coef)
         if remat is not None:
-            model.remat = bool(remat)
+            model.remat = remat_policy_name(remat)
         super().__init__(ValueModel(model), model_cfg, optim_cfg,
                          PPOConfig(ppo_n_minibatches=ppo_n_minibatches), mesh=mesh,
                          compute_dtype=compute_dtype, compiler_options=compiler_options)
@@ -184,7 +184,7 @@ class Critic(Learner):
     @classmethod
     def from_hf(cls, path: str, optim_cfg: OptimizerConfig, *, mesh: Mesh | None = None,
                 value_eps_clip: float | None = 0.2, value_coef: float = 1.0,
-                ppo_n_minibatches: int = 1, compute_dtype: Any = "float32", remat: bool = False,
+                ppo_n_minibatches: int = 1, compute_dtype: Any = "float32", remat: bool | str = False,
                 compiler_options: dict[str, Any] | None = None) -> Critic:
         """A critic whose backbone is the HF checkpoint at ``path`` (fp32 master weights)."""
         mesh = make_mesh("data=-1") if mesh is None else mesh

@@ -45,7 +45,7 @@ from areal_jax.parallel.mesh import (
     put_batch,
     replicated,
 )
-from model_defs import CausalLM, ModelConfig, load_hf, param_shardings, use_mesh
+from model_defs import CausalLM, ModelConfig, load_hf, param_shardings, remat_policy_name, use_mesh
 
 _JIT_CACHE: dict[tuple, Any] = {}
 MicroBatch = Any  # a PackedBatch or a Mapping[str, np.ndarray] of [R, L] arrays
@@ -99,7 +99,9 @@ class Learner:
       mesh: the device mesh (default: every device on the ``data`` axis).
       compute_dtype: "float32" or "bfloat16" for activations and matmuls (default: the
         model's dtype). Logprobs are always accumulated and returned in fp32.
-      remat: gradient checkpointing per decoder layer (default: the model's setting).
+      remat: gradient checkpointing per decoder layer: a bool or a policy name of
+        ``model_defs.model.REMAT_POLICIES`` ("none", "full", "dots", "dots_no_batch";
+        default: the model's setting).
       compiler_options: XLA options for every jitted function, e.g.
         ``{"xla_backend_optimization_level": 0}`` to compile faster on CPU in tests.
       trainable: False for a frozen model that only computes logprobs (a reference
@@ -113,7 +115,7 @@ class Learner:
 
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim_cfg: OptimizerConfig,
                  ppo_cfg: PPOConfig, *, mesh: Mesh | None = None, compute_dtype: Any = None,
-                 remat: bool | None = None, compiler_options: dict[str, Any] | None = None,
+                 remat: bool | str | None = None, compiler_options: dict[str, Any] | None = None,
                  trainable: bool = True, process_local_batches: bool = False):
         if not isinstance(optim_cfg, OptimizerConfig):
             raise TypeError(f"optim_cfg must be an OptimizerConfig, got {type(optim_cfg).__name__}")
@@ -122,7 +124,7 @@ class Learner:
         self.mesh = make_mesh("data=-1") if mesh is None else mesh
         self.model_cfg, self.optim_cfg, self.ppo_cfg = model_cfg, optim_cfg, ppo_cfg
         if remat is not None:
-            model.remat = bool(remat)
+            model.remat = remat_policy_name(remat)
         if compute_dtype is not None:
             _set_compute_dtype(model, _parse_dtype(compute_dtype, "compute_dtype"))
         self.compute_dtype = jnp.dtype(model.dtype)
@@ -158,7 +160,7 @@ class Learner:
     @classmethod
     def from_hf(cls, path: str, optim_cfg: OptimizerConfig, ppo_cfg: PPOConfig, *,
                 mesh: Mesh | None = None, compute_dtype: Any = "float32",
-                remat: bool = False, compiler_options: dict[str, Any] | None = None,
+                remat: bool | str = False, compiler_options: dict[str, Any] | None = None,
                 trainable: bool = True, process_local_batches: bool = False) -> Learner:
         """Loads an HF checkpoint as fp32 master weights, placed directly on the mesh."""
         mesh = make_mesh("data=-1") if mesh is None else mesh

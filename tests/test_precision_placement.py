@@ -1,0 +1,93 @@
+"""model.dtype end to end (engine params and KV cache, learner compute, published
+weights) and where the embedded engine runs (rollout.engine_platform / engine_devices)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from areal_jax.checkpoint.publish import WeightPublisher
+from areal_jax.config import RolloutConfig
+from areal_jax.engine import EngineConfig, GenerationEngine, SamplingParams
+from areal_jax.learner.token_logp import packed_token_logprobs
+from areal_jax.trainer_setup import TrainerError, engine_placement
+from model_defs import load_hf
+from tests.hf_fixtures import logit_tolerance, make_tiny_hf_checkpoint
+from tests.tolerance import EPS, logprob_tolerance
+
+PROMPT = [5, 9, 17, 3, 44, 12, 7]
+
+
+def _learner_logprobs(path, dtype: str, seq: list[int]) -> np.ndarray:
+    """The learner's logprobs of ``seq`` (one packed row, one segment) at ``dtype``:
+    fp32 master weights cast to the compute dtype, as ``learner.steps.cast_params``."""
+    model, _ = load_hf(path, dtype=dtype)
+    ids = jnp.asarray([seq], jnp.int32)
+    pos = jnp.arange(len(seq), dtype=jnp.int32)[None]
+    logp, _ = packed_token_logprobs(model, ids, pos, jnp.ones_like(ids), temperature=1.0,
+                                    chunk_size=4096)
+    return np.asarray(logp[0, len(PROMPT):])
+
+
+def test_bf16_engine_serves_bf16_and_matches_the_bf16_learner(tmp_path):
+    path = str(make_tiny_hf_checkpoint(tmp_path, arch="qwen2", seed=5))
+    mismatch = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = GenerationEngine(EngineConfig(path, max_slots=2, max_seq_len=64, dtype=dtype))
+        try:
+            assert all(x.dtype == jnp.dtype(dtype) for x in jax.tree.leaves(engine.runner.state)
+                       if jnp.issubdtype(x.dtype, jnp.floating))
+            assert engine.runner.cache.k[0].dtype == jnp.dtype(dtype)
+            req = engine.generate(PROMPT, SamplingParams(max_new_tokens=24, temperature=1.0,
+                                                         sampling_seed=3, ignore_eos=True))
+        finally:
+            engine.shutdown()
+        ref = _learner_logprobs(path, dtype, PROMPT + req.output_ids)
+        mismatch[dtype] = float(np.max(np.abs(np.asarray(req.output_logprobs) - ref)))
+        # The fp32 rounding bound of two evaluations, in units of this dtype's roundoff.
+        logit_tol = logit_tolerance(path, [PROMPT + req.output_ids]) * (
+            EPS[dtype] / EPS["float32"])
+        assert mismatch[dtype] <= logprob_tolerance(256, logit_tol, dtype), (dtype, mismatch)
+    print(f"max |engine - learner| token logprob: fp32 {mismatch['float32']:.2e}, "
+          f"bf16 {mismatch['bfloat16']:.2e}")
+
+
+def test_publisher_writes_bf16_safetensors(tmp_path):
+    path = make_tiny_hf_checkpoint(tmp_path, arch="qwen3", seed=1)
+    model, cfg = load_hf(path)  # fp32 master weights, as the learner holds them
+    out = WeightPublisher(str(tmp_path / "weights"), dtype="bfloat16").publish(model, cfg, 1)
+    with safe_open(f"{out}/model.safetensors", "flax") as f:
+        dtypes = {f.get_tensor(k).dtype for k in f.keys()}
+    assert dtypes == {jnp.dtype(jnp.bfloat16)}
+    assert json.loads((tmp_path / "weights" / "v1" / "config.json").read_text())[
+        "torch_dtype"] == "bfloat16"
+    served, _ = load_hf(out, dtype="bfloat16")  # and the engine's loader reads them back
+    np.testing.assert_array_equal(
+        np.asarray(served.embed_vd[...], np.float32),
+        np.asarray(model.embed_vd[...].astype(jnp.bfloat16), np.float32))
+
+
+def test_engine_placement_defaults_to_the_run_backend():
+    assert engine_placement(RolloutConfig()) == (jax.default_backend(), None)
+    assert engine_placement(RolloutConfig(engine_platform="cpu")) == ("cpu", None)
+    platform, env = engine_placement(RolloutConfig(engine_platform="gpu", engine_devices=[1, 2]))
+    assert platform == "gpu" and env == {"CUDA_VISIBLE_DEVICES": "1,2"}
+    assert engine_placement(RolloutConfig(engine_platform="tpu", engine_devices=[3]))[1] == {
+        "TPU_VISIBLE_CHIPS": "3"}
+    # Sharing the learner's accelerator: no fixed preallocation.
+    assert engine_placement(RolloutConfig(engine_platform="gpu"))[1] == {
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+def test_engine_placement_errors():
+    with pytest.raises(ValueError, match="rollout.engine_platform must be null or one of"):
+        RolloutConfig(engine_platform="metal")
+    with pytest.raises(ValueError, match="rollout.engine_devices must be null or a non-empty"):
+        RolloutConfig(engine_devices=[])
+    with pytest.raises(TrainerError, match="use rollout.server_cpu_cores"):
+        engine_placement(RolloutConfig(engine_platform="cpu", engine_devices=[0]))
