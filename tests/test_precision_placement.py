@@ -44,7 +44,7 @@ def test_bf16_engine_serves_bf16_and_matches_the_bf16_learner(tmp_path):
                        if jnp.issubdtype(x.dtype, jnp.floating))
             assert engine.runner.cache.k[0].dtype == jnp.dtype(dtype)
             req = engine.generate(PROMPT, SamplingParams(max_new_tokens=24, temperature=1.0,
-                                                         sampling_seed=3, ignore_eos=True))
+                                                         seed=3, ignore_eos=True))
         finally:
             engine.shutdown()
         ref = _learner_logprobs(path, dtype, PROMPT + req.output_ids)
