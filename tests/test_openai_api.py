@@ -171,3 +171,39 @@ def test_bad_chat_requests_and_bodies(server, client):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     # The server is still up and answering.
     assert client.completions.create(model="arith", prompt="Q:1+1=", max_tokens=2).choices
+
+
+def test_a_weight_update_mid_request_is_invisible_to_the_client(server, client):
+    """A completion aborted by /pause_generation resumes under the new weight version with
+    its partial output appended: the client gets one reply of the full length, whose
+    pieces came from versions 0 and 1."""
+    import threading
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    prompt = "Q:40-9-8-7+6-5="
+    for _ in range(8):  # until the pause catches the request while it runs
+        got: dict = {}
+
+        def complete(out: dict = got) -> None:
+            out["r"] = client.completions.create(model="arith", prompt=prompt, max_tokens=80,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+
+        thread = threading.Thread(target=complete)
+        thread.start()
+        while thread.is_alive():
+            info = httpx.get(f"{server.url}/get_server_info", headers=headers, timeout=60.0).json()
+            if info.get("num_running_reqs", 0) > 0:
+                break
+        httpx.post(f"{server.url}/pause_generation", json={"mode": "abort"}, headers=headers, timeout=60.0)
+        httpx.post(f"{server.url}/update_weight_version", json={"new_version": "1"},
+                   headers=headers, timeout=60.0)
+        httpx.post(f"{server.url}/continue_generation", headers=headers, timeout=60.0)
+        thread.join()
+        httpx.post(f"{server.url}/update_weight_version", json={"new_version": "0"},
+                   headers=headers, timeout=60.0)
+        reply = got["r"]
+        assert reply.usage.completion_tokens == 80 and reply.choices[0].finish_reason == "length"
+        if reply.model_extra.get("weight_versions") == ["0", "1"]:
+            assert reply.model_extra["weight_version"] == "1"
+            return
+    pytest.fail("the pause never caught a running request in 8 tries")

@@ -14,8 +14,8 @@ Bad requests get a 4xx with OpenAI's error body
 ``{"error": {"message", "type", "param", "code"}}``. Supported: ``prompt`` (a string, one
 string in a list, or token ids), ``messages`` (string or text-part content),
 ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stream``
-(+ ``stream_options.include_usage``), ``logprobs`` (the sampled token's logprob;
-``top_logprobs`` only 0), ``n`` = 1. Stop strings, penalties, ``echo``, ``best_of``,
+(+ ``stream_options.include_usage``), ``ignore_eos`` (SGLang's extension), ``logprobs``
+(the sampled token's logprob; ``top_logprobs`` only 0), ``n`` = 1. Stop strings, penalties, ``echo``, ``best_of``,
 ``logit_bias`` and tool definitions are refused with a 400 naming the field.
 """
 
@@ -43,7 +43,8 @@ Backend = Callable[[str, list[int], SamplingParams, TokenCallback | None], Await
 
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stream",
                   "stream_options", "logprobs", "top_logprobs", "n", "user", "stop",
-                  "presence_penalty", "frequency_penalty", "logit_bias"}
+                  "presence_penalty", "frequency_penalty", "logit_bias",
+                  "ignore_eos"}  # an SGLang / vLLM extension (extra_body)
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice",
                                 "parallel_tool_calls", "response_format", "metadata", "store"}
@@ -250,11 +251,15 @@ def parse_request(body: dict[str, Any], *, chat: bool, tokenizer: Any, vocab_siz
             raise OpenAIError("logprobs must be 0 (the sampled token's logprob; alternatives "
                               f"are not returned), got {logprobs!r}", "logprobs")
         want_logprobs = logprobs is not None
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos not in (None, True, False):
+        raise OpenAIError(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos")
     params = SamplingParams(
-        max_new_tokens=max_tokens,
+        max_new_tokens=max_tokens, ignore_eos=bool(ignore_eos),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        stop_token_ids=tuple(stop_token_ids), seed=seed, skip_special_tokens=True)
+        stop_token_ids=() if ignore_eos else tuple(stop_token_ids), seed=seed,
+        skip_special_tokens=True)
     return ParsedRequest(ids, params, bool(stream), bool(options.get("include_usage")),
                          want_logprobs, model)
 
@@ -372,11 +377,14 @@ class OpenAIRoutes:
             choice.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
         else:
             choice.update(text=text, logprobs=logprobs)
-        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": parsed.model, "choices": [choice],
-                "usage": _usage(len(parsed.input_ids), len(gen.output_ids)),
-                "weight_version": gen.weight_version}
+        reply = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                 "object": "chat.completion" if chat else "text_completion",
+                 "created": int(time.time()), "model": parsed.model, "choices": [choice],
+                 "usage": _usage(len(parsed.input_ids), len(gen.output_ids)),
+                 "weight_version": gen.weight_version}
+        if "weight_versions" in gen.extra:  # one per piece, when a weight update interrupted
+            reply["weight_versions"] = gen.extra["weight_versions"]
+        return reply
 
     async def _stream(self, key: str, parsed: ParsedRequest, chat: bool) -> AsyncIterator[str]:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

@@ -26,7 +26,10 @@ async def arith_retry_agent(base_url: str, item: dict[str, Any], *, max_attempts
 
     question = item["prompt"]
     prompt = question
-    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+    # Generous timeouts: under load a request may queue behind many others at the server.
+    timeout = openai.Timeout(600.0, connect=60.0)
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0,
+                                  timeout=timeout) as client:
         for attempt in range(max_attempts):
             reply = await client.completions.create(model="policy", prompt=prompt,
                                                     max_tokens=max_tokens)
