@@ -72,6 +72,23 @@ def resolve_model_path(spec: str, cache_dir: str | None = None, key: str = "mode
     return path
 
 
+def saved_run_config(ckpt_dir: str, meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The config of the run that wrote a checkpoint: from its meta (``run_config``), else
+    the ``config.yaml`` next to the checkpoint directory (the run dir); None if neither."""
+    if isinstance(meta.get("run_config"), dict):
+        return meta["run_config"]
+    import yaml
+
+    path = storage.join(storage.parent_of(ckpt_dir), "config.yaml")
+    try:
+        if storage.exists(path):
+            data = yaml.safe_load(storage.read_text(path))
+            return data if isinstance(data, dict) else None
+    except (OSError, yaml.YAMLError, storage.StorageError):
+        return None
+    return None
+
+
 def resolve_dataset(spec: str, run_dir: Path, key: str) -> str:
     """``builtin:train|eval`` -> a JSONL written into the (local) run dir; else the path
     (local or ``gs://``), checked to exist."""
@@ -392,6 +409,7 @@ class RunContext:
             "version": int(st["version"]),
             "executor": self.executor.state_dict() if self.executor is not None else {},
             "model_config": self.learner.model_cfg.to_hf_dict(),
+            "run_config": to_dict(self.cfg),  # eval.py/convert.py: tokenizer, reward, keys
             "consumed_tokens": self.consumed_tokens,
             "elapsed_s": self.elapsed(),
             "rng": rng_to_json(jax.random.key(self.rng_seed + int(st["version"]))),

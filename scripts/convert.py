@@ -83,7 +83,7 @@ def orbax_to_hf(ckpt_dir: str, out: str, step: int | None = None,
         else:
             raise CheckpointError(f"{where}: meta has no model_config; pass --config-from "
                                   f"with an HF dir whose config.json describes this model")
-        params, _, _ = ckpt.restore(step)
+        params, _, _ = ckpt.restore(step, params_only=True)  # never the optimizer state
     if not storage.is_url(out):
         params_to_hf_dir(params, model_cfg, out, dtype=dtype, tokenizer_dir=tokenizer_dir)
         return 0

@@ -1,11 +1,14 @@
 """Evaluate a policy on a prompt dataset: pass@1 averaged over k samples.
 
     python scripts/eval.py --model runs/tiny_demo/weights/v40 --data builtin:eval -k 4
-    python scripts/eval.py --ckpt runs/tiny_demo/checkpoints [--step 40] --data eval.jsonl --reward math
+    python scripts/eval.py --ckpt runs/tiny_demo/checkpoints [--step 40] --data builtin:eval
     python scripts/eval.py --model DIR --server http://127.0.0.1:30000 ...   # an already-running server
 
 ``--model`` is an HF directory (e.g. a published ``weights/v{N}``); ``--ckpt`` is an
 Orbax checkpoint dir written by the trainer (converted to HF in a temp dir first).
+For ``--ckpt`` (and ``--model RUN_DIR/weights/vN``) the tokenizer, the reward and the
+prompt/answer keys default to the run's own, from its saved config; only the parameters
+are read from the checkpoint, never the optimizer state.
 Every path (``--model``, ``--ckpt``, ``--tokenizer``, ``--data``, ``--out``) may be local or
 ``gs://`` (see README, "Cloud runs").
 Without ``--server`` an embedded engine is started on the weights. Prints the result
@@ -30,11 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--model", help="HF model directory (or builtin:NAME)")
     src.add_argument("--ckpt", help="Orbax checkpoint directory written by the trainer")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model dir)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer dir (default: the model dir; with --ckpt, the run's tokenizer)")
     p.add_argument("--data", required=True, help="JSONL/Parquet path or builtin:eval")
-    p.add_argument("--prompt-key", default="question")
-    p.add_argument("--answer-key", default="answer")
-    p.add_argument("--reward", default="builtin", help="builtin | math | code | module:function")
+    p.add_argument("--prompt-key", default=None, help="default: the run's data.prompt_key, else question")
+    p.add_argument("--answer-key", default=None, help="default: the run's data.answer_key, else answer")
+    p.add_argument("--reward", default=None,
+                   help="builtin | math | code | module:function (default: the run's reward.fn, "
+                        "else builtin)")
     p.add_argument("-k", "--n-samples", type=int, default=1)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -55,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     from areal_jax.rollout.client import RolloutClient
     from areal_jax.rollout.evaluate import evaluate_prompts
     from areal_jax.rollout.workflows import SamplingConfig
-    from areal_jax.trainer_setup import TrainerError, resolve_dataset, resolve_model_path
+    from areal_jax.trainer_setup import (
+        TrainerError,
+        resolve_dataset,
+        resolve_model_path,
+        saved_run_config,
+    )
 
     tmp = tempfile.TemporaryDirectory(prefix="areal-eval-")
     try:
@@ -65,14 +76,32 @@ def main(argv: list[str] | None = None) -> int:
 
             storage.check_location(args.ckpt, "--ckpt", must_exist=True)
             ck = TrainCheckpointer(args.ckpt, read_only=True)
-            params, _, meta = ck.restore(args.step)
-            model_dir = Path(tmp.name) / "model"
-            tok_src = resolve_model_path(args.tokenizer, key="--tokenizer") if args.tokenizer \
-                else None
-            params_to_hf_dir(params, meta["model_config"], model_dir, tokenizer_dir=tok_src)
+            params, _, meta = ck.restore(args.step, params_only=True)
             ck.close()
+            run_cfg = saved_run_config(args.ckpt, meta) or {}
+            model_dir = Path(tmp.name) / "model"
+            tok_src = None
+            if args.tokenizer:
+                tok_src = resolve_model_path(args.tokenizer, key="--tokenizer")
+            elif run_cfg.get("model"):  # the run's own tokenizer
+                m = run_cfg["model"]
+                tok_src = resolve_model_path(m.get("tokenizer_path") or m["path"],
+                                             key="the run's model.tokenizer_path")
+            else:
+                raise TrainerError(f"--ckpt {args.ckpt}: no saved run config (checkpoint meta or "
+                                   "config.yaml in the run dir) names its tokenizer; pass --tokenizer")
+            params_to_hf_dir(params, meta["model_config"], model_dir, tokenizer_dir=tok_src)
         else:
             model_dir = resolve_model_path(args.model, key="--model")
+            run_cfg = {}
+            weights_dir = storage.parent_of(args.model)
+            if not args.model.startswith("builtin:") and storage.name_of(weights_dir) == "weights":
+                # a run's published weights (RUN_DIR/weights/vN): that run's config.yaml
+                run_cfg = saved_run_config(weights_dir, {}) or {}
+        data_cfg = run_cfg.get("data") or {}
+        args.prompt_key = args.prompt_key or data_cfg.get("prompt_key") or "question"
+        args.answer_key = args.answer_key or data_cfg.get("answer_key") or "answer"
+        args.reward = args.reward or (run_cfg.get("reward") or {}).get("fn") or "builtin"
         tok_dir = resolve_model_path(args.tokenizer, key="--tokenizer") if args.tokenizer \
             else model_dir
         tokenizer = load_tokenizer(tok_dir)
@@ -116,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         for h in handles:
             h.terminate()
         tmp.cleanup()
-    result.update({"model": args.model or args.ckpt, "data": args.data, "temperature": args.temperature})
+    result.update({"model": args.model or args.ckpt, "data": args.data, "reward": args.reward,
+                   "temperature": args.temperature})
     print(json.dumps(result, indent=2))
     if args.out:
         storage.write_text(args.out, json.dumps(result, indent=2))

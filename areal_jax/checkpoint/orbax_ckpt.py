@@ -257,7 +257,8 @@ class TrainCheckpointer:
 
     # --------------------------------------------------------------- restore
     def restore(self, step: int | None = None, *, params_target: Any = None,
-                opt_state_target: Any = None) -> tuple[Any, Any, dict[str, Any]]:
+                opt_state_target: Any = None, params_only: bool = False
+                ) -> tuple[Any, Any, dict[str, Any]]:
         """Returns ``(params, opt_state, meta)`` of checkpoint ``step`` (default: latest).
 
         A target (PyTree of arrays or ``jax.ShapeDtypeStruct`` with shardings, or an
@@ -265,13 +266,18 @@ class TrainCheckpointer:
         dtypes and device placement of the result, which comes back in the target's own
         container types. Without a target the result is a pure PyTree on the
         default device. ``opt_state`` is None for a
-        params-only checkpoint.
+        params-only checkpoint, and with ``params_only`` (evaluation, conversion: the
+        optimizer state, ~2x the params in fp32, is then never read).
         """
         step = self._resolve_step(step)
         where = f"{self.directory}/{step}"
         saved = self._manager.item_metadata(step)
         meta = self.restore_meta(step)
         has_opt = bool(meta.get("has_opt_state", saved.get(OPT_STATE) is not None))
+        if params_only:
+            if opt_state_target is not None:
+                raise ValueError("restore(params_only=True) takes no opt_state_target")
+            has_opt = False
         if saved.get(PARAMS) is None:
             raise CheckpointError(f"{where} has no params item")
         if opt_state_target is not None and not has_opt:
