@@ -599,7 +599,7 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
             workflow: Any = AgenticWorkflow(
                 ro.agent, n_samples=ro.n_samples, gconfig=sampling, tokenizer=tokenizer,
                 max_turns=ro.max_turns, reward_max_abs=cfg.reward.max_abs,
-                max_total_tokens=min(ro.max_total_tokens or cfg.train.seq_len, ro.max_seq_len))
+                group_filter=group_filter, max_total_tokens=min(ro.max_total_tokens or cfg.train.seq_len, ro.max_seq_len))
         except ValueError as e:
             raise TrainerError(f"rollout.agent: {e}") from None
         stack.callback(workflow.close)

@@ -166,6 +166,14 @@ def test_failed_agents_reject_the_group(server, tok, kwargs, problem, caplog):
     assert problem in caplog.text
 
 
+def test_group_filter_rejects_equal_reward_groups(server, tok):
+    wf = AgenticWorkflow(greedy_agent, n_samples=2, gconfig=GREEDY, tokenizer=tok, max_turns=2,
+                         max_total_tokens=160, agent_kwargs={"calls": 1},
+                         group_filter=lambda g: len({t.reward for t in g}) > 1)
+    group, counts = run(wf, server, tok, ITEM)
+    assert group is None and counts["filtered_groups"] == 1 and counts["agent_turns"] == 2
+
+
 def test_assemble_trajectory_keeps_only_calls_inside_the_final_sequence():
     calls = [RecordedCall([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [0, 0, 0], "stop"),
              RecordedCall([9, 9], [7], [-0.5], [0], "stop"),  # a side conversation
@@ -194,3 +202,35 @@ def test_agent_workflow_from_config(tmp_path):
         AgenticWorkflow("no_such_module:agent")
     with pytest.raises(ValueError, match="has no callable 'nope'"):
         AgenticWorkflow("areal_jax.rollout.agent_examples:nope")
+
+
+@pytest.mark.slow
+def test_agent_config_trains_from_train_py_alone(tmp_path):
+    """configs/arith_agent.yaml through scripts/train.py: versions train on agent
+    trajectories (two model turns where the first answer was wrong)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(repo / "scripts" / "train.py"), "--config",
+         str(repo / "configs" / "arith_agent.yaml"), f"run_dir={run_dir}",
+         "train.total_versions=2", "train.batch_size=4", "rollout.n_samples=4",
+         "rollout.max_slots=16", "eval.every_versions=0", "eval.at_start=false",
+         "eval.at_end=false", "progress_bar=false", "rollout.server_cpu_cores=null",
+         "rollout.learner_cpu_cores=null"],
+        capture_output=True, text=True, timeout=900, env=env, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [1, 2]
+    # Every sample made one or two model calls; none failed.
+    turns = rows[-1]["rollout/agent_turns"]
+    accepted = rows[-1].get("rollout/accepted", 8)
+    assert 4 * accepted <= turns <= 8 * accepted, rows[-1]
+    assert "rollout/agent_failed_groups" not in rows[-1]

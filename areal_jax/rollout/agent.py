@@ -223,12 +223,14 @@ class AgenticWorkflow:
 
     ``agent`` may be async (run on the executor's loop) or plain (run in a thread). Token
     budgets: ``max_turns`` model calls and ``max_total_tokens`` per trajectory.
+    ``group_filter`` may reject a finished group, as in ``RLVRWorkflow``.
     """
 
     def __init__(self, agent: AgentFn | str, *, n_samples: int = 1,
                  gconfig: SamplingConfig | None = None, tokenizer: Any = None,
                  max_turns: int = 4, max_total_tokens: int = 1024, vocab_size: int | None = None,
                  reward_max_abs: float | None = None,
+                 group_filter: Callable[[list[Trajectory]], bool] | None = None,
                  agent_kwargs: dict[str, Any] | None = None) -> None:
         if n_samples < 1 or max_turns < 1 or max_total_tokens < 2:
             raise ValueError(f"AgenticWorkflow needs n_samples >= 1, max_turns >= 1, "
@@ -243,6 +245,7 @@ class AgenticWorkflow:
                                    stop_token_ids=tuple(tokenizer.stop_token_ids))
         self.vocab_size = vocab_size
         self.reward_max_abs = reward_max_abs
+        self.group_filter = group_filter
         self.agent_kwargs = dict(agent_kwargs or {})
         self._proxy: AgentProxy | None = None
         self._proxy_lock = threading.Lock()
@@ -302,4 +305,7 @@ class AgenticWorkflow:
                 ctx.count("agent_calls_unmatched", unmatched)
             ctx.count("agent_turns", len(calls))
             group.append(traj)
+        if self.group_filter is not None and not self.group_filter(group):
+            ctx.count("filtered_groups")
+            return None
         return group
