@@ -26,7 +26,6 @@ first or allowed to finish), so every response was produced by a single weight v
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import threading
@@ -51,14 +50,12 @@ from areal_jax.engine.model_dir import (
 )
 from areal_jax.engine.request import EngineRequest, SamplingParams
 from areal_jax.engine.runner import ModelRunner, bucket_for
-from areal_jax.engine.weight_check import WeightCheckError, check_file_dtypes, check_finite
-from model_defs import ModelConfig, load_hf
+from areal_jax.engine.weight_check import load_update
+from model_defs import load_hf
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ_LEN = 2048
-# ModelConfig fields that may differ between the served model and a weight update.
-_UPDATE_IGNORED_CONFIG_KEYS = ("bos_token_id", "eos_token_id")
 
 
 class EngineRequestError(ValueError):
@@ -226,7 +223,8 @@ class GenerationEngine:
                 if abort_all_requests:
                     aborted_early = self._call(
                         lambda: self._abort_running("aborted for a weight update"))
-                new_state = self._load_compatible_state(model_path)
+                new_state = load_update(model_path, self.model_config, self.config.dtype,
+                                        self.runner, check=self.config.check_weights)
             except EngineStoppedError as e:
                 return {"success": False, "message": f"weights not updated: {e}",
                         "num_paused_requests": 0}
@@ -336,33 +334,6 @@ class GenerationEngine:
             self._commands.append((fn, fut))
             self._lock.notify_all()
         return fut.result(timeout)
-
-    def _load_compatible_state(self, model_path: str) -> nnx.State:
-        path = check_model_dir(model_path)
-        cfg = ModelConfig.from_pretrained_dir(path)
-        served = dataclasses.asdict(self.model_config)
-        new = dataclasses.asdict(cfg)
-        diff = [k for k in served if k not in _UPDATE_IGNORED_CONFIG_KEYS and served[k] != new[k]]
-        if diff:
-            k = diff[0]
-            raise ModelPathError(
-                f"{path / 'config.json'} is incompatible with the served model: {k}={new[k]!r} "
-                f"but the server runs {k}={served[k]!r} (differing keys: {', '.join(diff)})"
-            )
-        if self.config.check_weights:
-            check_file_dtypes(path)
-        model, _ = load_hf(path, dtype=self.config.dtype)
-        _, state = nnx.split(model)
-        problem = self.runner.check_compatible(state)
-        if problem:
-            raise ModelPathError(f"{path} is incompatible with the served model: {problem}")
-        state = self.runner.place_like_current(state)
-        if self.config.check_weights:
-            try:
-                check_finite(state)
-            except WeightCheckError as e:
-                raise WeightCheckError(f"{path}: {e}") from None
-        return state
 
     # ---------------------------------------------------------------- step loop
     def _loop(self) -> None:

@@ -1,21 +1,30 @@
-"""Checks a weight update must pass before the engine swaps it in.
+"""Loading a weight update and the checks it must pass before the engine swaps it in.
 
-A refused update leaves the served weights untouched. Shapes and the parameter tree are
-checked by ``load_hf`` and ``ModelRunner.check_compatible``; this module adds the tensor
-dtypes stored in the files (a weight is a floating-point tensor, never an integer or bool
-one that would be silently cast) and finiteness of every value after the cast to the
-served dtype (a NaN or Inf weight poisons every request, and an fp64 value beyond the
-fp32 range becomes Inf only once cast).
+A refused update leaves the served weights untouched. The config must match the served
+one; shapes and the parameter tree are checked by ``load_hf`` and
+``ModelRunner.check_compatible``; then the tensor dtypes stored in the files (a weight is
+a floating-point tensor, never an integer or bool one that would be silently cast) and
+finiteness of every value after the cast to the served dtype (a NaN or Inf weight
+poisons every request, and an fp64 value beyond the fp32 range becomes Inf only once
+cast).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from safetensors import safe_open
 
+from areal_jax.engine.model_dir import ModelPathError, check_model_dir
+from model_defs import ModelConfig, load_hf
+
+# ModelConfig fields that may differ between the served model and a weight update.
+UPDATE_IGNORED_CONFIG_KEYS = ("bos_token_id", "eos_token_id")
 # safetensors dtype names that are weights.
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
@@ -57,3 +66,35 @@ def check_finite(state: object) -> None:
             raise WeightCheckError(
                 f"parameter {jax.tree_util.keystr(path)} has {n_bad} non-finite value(s) "
                 f"(NaN or Inf) in the served dtype {leaf.dtype}")
+
+
+def load_update(model_path: str, served: ModelConfig, dtype: str, runner: Any,
+                check: bool = True) -> nnx.State:
+    """The params of ``model_path``, cast and placed like ``runner``'s, ready to swap in.
+
+    Raises ModelPathError (missing or incompatible checkpoint) or WeightCheckError (with
+    ``check``: a non-floating tensor, a non-finite value).
+    """
+    path = check_model_dir(model_path)
+    cfg = ModelConfig.from_pretrained_dir(path)
+    old, new = dataclasses.asdict(served), dataclasses.asdict(cfg)
+    diff = [k for k in old if k not in UPDATE_IGNORED_CONFIG_KEYS and old[k] != new[k]]
+    if diff:
+        k = diff[0]
+        raise ModelPathError(
+            f"{path / 'config.json'} is incompatible with the served model: {k}={new[k]!r} "
+            f"but the server runs {k}={old[k]!r} (differing keys: {', '.join(diff)})")
+    if check:
+        check_file_dtypes(path)
+    model, _ = load_hf(path, dtype=dtype)
+    _, state = nnx.split(model)
+    problem = runner.check_compatible(state)
+    if problem:
+        raise ModelPathError(f"{path} is incompatible with the served model: {problem}")
+    state = runner.place_like_current(state)
+    if check:
+        try:
+            check_finite(state)
+        except WeightCheckError as e:
+            raise WeightCheckError(f"{path}: {e}") from None
+    return state
