@@ -108,6 +108,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw) if raw.strip() else None
     except (ValueError, UnicodeDecodeError) as e:
         raise OpenAIError(f"request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise OpenAIError("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise OpenAIError("request body must be a JSON object")
     return body
@@ -254,12 +256,15 @@ def parse_request(body: dict[str, Any], *, chat: bool, tokenizer: Any, vocab_siz
     ignore_eos = body.get("ignore_eos")
     if ignore_eos not in (None, True, False):
         raise OpenAIError(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos")
-    params = SamplingParams(
-        max_new_tokens=max_tokens, ignore_eos=bool(ignore_eos),
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        stop_token_ids=() if ignore_eos else tuple(stop_token_ids), seed=seed,
-        skip_special_tokens=True)
+    try:  # SamplingParams also checks what the device can hold (tiny temperatures, seeds)
+        params = SamplingParams(
+            max_new_tokens=max_tokens, ignore_eos=bool(ignore_eos),
+            temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+            stop_token_ids=() if ignore_eos else tuple(stop_token_ids), seed=seed,
+            skip_special_tokens=True)
+    except ValueError as e:
+        raise OpenAIError(str(e)) from None
     return ParsedRequest(ids, params, bool(stream), bool(options.get("include_usage")),
                          want_logprobs, model)
 
