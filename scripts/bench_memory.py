@@ -6,14 +6,15 @@
 Compile only (nothing is run, so it works for shapes that would not fit): the learner's
 real gradient program (``learner.steps.make_grad_fn``: packed rows, chunked logprobs,
 decoupled PPO loss) is lowered with abstract inputs and XLA's ``memory_analysis`` is
-read. Side by side, per row length T (one packed row of --segments segments):
+read. Side by side, per row length T (one packed row; the program, and so its memory,
+does not depend on how the row is split into segments):
 
 * ``blockwise``: the attention as shipped (query blocks of ``model_defs.attention.BLOCK``);
 * ``one block``: the same function with the block set to T, i.e. plain attention with the
   full T x T scores, the peer a linear-memory attention is measured against.
 
-The second table gives the learner's memory per parameter for --learner-preset at
---learner-seq tokens per micro-batch: fp32 master params (4 B) + AdamW moments (8 B) +
+The summary then gives the learner's memory per parameter for --learner-preset with
+micro-batches of --learner-rows x --learner-seq tokens: fp32 master params (4 B) + AdamW moments (8 B) +
 the gradient accumulator (4 B) = 16 B/param held between steps, plus the larger of the
 gradient and optimizer programs' compiled temporaries.
 """
@@ -33,13 +34,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--segments", type=int, default=4, help="packed segments per row")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--remat", default="none",
                         help="model.remat policy for the T sweep (see README: none, full, ...)")
     parser.add_argument("--learner-preset", default="qwen2.5-0.5b",
                         help="ModelConfig preset for bytes/param ('' to skip)")
-    parser.add_argument("--learner-seq", type=int, default=1024)
+    parser.add_argument("--learner-seq", type=int, default=1024, help="tokens per packed row")
+    parser.add_argument("--learner-rows", type=int, default=1, help="rows per micro-batch")
+    parser.add_argument("--mesh", default="",
+                        help="learner mesh, e.g. fsdp=2 (CPU: that many XLA host devices); "
+                             "figures are then per device")
 
 
 def _abstract_model(cfg: Any, dtype: str, remat: Any) -> tuple[Any, Any, Any, int]:
@@ -55,45 +59,69 @@ def _abstract_model(cfg: Any, dtype: str, remat: Any) -> tuple[Any, Any, Any, in
     return graphdef, params, rest, n_params
 
 
-def _abstract_batch(t: int, segments: int) -> dict[str, Any]:
+def _abstract_batch(t: int, rows: int) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    del segments  # shapes only; the segment layout does not change the program
-    i32 = jax.ShapeDtypeStruct((1, t), jnp.int32)
-    f32 = jax.ShapeDtypeStruct((1, t), jnp.float32)
+    # Shapes only: the segment layout does not change the program.
+    i32 = jax.ShapeDtypeStruct((rows, t), jnp.int32)
+    f32 = jax.ShapeDtypeStruct((rows, t), jnp.float32)
     return {"input_ids": i32, "positions": i32, "segment_ids": i32, "versions": i32,
             "loss_mask": f32, "prox_logp": f32, "behav_logp": f32, "advantages": f32}
 
 
-def _grad_memory(cfg: Any, dtype: str, remat: Any, t: int, segments: int) -> tuple[Any, int]:
+def _on_mesh(tree: Any, shardings: Any) -> Any:
+    import jax
+
+    leaves, treedef = jax.tree.flatten(tree)
+    if isinstance(shardings, dict):
+        shardings = [shardings[k] for k in tree]  # batch dicts: same keys, same order
+    return jax.tree.unflatten(treedef, [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True)])
+
+
+def _grad_memory(cfg: Any, dtype: str, remat: Any, t: int, rows: int = 1,
+                 mesh: Any = None) -> tuple[Any, int]:
+    import contextlib
+
     import jax
     import jax.numpy as jnp
 
     from areal_jax.learner.config import PPOConfig
     from areal_jax.learner.steps import make_grad_fn, zero_sums
+    from areal_jax.parallel.mesh import batch_sharding
+    from model_defs import param_shardings, use_mesh
 
     graphdef, params, rest, n_params = _abstract_model(cfg, dtype, remat)
+    batch = _abstract_batch(t, rows)
+    if mesh is not None:  # the learner's placement: params by their logical axes, rows split
+        params = _on_mesh(params, param_shardings(params, mesh))
+        batch = _on_mesh(batch, {k: batch_sharding(mesh) for k in batch})
     grad_fn = make_grad_fn(graphdef, jnp.dtype(dtype), PPOConfig())
     sums = jax.eval_shape(zero_sums)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     version = jax.ShapeDtypeStruct((), jnp.int32)
-    compiled = jax.jit(grad_fn, donate_argnums=(2, 3)).lower(
-        params, rest, params, sums, _abstract_batch(t, segments), scalar, scalar, version
-    ).compile()
+    with use_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        compiled = jax.jit(grad_fn, donate_argnums=(2, 3)).lower(
+            params, rest, params, sums, batch, scalar, scalar, version).compile()
     return compiled.memory_analysis(), n_params
 
 
-def _apply_memory(cfg: Any) -> Any:
+def _apply_memory(cfg: Any, mesh: Any = None) -> Any:
     import jax
 
     from areal_jax.learner.config import OptimizerConfig
     from areal_jax.learner.optimizer import make_optimizer
     from areal_jax.learner.steps import make_apply_fn
+    from model_defs import param_shardings
 
     _, params, _, _ = _abstract_model(cfg, "float32", False)
     tx = make_optimizer(OptimizerConfig())
     opt_state = jax.eval_shape(tx.init, params)
+    if mesh is not None:
+        params = _on_mesh(params, param_shardings(params, mesh))
+        opt_state = jax.eval_shape(tx.init, params)  # moments take the params' shardings
     compiled = jax.jit(make_apply_fn(tx), donate_argnums=(0, 1)).lower(
         params, opt_state, params).compile()
     return compiled.memory_analysis(), opt_state
@@ -104,16 +132,21 @@ def _mib(n: float) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.mesh:  # on a CPU host, one XLA device per mesh slot (before JAX starts)
+        from areal_jax.engine.config import request_cpu_devices
+        from areal_jax.parallel.mesh import parse_mesh_spec
+
+        request_cpu_devices(int(np.prod(list(parse_mesh_spec(args.mesh).values()))))
     import jax
 
     import model_defs.attention as attention_module
     from model_defs import ModelConfig
 
-    seqs = [int(x) for x in args.seq.split(",")]
+    seqs = [int(x) for x in args.seq.split(",") if x]  # --seq '' skips the sweep
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                       intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                      max_position_embeddings=max(seqs))
+                      max_position_embeddings=max(seqs, default=2048))
     remat = False if args.remat == "none" else (True if args.remat == "full" else args.remat)
     rows: list[list] = []
     shipped_block = attention_module.BLOCK
@@ -122,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, block in (("blockwise", shipped_block), ("one block", t)):
             attention_module.BLOCK = block
             try:
-                mem, _ = _grad_memory(cfg, args.dtype, remat, t, args.segments)
+                mem, _ = _grad_memory(cfg, args.dtype, remat, t)
             finally:
                 attention_module.BLOCK = shipped_block
             temps[name].append(mem.temp_size_in_bytes)
@@ -136,24 +169,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, values in temps.items():
         if len(values) > 1:
             summary[f"{name}: growth per doubling (last)"] = round(values[-1] / values[-2], 2)
-    if len(seqs) and temps["one block"][-1]:
+    if seqs:
         summary[f"one block / blockwise temp at T={seqs[-1]}"] = round(
             temps["one block"][-1] / temps["blockwise"][-1], 2)
 
     if args.learner_preset:
+        mesh = None
+        shards = 1
+        if args.mesh:
+            from areal_jax.parallel.mesh import make_mesh
+
+            mesh = make_mesh(args.mesh)
+            shards = mesh.shape.get("fsdp", 1) * mesh.shape.get("tensor", 1)
         lcfg = ModelConfig.preset(args.learner_preset)
-        grad_mem, n_params = _grad_memory(lcfg, args.dtype, remat, args.learner_seq, 1)
-        apply_mem, opt_state = _apply_memory(lcfg)
+        grad_mem, n_params = _grad_memory(lcfg, args.dtype, remat, args.learner_seq,
+                                          args.learner_rows, mesh)
+        apply_mem, opt_state = _apply_memory(lcfg, mesh)
         opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state))
-        held = 4 * n_params + opt_bytes + 4 * n_params  # params, AdamW state, grad accumulator
+        # params, AdamW state, grad accumulator, per device (split over fsdp x tensor)
+        held = (4 * n_params + opt_bytes + 4 * n_params) / shards
         peak = held + max(grad_mem.temp_size_in_bytes, apply_mem.temp_size_in_bytes)
         summary.update({
             "learner model": f"{args.learner_preset} ({n_params / 1e6:.0f}M params), "
-                             f"T={args.learner_seq}",
-            "learner held bytes/param (params+AdamW+grads)": round(held / n_params, 2),
+                             f"{args.learner_rows} x {args.learner_seq} tokens, {args.dtype}, "
+                             f"remat {args.remat}",
+            "learner mesh": args.mesh or "one device",
+            "learner held bytes/param per device (params+AdamW+grads)": round(held / n_params, 2),
             "learner grad-program temp MiB": _mib(grad_mem.temp_size_in_bytes),
             "learner apply-program temp MiB": _mib(apply_mem.temp_size_in_bytes),
-            "learner compiled peak bytes/param": round(peak / n_params, 2),
+            "learner compiled peak bytes/param per device": round(peak / n_params, 2),
         })
     return {"title": "learner forward+backward compiled temp memory (memory_analysis)",
             "columns": ["T", "attention", "temp MiB", "x prev T"], "rows": rows,
