@@ -364,6 +364,9 @@ class TrainConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     log_every: int = 1
     progress_bar: bool = True
+    # JAX's persistent compilation cache, shared by the learner and the embedded servers:
+    # a second run of the same shapes compiles nothing. null (or ""): off.
+    compilation_cache_dir: str | None = "~/.cache/areal_jax/jax_compilation_cache"
 
     def __post_init__(self) -> None:
         if self.rollout.max_new_tokens >= self.rollout.max_seq_len:

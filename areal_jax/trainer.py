@@ -107,7 +107,9 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
     row: dict[str, Any] = {}
     nonfinite = 0  # versions in a row with a non-finite loss
     if ctx.is_main and ctx.start_version == 0 and cfg.eval.at_start and ctx.eval_items:
-        row = writer.log({"version": 0, "step": 0, **ctx.evaluate("eval_")})
+        t0 = time.perf_counter()
+        evaluated = ctx.evaluate("eval_")
+        row = writer.log({"version": 0, "step": 0, **evaluated, "eval_s": time.perf_counter() - t0})
 
     for version in range(ctx.start_version, total):
         t_step = time.perf_counter()
@@ -124,6 +126,9 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
             raise RunStopped(f"cannot pack the batch of version {version + 1}: {e} "
                              f"(train.seq_len={cfg.train.seq_len})") from None
         wait_s = time.perf_counter() - t0
+        first = version == ctx.start_version
+        if first:
+            ctx.mark_startup("first_batch_s")
         batches, groups, trajs = batch.micro_batches, batch.groups, batch.trajectories
         if cfg.train.record_batches and ctx.is_main:
             from areal_jax.data.trajectories import save_batch
@@ -143,6 +148,8 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
             for mb, ref in zip(batches, ctx.ref_learner.compute_logp(batches), strict=True):
                 mb["ref_logp"] = ref
         train_metrics = learner.train_step(batches, current_version=version)
+        if first:
+            ctx.mark_startup("first_step_s")
         nonfinite = 0 if math.isfinite(float(train_metrics.get("loss", 0.0))) else nonfinite + 1
         limit = cfg.watchdog.max_nonfinite_versions
         if limit and nonfinite >= limit:
@@ -193,6 +200,8 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
             **{f"rollout/{k}": v for k, v in executor.metrics().items()
                if isinstance(v, int | float)},
         }
+        if first:  # seconds from process start to each start-up milestone
+            row.update({f"startup/{k}": v for k, v in ctx.startup.items() if k.endswith("_s")})
         row["logp_mismatch"] = train_metrics.get("logp_behav_abs_diff", float("nan"))
         row["clip_frac"] = train_metrics.get("clip_frac", float("nan"))
         row["cap_frac"] = train_metrics.get("cap_drop_frac", float("nan"))
@@ -201,7 +210,9 @@ def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
         is_last = version + 1 == total
         if ctx.eval_items and ((cfg.eval.every_versions and (version + 1) % cfg.eval.every_versions == 0)
                                or (is_last and cfg.eval.at_end)):
+            t0 = time.perf_counter()
             row.update(ctx.evaluate("eval_"))
+            row["eval_s"] = time.perf_counter() - t0
         row = writer.log(row)
         ctx.sync_run_files(version + 1)  # gs:// run dirs: the checkpointed row is uploaded
 

@@ -163,6 +163,27 @@ def check_servers_reachable(urls: list[str], api_key: str | None, timeout: float
             raise TrainerError(f"rollout server {url} answered /health with HTTP {r.status_code}")
 
 
+def enable_compilation_cache(path: str | None) -> str | None:
+    """``compile_cache.enable_compilation_cache``, with a TrainerError for a bad path."""
+    from areal_jax.compile_cache import enable_compilation_cache as enable
+
+    try:
+        return enable(path)
+    except OSError as e:
+        raise TrainerError(f"compilation_cache_dir {path} cannot be created ({e}); "
+                           "set compilation_cache_dir to a writable directory or null") from None
+
+
+def process_start_time() -> float:
+    """When this process started (seconds since the epoch), for start-up timings."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except (ImportError, OSError):
+        return time.time()
+
+
 # ----------------------------------------------------------------------------- metrics
 class MetricsWriter:
     """metrics.jsonl (one row per version), TensorBoard events and a progress bar."""
@@ -317,10 +338,16 @@ class RunContext:
     consumed_tokens: int = 0
     last_saved_version: int = -1
     t_start: float = field(default_factory=time.time)
+    # Seconds from process start: setup steps, then (in the trainer) the first batch and step.
+    startup: dict[str, float] = field(default_factory=dict)
     elapsed_before: float = 0.0
     rng_seed: int = 0
     run_files: Any = None  # storage.RunFiles: metrics, logs, config (uploaded for gs://)
     first_params: Any = None  # host copy of the start-up weights, until they are published
+
+    def mark_startup(self, name: str) -> None:
+        """Records the seconds from process start to now as start-up milestone ``name``."""
+        self.startup[name] = time.time() - self.startup.get("process_start", self.t_start)
 
     def elapsed(self) -> float:
         return self.elapsed_before + (time.time() - self.t_start)
@@ -487,6 +514,7 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
     With several JAX processes every process builds the learner, the checkpointer and the
     trajectory pipeline's receiving end; process 0 alone also the run files, servers,
     executor and metrics writer."""
+    t_process = process_start_time()
     # Several processes (JAX multi-controller): join before anything touches JAX devices.
     # A one-process run skips this; with nothing set, srun / TPU pod / mpirun jobs are
     # detected by JAX itself (distributed.auto_detect).
@@ -501,6 +529,7 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
     import jax
 
     is_main, multi = jax.process_index() == 0, jax.process_count() > 1
+    xla_cache_dir = enable_compilation_cache(cfg.compilation_cache_dir)  # before any compile
     guard = start_job_guard(d.peer_timeout_s)  # one process failing ends all of them
     if guard is not None:
         guard.add_cleanup(lambda: [handle.kill() for handle in list(LIVE_SERVERS)])
@@ -575,8 +604,20 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
     first = publisher.publish(ctx.first_params, learner.model_cfg, start_version,
                               tokenizer_dir=tokenizer_dir)
     ctx.first_params = None
-    addresses = list(cfg.rollout.servers) or _launch_servers(cfg, first, start_version, local_dir,
-                                                              stack)
+    handles = [] if cfg.rollout.servers else _launch_servers(cfg, first, start_version,
+                                                             local_dir, stack, xla_cache_dir)
+    # The learner compiles its train step while the servers compile their shapes.
+    startup = {"learner_loaded_s": time.time() - t_process}
+    if not multi:  # (process-local micro-batches have another shape per process)
+        rows, seq_len = cfg.train.rows_per_micro_batch, cfg.train.seq_len
+        learner.precompile(rows, seq_len)
+        if ctx.ref_learner is not None:
+            ctx.ref_learner.precompile(rows, seq_len)
+    startup["learner_compiled_s"] = time.time() - t_process
+    if handles:
+        _wait_for_servers(cfg, handles)
+        startup["servers_ready_s"] = time.time() - t_process
+    addresses = list(cfg.rollout.servers) or [h.url for h in handles]
 
     # Rollout side (process 0): client, reward pool, workflow, prompts, executor.
     from areal_jax.data.prompts import load_prompt_dataset, read_records
@@ -665,6 +706,7 @@ def build_components(cfg: TrainConfig, resume: bool | None, stack: contextlib.Ex
     ctx.executor, ctx.publisher, ctx.writer, ctx.tokenizer = executor, publisher, writer, tokenizer
     ctx.reward_pool, ctx.reward_fn, ctx.eval_items = reward_pool, reward_fn, eval_items
     ctx.run_files = run_files
+    ctx.startup = {**startup, "setup_s": time.time() - t_process, "process_start": t_process}
     return ctx
 
 
@@ -765,15 +807,37 @@ def engine_placement(ro: Any) -> tuple[str, dict[str, str] | None]:
     return platform, {var: ids}
 
 
+def _server_start_error(i: int, e: Exception, cfg: TrainConfig) -> TrainerError:
+    first, _, tail = str(e).partition("\n")
+    hint = ""
+    if "not healthy after" in first:
+        hint = (f"; it may still be compiling: raise rollout.server_startup_timeout_s "
+                f"(now {cfg.rollout.server_startup_timeout_s:g}s)")
+    return TrainerError(f"embedded rollout server {i} failed to start: {first}{hint}"
+                        + (f"\n{tail}" if tail else ""))
+
+
+def _wait_for_servers(cfg: TrainConfig, handles: list) -> None:
+    from areal_jax.engine.launch import ServerStartError, wait_healthy
+
+    try:
+        wait_healthy(handles, cfg.rollout.server_startup_timeout_s)
+    except ServerStartError as e:
+        failed = next((i for i, h in enumerate(handles) if h.url in str(e)), 0)
+        raise _server_start_error(failed, e, cfg) from None
+
+
 def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,
-                    stack: contextlib.ExitStack) -> list[str]:
+                    stack: contextlib.ExitStack, cache_dir: str | None) -> list:
+    """Starts the embedded servers without waiting for them (the caller waits with
+    ``_wait_for_servers`` once the learner has compiled); returns their handles."""
     from areal_jax.engine.launch import ServerStartError, launch_server
 
     ro = cfg.rollout
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
     platform, device_env = engine_placement(ro)
-    urls = []
+    handles = []
     for i in range(ro.num_servers):
         try:
             handle = launch_server(weights, max_slots=ro.max_slots, max_seq_len=ro.max_seq_len,
@@ -781,22 +845,16 @@ def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,
                                    cpu_affinity=ro.server_cpu_cores, api_key=ro.api_key,
                                    allowed_weight_dirs=[storage.parent_of(weights)],  # later versions
                                    warmup=True,  # compile every shape now, not mid-run
-                                   log_path=logs / f"server{i}.log",
-                                   startup_timeout=ro.server_startup_timeout_s,
+                                   log_path=logs / f"server{i}.log", wait=False,
+                                   compilation_cache_dir=cache_dir,
                                    extra_args=["--weight-version", str(version)])
-        except ServerStartError as e:
-            first, _, tail = str(e).partition("\n")
-            hint = ""
-            if "not healthy after" in first:
-                hint = (f"; it may still be compiling: raise rollout.server_startup_timeout_s "
-                        f"(now {ro.server_startup_timeout_s:g}s)")
-            raise TrainerError(f"embedded rollout server {i} failed to start: {first}{hint}"
-                               + (f"\n{tail}" if tail else "")) from None
+        except (ServerStartError, OSError) as e:
+            raise _server_start_error(i, e, cfg) from None
         LIVE_SERVERS.append(handle)
         stack.callback(_forget_server, handle)
         stack.callback(handle.terminate)
-        urls.append(handle.url)
-    return urls
+        handles.append(handle)
+    return handles
 
 
 LIVE_SERVERS: list[Any] = []  # embedded servers of the running trainer (for a hard exit)

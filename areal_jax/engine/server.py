@@ -439,10 +439,9 @@ def main(argv: list[str] | None = None) -> int:
                        "generate and pause or update weights (set %s)", args.host, API_KEY_ENV)
     request_cpu_devices(args.data_parallel)  # CPU devices for the slot shards
     if args.compilation_cache_dir:
-        import jax
+        from areal_jax.compile_cache import enable_compilation_cache
 
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        enable_compilation_cache(args.compilation_cache_dir)
     try:
         config = EngineConfig(
             model_path=args.model_path, max_slots=args.max_slots, max_seq_len=args.max_seq_len,

@@ -231,6 +231,10 @@ class Critic(Learner):
             mb["advantages"] = adv
         return ValueTargets(scatter_per_token(micro_batches, returns, len(trajs)), old_values)
 
+    def precompile(self, rows: int, seq_len: int) -> float:
+        raise TypeError("Critic.precompile is not available: the critic compiles its value "
+                        "step on its first train_step")
+
     def compute_logp(self, micro_batches: Sequence[MicroBatch], temperature: float | None = None
                      ) -> list[np.ndarray]:
         raise TypeError("a Critic has no token logprobs (its LM head is dropped); "
@@ -296,9 +300,10 @@ class Critic(Learner):
     def _zero_sums(self) -> dict[str, jax.Array]:
         return {k: jnp.zeros((), jnp.float32) for k in VALUE_SUM_KEYS}
 
-    def _accumulate(self, group: Sequence[MicroBatch], keys: Sequence[str], version: jax.Array
-                    ) -> tuple[Any, dict[str, jax.Array]]:
-        """Gradient of one minibatch: the value loss normalised by its global loss-token count."""
+    def _accumulate(self, group: Sequence[MicroBatch], keys: Sequence[str], version: jax.Array,
+                    prox_from_logp: bool = False) -> tuple[Any, dict[str, jax.Array]]:
+        """Gradient of one minibatch: the value loss normalised by its global loss-token count.
+        (``prox_from_logp`` is the policy's; the value loss has no prox_logp.)"""
         batches = [self._put(mb, keys) for mb in group]
         n_loss = jnp.zeros((), jnp.float32)
         for b in batches:

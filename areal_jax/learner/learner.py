@@ -4,8 +4,11 @@
     batches = pack_trajectories(trajs, advantages, seq_len=512, rows_per_micro_batch=8,
                                 n_shards=n_batch_shards(learner.mesh),
                                 n_minibatches=ppo_cfg.ppo_n_minibatches)
-    learner.recompute_prox_logp(batches)     # prox_logp under the current weights
     metrics = learner.train_step(batches)    # ppo_n_minibatches AdamW steps
+
+``train_step`` recomputes prox_logp under the current weights first (decoupled loss), except
+with one minibatch per version: the proximal policy is then the current params before the
+only step, and the loss takes prox_logp from its own forward pass instead of a separate one.
 
 One ``train_step`` is one learner version. Each minibatch's gradient is accumulated over
 its micro-batches (one jitted function per micro-batch shape, gradient buffers donated)
@@ -29,7 +32,7 @@ from jax.sharding import Mesh
 
 from areal_jax.learner.config import OptimizerConfig, PPOConfig
 from areal_jax.learner.optimizer import learning_rate_at, make_optimizer
-from areal_jax.learner.packing import PACKED_FIELDS
+from areal_jax.learner.packing import OPTIONAL_FIELDS, PACKED_FIELDS
 from areal_jax.learner.steps import (
     MAX_KEYS,
     make_apply_fn,
@@ -207,9 +210,10 @@ class Learner:
         opts = self._jit_options
         self._denominator = self._jit("denominator", (ppo.agg_mode,), lambda: jax.jit(
             make_denominator_fn(ppo), out_shardings=(rep, rep), **opts))
-        self._grad = self._jit("grad", (ppo,), lambda: jax.jit(
-            make_grad_fn(self._graphdef, self.compute_dtype, ppo), donate_argnums=(2, 3),
-            out_shardings=(param_sh, rep), **opts))
+        self._grads = {prox_from_logp: self._jit("grad", (ppo, prox_from_logp), lambda p=prox_from_logp: jax.jit(
+            make_grad_fn(self._graphdef, self.compute_dtype, ppo, prox_from_logp=p),
+            donate_argnums=(2, 3), out_shardings=(param_sh, rep), **opts))
+            for prox_from_logp in (False, True)}
         self._apply = self._jit("apply", (self.optim_cfg,), lambda: jax.jit(
             make_apply_fn(self.tx), donate_argnums=(0, 1),
             out_shardings=(param_sh, self.opt_shardings, rep, rep), **opts)
@@ -290,6 +294,64 @@ class Learner:
         for mb, logp in zip(micro_batches, self.compute_logp(micro_batches), strict=True):
             _set(mb, "prox_logp", logp)
 
+    def precompile(self, rows: int, seq_len: int) -> float:
+        """Compiles, without running them, the programs that ``train_step`` (or, for a
+        frozen learner, ``compute_logp``) runs on [rows, seq_len] micro-batches: logprobs,
+        loss denominator, gradient accumulation and the optimizer update. Later calls with
+        that shape compile nothing. Returns the seconds it took.
+
+        The trainer calls this while the rollout servers compile their own shapes, so the
+        two compilations overlap instead of following one another.
+        """
+        t0 = time.perf_counter()
+        dummy = {k: np.zeros((rows, seq_len), dtype)
+                 for k, dtype in {**PACKED_FIELDS, **OPTIONAL_FIELDS}.items()}
+        dummy["segment_ids"][:] = 1  # one segment per row, like a packed micro-batch
+        with use_mesh(self.mesh):
+            prox_from_logp = self._skips_prox_recompute()
+            if not self.trainable or (self.ppo_cfg.use_decoupled_loss and not prox_from_logp):
+                self._logp_fn(self.ppo_cfg.temperature).lower(
+                    self.params, self._rest, self._put(dummy, LOGP_KEYS)).compile()
+            if not self.trainable:
+                return time.perf_counter() - t0
+            batch = self._put(dummy, self._train_keys(prox_from_logp))
+            grad_fn = self._grads[prox_from_logp]
+            self._denominator.lower(batch).compile()
+            denom = n_loss = jnp.zeros((), jnp.float32)
+            d, n = self._denominator(batch)
+            for _ in range(2):  # the sums' first add and the later ones (committed operands)
+                denom, n_loss = denom + d, n_loss + n
+            self._zeros.lower(self.params).compile()
+            grads = self._zeros(self.params)
+            version = jnp.asarray(0, jnp.float32)
+            # The first micro-batch's call gets fresh zero sums, the later ones the previous
+            # call's (committed) outputs: both are compiled.
+            grad_fn.lower(self.params, self._rest, grads, zero_sums(), batch, denom, n_loss,
+                          version).compile()
+            grads, sums = grad_fn(self.params, self._rest, grads, zero_sums(), batch, denom,
+                                  n_loss, version)
+            grad_fn.lower(self.params, self._rest, grads, sums, batch, denom, n_loss,
+                          version).compile()
+            self._apply.lower(self.params, self.opt_state, grads).compile()
+            del grads, sums
+        return time.perf_counter() - t0
+
+    def _skips_prox_recompute(self) -> bool:
+        """With the decoupled loss and one minibatch per version, the proximal policy is
+        the current params before the only step: prox_logp then comes from the loss's own
+        forward pass (as a constant) instead of a separate logprob pass."""
+        return self.ppo_cfg.use_decoupled_loss and self.ppo_cfg.ppo_n_minibatches == 1
+
+    def _prepare_prox(self, micro_batches: Sequence[MicroBatch]) -> bool:
+        """Recomputes missing prox_logp where needed; True when the loss takes prox_logp
+        from its own forward pass instead (see ``_skips_prox_recompute``)."""
+        if not self.ppo_cfg.use_decoupled_loss or all(_has(mb, "prox_logp") for mb in micro_batches):
+            return False
+        if self._skips_prox_recompute():
+            return True
+        self.recompute_prox_logp(micro_batches)
+        return False
+
     def minibatches(self, micro_batches: Sequence[MicroBatch]) -> list[list[MicroBatch]]:
         """Group micro-batches into ``ppo_n_minibatches`` minibatches (one optimizer step
         each): by their ``minibatch_id`` when packed with ``n_minibatches``, else in order."""
@@ -312,22 +374,23 @@ class Learner:
         """``ppo_n_minibatches`` AdamW steps of the decoupled PPO loss; returns metrics.
 
         Micro-batches need input_ids, positions, segment_ids, loss_mask, behav_logp,
-        advantages and versions ([R, L] each); prox_logp is recomputed here when missing
-        (decoupled loss only), and ref_logp is required when ``kl_coef > 0``.
+        advantages and versions ([R, L] each); prox_logp, when missing (decoupled loss only),
+        is recomputed here, or with one minibatch taken from the loss's own forward pass,
+        which computes the same values; ref_logp is required when ``kl_coef > 0``.
         ``current_version`` (default: ``self.version``) is the version staleness counts from.
         """
         t0 = time.perf_counter()
         self._require_trainable("train_step")
         micro_batches = list(micro_batches)
         ppo = self.ppo_cfg
-        keys = self._train_keys()
-        self._check_micro_batches(micro_batches, [k for k in keys if k != "prox_logp"])
-        if ppo.use_decoupled_loss and not all(_has(mb, "prox_logp") for mb in micro_batches):
-            self.recompute_prox_logp(micro_batches)
+        self._check_micro_batches(micro_batches, self._train_keys(prox_from_logp=True))
+        prox_from_logp = self._prepare_prox(micro_batches)
+        keys = self._train_keys(prox_from_logp)
         groups = self.minibatches(micro_batches)
         version = jnp.asarray(self.version if current_version is None else current_version,
                               jnp.float32)
-        metrics = self._optimizer_steps(groups, keys, version)
+        metrics = self._optimizer_steps(groups, keys, version, prox_from_logp)
+        metrics["prox_logp_recomputed"] = float(ppo.use_decoupled_loss and not prox_from_logp)
         metrics["n_micro_batches"] = float(len(micro_batches))
         metrics["step_time_s"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics["n_tokens"] / max(metrics["step_time_s"], 1e-9)
@@ -339,13 +402,13 @@ class Learner:
                                "(a frozen reference model); it only computes logprobs")
 
     def _optimizer_steps(self, groups: Sequence[Sequence[MicroBatch]], keys: Sequence[str],
-                         version: jax.Array) -> dict[str, float]:
+                         version: jax.Array, prox_from_logp: bool = False) -> dict[str, float]:
         """One AdamW step per minibatch group, then bump the version; returns the metrics."""
         lrs = [learning_rate_at(self.optim_cfg, self.step + i) for i in range(len(groups))]
         per_step = []
         with use_mesh(self.mesh):
             for group in groups:
-                grads, sums = self._accumulate(group, keys, version)
+                grads, sums = self._accumulate(group, keys, version, prox_from_logp)
                 self.params, self.opt_state, grad_norm, applied = self._apply(
                     self.params, self.opt_state, grads)
                 self.step += 1
@@ -354,16 +417,16 @@ class Learner:
         self.version += 1
         return self._metrics(per_step, lrs)
 
-    def _train_keys(self) -> list[str]:
+    def _train_keys(self, prox_from_logp: bool) -> list[str]:
         keys = list(TRAIN_KEYS)
-        if self.ppo_cfg.use_decoupled_loss:
+        if self.ppo_cfg.use_decoupled_loss and not prox_from_logp:
             keys.append("prox_logp")
         if self.ppo_cfg.kl_coef > 0:
             keys.append("ref_logp")
         return keys
 
-    def _accumulate(self, group: Sequence[MicroBatch], keys: Sequence[str], version: jax.Array
-                    ) -> tuple[Any, dict[str, jax.Array]]:
+    def _accumulate(self, group: Sequence[MicroBatch], keys: Sequence[str], version: jax.Array,
+                    prox_from_logp: bool = False) -> tuple[Any, dict[str, jax.Array]]:
         """Gradient of one minibatch (sum over its micro-batches of loss_sum / global
         denominator) and its statistic sums, on device."""
         batches = [self._put(mb, keys) for mb in group]
@@ -373,8 +436,8 @@ class Learner:
             denom, n_loss = denom + d, n_loss + n
         grads, sums = self._zeros(self.params), zero_sums()
         for b in batches:
-            grads, sums = self._grad(self.params, self._rest, grads, sums, b, denom, n_loss,
-                                     version)
+            grads, sums = self._grads[prox_from_logp](self.params, self._rest, grads, sums, b,
+                                                      denom, n_loss, version)
         return grads, sums
 
     def compute_gradients(self, micro_batches: Sequence[MicroBatch], *,
@@ -383,14 +446,13 @@ class Learner:
         anything. For checks and debugging; grads have the params' structure and shardings."""
         self._require_trainable("compute_gradients")
         micro_batches = list(micro_batches)
-        keys = self._train_keys()
-        self._check_micro_batches(micro_batches, [k for k in keys if k != "prox_logp"])
-        if self.ppo_cfg.use_decoupled_loss and not all(_has(mb, "prox_logp") for mb in micro_batches):
-            self.recompute_prox_logp(micro_batches)
+        self._check_micro_batches(micro_batches, self._train_keys(prox_from_logp=True))
+        prox_from_logp = self._prepare_prox(micro_batches)
+        keys = self._train_keys(prox_from_logp)
         version = jnp.asarray(self.version if current_version is None else current_version,
                               jnp.float32)
         with use_mesh(self.mesh):
-            grads, sums = self._accumulate(micro_batches, keys, version)
+            grads, sums = self._accumulate(micro_batches, keys, version, prox_from_logp)
         return float(sums["loss"]), grads
 
     @staticmethod

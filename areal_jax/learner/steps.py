@@ -64,20 +64,28 @@ def make_denominator_fn(ppo: PPOConfig) -> Callable:
     return denominator_fn
 
 
-def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, ppo: PPOConfig) -> Callable:
+def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, ppo: PPOConfig,
+                 prox_from_logp: bool = False) -> Callable:
     """(params, rest, grads, sums, batch, denom, n_loss_tokens, version) -> (grads, sums).
 
     Adds this micro-batch's gradient of ``loss_sum / denom`` (denom: the global denominator
     of the whole minibatch) to ``grads``, and its statistics to ``sums``.
+
+    ``prox_from_logp`` (decoupled loss with one minibatch per version): the proximal
+    policy is the current params, so prox_logp is this forward pass's own logp, as a
+    constant, instead of a separately recomputed ``batch["prox_logp"]``.
     """
     logp_fn = make_logp_fn(graphdef, compute_dtype, ppo.temperature, ppo.logp_chunk_size)
 
     def loss_fn(params, rest, batch, denom, n_loss_tokens, version):
         logp_bt, entropy_bt = logp_fn(params, rest, batch)
         mask_bt = batch["loss_mask"]
+        prox_bt = None  # naive PPO: prox = behav
+        if ppo.use_decoupled_loss:
+            prox_bt = jax.lax.stop_gradient(logp_bt) if prox_from_logp else batch["prox_logp"]
         terms = decoupled_ppo_loss_terms(
             logp_bt,
-            batch["prox_logp"] if ppo.use_decoupled_loss else None,
+            prox_bt,
             batch["behav_logp"],
             batch["advantages"],
             mask_bt,
