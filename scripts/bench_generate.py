@@ -6,6 +6,10 @@ Both generate greedily with EOS ignored, so every request makes exactly --new-to
 tokens. The engine runs in-process, warmed up (all shapes compiled first); the figure
 is generated tokens per second of wall time for the whole batch, plus the time to the
 first token and the engine's compile count (which must not grow during the timed runs).
+
+The roofline: the engine's decode GFLOP/s (tokens/s x the matmul FLOPs of one token, at the
+mean context) is printed next to fp32 matmul GFLOP/s measured in the same process, at the
+decode step's own shape (batch x hidden @ hidden x intermediate) and at 1024^3.
 """
 
 from __future__ import annotations
@@ -131,6 +135,32 @@ def _bench_engine(path: Path, prompts: np.ndarray, new_tokens: int, repeats: int
         engine.shutdown()
 
 
+def decode_flops_per_token(cfg: Any, context: float) -> float:
+    """Matmul FLOPs of one decoded token: 2 x (projection + MLP + LM-head weights) plus the
+    attention scores and weighted sum over ``context`` cached positions."""
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
+    attention = 2 * q * context  # q.k over the context, then the weighted sum of v
+    return 2.0 * (cfg.num_hidden_layers * (per_layer + attention) + h * cfg.vocab_size)
+
+
+def matmul_gflops(m: int, k: int, n: int, repeats: int = 20) -> float:
+    """Measured fp32 [m, k] @ [k, n] GFLOP/s of jitted JAX on this process's CPU."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((m, k)), jnp.float32)
+    b = jnp.asarray(np.random.default_rng(1).standard_normal((k, n)), jnp.float32)
+    f = jax.jit(lambda a, b: a @ b)
+    f(a, b).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a, b).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2.0 * m * k * n / min(times) / 1e9
+
+
 def _data_parallel_values(spec: str, batch: int) -> list[int]:
     if spec == "auto":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -166,9 +196,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             thread_counts = [int(t) for t in args.torch_threads.split(",")]
         peers = [_bench_transformers(path, prompts, args.new_tokens, args.repeats, t)
                  for t in thread_counts]
+        # The roofline: decode FLOP/s against matmuls measured here, at the decode step's
+        # own shape (batch rows x hidden @ hidden x intermediate) and at a large square one.
+        peak_decode_shape = matmul_gflops(args.batch, model_cfg.hidden_size,
+                                          model_cfg.intermediate_size, repeats=200)
+        peak_large = matmul_gflops(1024, 1024, 1024)
     theirs = max(peers, key=lambda r: r["tokens_per_s"])
     ours = max(engines, key=lambda r: r["tokens_per_s"])
     speedup = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    flops_per_token = decode_flops_per_token(model_cfg, args.prompt_len + args.new_tokens / 2)
+    decode_gflops = ours["tokens_per_s"] * flops_per_token / 1e9
     cpu_speedup = min(r["cpu_ms_per_token"] for r in peers) / ours["cpu_ms_per_token"]
     rows = [[f"areal-jax engine, data_parallel={r['data_parallel']}", round(r["tokens_per_s"], 1),
              round(r["total_s"], 3), round(r["cpu_ms_per_token"], 3), round(r["ttft_s"] * 1000, 1),
@@ -191,6 +228,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cpu_time_speedup_vs_transformers": cpu_speedup,
             "target_speedup": 5.0,
             "engine_tokens_per_s": ours["tokens_per_s"],
+            "engine_decode_gflops": decode_gflops,
+            "matmul_gflops_at_decode_shape": peak_decode_shape,
+            "matmul_gflops_large": peak_large,
+            "engine_fraction_of_decode_shape_peak": decode_gflops / peak_decode_shape,
+            "decode_mflops_per_token": flops_per_token / 1e6,
             "transformers_tokens_per_s": theirs["tokens_per_s"],
             "transformers_best_threads": theirs["threads"],
             "engine_ttft_ms": ours["ttft_s"] * 1000,
