@@ -228,8 +228,8 @@ def run(args) -> dict:
     systems["TRL GRPOTrainer"] = None
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     for rep in range(args.repeats):
-        for name, repo in systems.items():
-            d = work / f"{name.split()[0].replace('(', '')}-{len(runs[name])}-{rep}"
+        for k, (name, repo) in enumerate(systems.items()):
+            d = work / f"system{k}-run{rep}"  # a fresh run dir each (a reused one would resume)
             d.mkdir(parents=True, exist_ok=True)
             m = (run_trl(d, args.versions, args.eval_every) if repo is None else
                  run_areal(repo, args.config, d, args.versions, args.eval_every))
