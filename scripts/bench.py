@@ -7,12 +7,9 @@ measured side by side in the same run.
     python scripts/bench.py async-vs-sync --config configs/X.yaml
     python scripts/bench.py staleness --config configs/X.yaml
     python scripts/bench.py losses    [options]   # chunked log-probs/entropy vs full logits
-<<<<<<< HEAD
     python scripts/bench.py memory    [options]   # learner compiled memory vs T, bytes/param
-=======
     python scripts/bench.py startup   [options]   # process start to first batch / first step
     python scripts/bench.py trl       [options]   # areal-jax vs TRL GRPOTrainer on the demo
->>>>>>> 8ff0bb3 (Start-up: persistent compilation cache on by default (compilation_cache_dir, shared with the embedded servers), learner precompiles its train step while the servers compile; skip the prox_logp pass with one minibatch per version; startup/* and eval_s metrics; bench startup and trl)
 
 Each subcommand lives in scripts/bench_<name>.py and defines
 ``add_arguments(parser)`` and ``run(args) -> dict`` where the dict has
@@ -42,12 +39,9 @@ SUBCOMMANDS = {
     "staleness": "bench_staleness",
     "losses": "bench_losses",
     "executor": "bench_executor",
-<<<<<<< HEAD
     "memory": "bench_memory",
-=======
     "startup": "bench_startup",
     "trl": "bench_trl",
->>>>>>> 8ff0bb3 (Start-up: persistent compilation cache on by default (compilation_cache_dir, shared with the embedded servers), learner precompiles its train step while the servers compile; skip the prox_logp pass with one minibatch per version; startup/* and eval_s metrics; bench startup and trl)
 }
 
 
