@@ -326,6 +326,7 @@ def test_data_parallel_slots_give_the_same_tokens_and_logprobs(engine, ckpt_a):
             np.testing.assert_allclose(lps, lps_ref, rtol=0, atol=tol)
 
 
+@pytest.mark.devices(4)  # data_parallel=3 must fail on the slot count, not on devices
 def test_data_parallel_errors(ckpt_a):
     with pytest.raises(ValueError, match="data_parallel must be a positive int"):
         EngineConfig("x", data_parallel=0)
