@@ -182,7 +182,10 @@ class AgentProxy:
             future = asyncio.run_coroutine_threadsafe(rec.client.agenerate(request), rec.loop)
             resp = await asyncio.wrap_future(future)
         except asyncio.CancelledError:
-            if future is not None:
+            if future is not None and future.cancelled():  # the executor is stopping
+                raise OpenAIError("the rollout is stopping; this trajectory is cancelled",
+                                  status=503, kind="server_error") from None
+            if future is not None:  # the agent went away: stop its generation too
                 future.cancel()
             raise
         except Exception as e:  # noqa: BLE001 - answered to the agent as a 5xx
