@@ -21,6 +21,7 @@ def _batches(seed: int) -> list:
                              rows_per_micro_batch=4, n_shards=2)
 
 
+@pytest.mark.devices(2)
 @pytest.mark.parametrize("c_clip, cap", [(None, None), (3.0, 5.0)])
 def test_skipped_prox_recompute_gives_the_same_update(c_clip, cap):
     mesh = make_mesh("data=2", jax.devices()[:2])

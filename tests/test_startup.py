@@ -80,6 +80,7 @@ def compile_counter():
     monitoring.unregister_event_duration_listener(on_duration)
 
 
+@pytest.mark.devices(2)
 def test_precompile_leaves_nothing_for_the_train_step(compile_counter):
     import jax
 
