@@ -306,9 +306,21 @@ def run(args: argparse.Namespace) -> int:
             failed = [(r, c) for r, c in codes.items() if c not in (None, 0)
                       or (c == 0 and r.startswith("server"))]
             if failed:
-                role, code = failed[0]
-                print(f"[launch] {role} ended with status {code}; stopping every process",
-                      file=sys.stderr, flush=True)
+                # One failure takes the others down within moments (a killed trainer resets
+                # its peers' collectives); collect them briefly and name each, the processes
+                # ended by a signal (the likely root cause) first.
+                grace = time.monotonic() + 2.0
+                while time.monotonic() < grace:
+                    time.sleep(0.25)
+                    codes = {**codes, **{r: c for r, c in job.pump().items() if c is not None}}
+                failed = sorted(((r, c) for r, c in codes.items() if c not in (None, 0)
+                                 or (c == 0 and r.startswith("server"))),
+                                key=lambda rc: not (isinstance(rc[1], int) and rc[1] < 0))
+                for role, code in failed:
+                    print(f"[launch] {role} ended with status {code}", file=sys.stderr,
+                          flush=True)
+                print("[launch] stopping every process", file=sys.stderr, flush=True)
+                code = failed[0][1]
                 status = code if isinstance(code, int) and code > 0 else 1
                 break
             if all(codes[f"trainer{i}"] == 0 for i in range(args.trainers)):
