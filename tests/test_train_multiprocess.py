@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -181,7 +182,9 @@ def test_killing_one_process_ends_the_job_within_seconds(tmp_path):
     # Either the collective in progress fails (gloo sees the connection drop), or, when
     # process 0 is not in one (e.g. waiting for rollouts), the job guard's heartbeat.
     text = log(tmp_path / "logs", 0)
-    assert "process 1 stopped responding" in text or "Connection reset by peer" in text, text
+    # gloo words a dropped peer either way, depending on which side of the socket saw it.
+    assert ("process 1 stopped responding" in text
+            or re.search(r"Connection (reset|closed) by peer", text)), text
     assert waited < 120
     time.sleep(1)
     left = [pid for pid in ours if psutil.pid_exists(pid)
