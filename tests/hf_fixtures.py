@@ -171,3 +171,21 @@ def token_logprob_tolerance(path: Any, sequence: Any, temperature: float = 1.0) 
     t = temperature if temperature > 0 else 1.0
     return logprob_tolerance(model.config.vocab_size,
                              logit_tolerance(model, [list(sequence)]) / t)
+
+
+# A plain chat template (messages concatenated, <eos> after each assistant turn) for the
+# demo's arithmetic model, which ships without one.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}"
+                 "<eos>{% endif %}{% endfor %}")
+
+
+def arith_chat_model_dir(tmp_path_factory: Any, name: str) -> Path:
+    """A copy of the demo's arithmetic checkpoint with ``CHAT_TEMPLATE`` beside it."""
+    import shutil
+
+    from areal_jax.trainer_setup import ASSETS_DIR
+
+    out = tmp_path_factory.mktemp(name) / "arith"
+    shutil.copytree(ASSETS_DIR / "arith_sft", out)
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return out

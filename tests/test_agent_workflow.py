@@ -7,7 +7,6 @@ updates between turns."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections import Counter
 
 import httpx
@@ -21,20 +20,15 @@ from areal_jax.engine.launch import launch_server
 from areal_jax.rollout.agent import AgenticWorkflow, RecordedCall, assemble_trajectory
 from areal_jax.rollout.client import RolloutClient
 from areal_jax.rollout.workflows import SamplingConfig, WorkflowContext
-from areal_jax.trainer_setup import ASSETS_DIR
+from tests.hf_fixtures import arith_chat_model_dir
 
 EOS = 2
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}"
-                 "<eos>{% endif %}{% endfor %}")
 GREEDY = SamplingConfig(max_new_tokens=40, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("agent") / "arith"
-    shutil.copytree(ASSETS_DIR / "arith_sft", out)
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    return out
+    return arith_chat_model_dir(tmp_path_factory, "agent")
 
 
 @pytest.fixture(scope="module")

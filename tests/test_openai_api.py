@@ -5,8 +5,6 @@ against the server's own /generate on the same token ids."""
 
 from __future__ import annotations
 
-import shutil
-
 import httpx
 import numpy as np
 import openai
@@ -14,23 +12,18 @@ import pytest
 
 from areal_jax.data.tokenizer import load_tokenizer
 from areal_jax.engine.launch import launch_server
-from areal_jax.trainer_setup import ASSETS_DIR
+from tests.hf_fixtures import arith_chat_model_dir
 
 API_KEY = "k"
 MAX_SEQ_LEN = 96
 # Only characters of the built-in task's vocabulary: user turns verbatim, assistant turns
 # followed by <eos>, so a conversation renders to the task's own format.
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}"
-                 "<eos>{% endif %}{% endfor %}")
 EOS = 2
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("openai") / "arith"
-    shutil.copytree(ASSETS_DIR / "arith_sft", out)
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    return out
+    return arith_chat_model_dir(tmp_path_factory, "openai")
 
 
 @pytest.fixture(scope="module")
