@@ -173,8 +173,9 @@ def token_logprob_tolerance(path: Any, sequence: Any, temperature: float = 1.0) 
                              logit_tolerance(model, [list(sequence)]) / t)
 
 
-# A plain chat template (messages concatenated, <eos> after each assistant turn) for the
-# demo's arithmetic model, which ships without one.
+# A chat template for the demo's arithmetic model, which ships without one: only characters
+# of the built-in task's vocabulary (user turns verbatim, assistant turns followed by <eos>),
+# so a conversation renders to the task's own format.
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}"
                  "<eos>{% endif %}{% endfor %}")
 

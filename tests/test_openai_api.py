@@ -16,8 +16,6 @@ from tests.hf_fixtures import arith_chat_model_dir
 
 API_KEY = "k"
 MAX_SEQ_LEN = 96
-# Only characters of the built-in task's vocabulary: user turns verbatim, assistant turns
-# followed by <eos>, so a conversation renders to the task's own format.
 EOS = 2
 
 
