@@ -97,16 +97,18 @@ def reward_pool():
         yield pool
 
 
-def wait_for_running_requests(ex, client, timeout=2.0):
+def wait_for_running_requests(ex, client, timeout=5.0) -> bool:
     """'Training' time: lasts until the executor has submitted new runs and some server is
-    decoding them, so that the weight update interrupts them."""
+    decoding them, so that the weight update interrupts them. False when none ran in time
+    (a fast machine can finish a whole group before the test looks)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if ex.metrics()["running"] > 0:
             infos = ex.run_coroutine(client.server_infos())
             if sum(i.get("num_running_reqs", 0) for i in infos if i.get("up")) > 0:
-                return
-        time.sleep(0.01)
+                return True
+        time.sleep(0.005)
+    return False
 
 
 def publish(ex, client, path, version):
@@ -146,7 +148,11 @@ def test_staleness_bound_with_weight_updates_and_interruption(eta, fleet, ckpts,
                                                                train_jsonl, reward_pool):
     if eta != 1 and os.environ.get("AREAL_RUNSLOW") != "1":
         pytest.skip("eta=0 and eta=2 run with AREAL_RUNSLOW=1 (eta=1 runs by default)")
-    B, n, n_versions = 4, 2, 4 if eta == 1 else 6
+    # Whether a request is still decoding when the test publishes is a race with the machine's
+    # speed, so with eta >= 1 the run goes on (up to max_versions) until an interrupted
+    # trajectory has been consumed; the staleness checks hold at every version regardless.
+    B, n, min_versions = 4, 2, 4 if eta == 1 else 6
+    max_versions = min_versions if eta == 0 else 16
     reset_fleet(fleet, ckpts[0])
     client = RolloutClient([s.url for s in fleet], request_timeout=120)
     wf = RLVRWorkflow(BUILTIN_REWARD, n_samples=n, tokenizer=tokenizer,
@@ -156,7 +162,7 @@ def test_staleness_bound_with_weight_updates_and_interruption(eta, fleet, ckpts,
                          max_staleness=eta, reward_pool=reward_pool)
     interrupted = 0
     with ex:
-        for v in range(n_versions):
+        for v in range(max_versions):
             groups = ex.prepare_batch(timeout=120)
             check_batch(groups, v, eta, n)
             trajs = [t for g in groups for t in g]
@@ -164,6 +170,8 @@ def test_staleness_bound_with_weight_updates_and_interruption(eta, fleet, ckpts,
             if eta == 0:  # synchronous: generated entirely by the weights of version v
                 assert all(t.start_version == v and t.info["n_interruptions"] == 0 for t in trajs)
                 assert all(set(t.versions[t.loss_mask == 1].tolist()) == {v} for t in trajs)
+            elif v + 1 >= min_versions and interrupted > 0:
+                break
             else:
                 wait_for_running_requests(ex, client)
             publish(ex, client, ckpts[(v + 1) % 2], v + 1)
@@ -172,7 +180,7 @@ def test_staleness_bound_with_weight_updates_and_interruption(eta, fleet, ckpts,
     assert m["stale_requeued"] == 0 and m["staleness_max"] <= eta
     if eta >= 1:  # overlap and interruption really happened
         assert m["staleness_max"] >= 1
-        assert interrupted > 0
+        assert interrupted > 0, f"no consumed trajectory was interrupted in {max_versions} versions"
 
 
 RESUME_SCRIPT = textwrap.dedent("""
