@@ -9,7 +9,7 @@ from model_defs.config import (
     UnsupportedArchitectureError,
 )
 from model_defs.hf_io import HF_PARAM_TABLE, CheckpointError, load_hf, save_hf
-from model_defs.model import REMAT_POLICIES, CausalLM, KVCache, init_cache, remat_policy_name
+from model_defs.model import REMAT_POLICIES, CausalLM, remat_policy_name
 from model_defs.sharding import (
     LOGICAL_AXIS_RULES,
     current_mesh,
@@ -25,7 +25,6 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "HF_PARAM_TABLE",
-    "KVCache",
     "LOGICAL_AXIS_RULES",
     "ModelConfig",
     "ModelDirNotFoundError",
@@ -34,7 +33,6 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "UnsupportedArchitectureError",
     "current_mesh",
-    "init_cache",
     "load_hf",
     "logical_to_spec",
     "param_logical_axes",

@@ -1,6 +1,6 @@
 """A Flax NNX decoder-only causal LM covering Qwen2/Qwen2.5, Qwen3 and Llama 3.
 
-Shape letters: B batch, T query tokens, S key tokens (cache length), D hidden, V vocab,
+Shape letters: B batch, T query tokens, S key tokens, D hidden, V vocab,
 H query heads, K kv heads, G query heads per kv head (H = K*G), Dh head dim, F mlp, L layers.
 
 Weights keep the HF layout up to a transpose/reshape (``q_proj.kernel_dhk`` is HF
@@ -14,46 +14,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 
 from model_defs.attention import attention
 from model_defs.config import ModelConfig
 from model_defs.sharding import shard
 
 Array = jax.Array
-
-
-# --------------------------------------------------------------------------- cache
-@struct.dataclass
-class KVCache:
-    """Per-layer keys/values, ``k``/``v``: [L, B, S_max, K, Dh].
-
-    Token (b, t) is stored at index ``positions[b, t]`` of row b; a query at position p
-    reads indices j <= p of its row only.
-    """
-
-    k: Array
-    v: Array
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
-
-
-def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
-    shape = (cfg.num_hidden_layers, batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-
-
-def _write_cache(
-    cache_lbskd: Array, layer: int, new_btkd: Array, positions_bt: Array, rows_b: Array | None
-) -> Array:
-    if rows_b is None:
-        rows_b = jnp.arange(new_btkd.shape[0])
-    batch_idx_bt = jnp.broadcast_to(rows_b[:, None], positions_bt.shape)
-    return cache_lbskd.at[layer, batch_idx_bt, positions_bt].set(
-        new_btkd.astype(cache_lbskd.dtype), mode="drop"
-    )
 
 
 # --------------------------------------------------------------------------- rope
@@ -163,33 +130,11 @@ class Attention(nnx.Module):
         out_bthd = out_bkgtd.transpose(0, 3, 1, 2, 4).reshape(b, t, k * g, dh)
         return jnp.einsum("bthd,hdD->btD", out_bthd, self.o_kernel_hkd[...].astype(self.dtype))
 
-    def __call__(
-        self,
-        x_btd: Array,
-        cos_sin: tuple[Array, Array],
-        segment_ids_bt: Array | None,
-        positions_bt: Array,
-        cache: KVCache | None,
-        cache_rows_b: Array | None,
-        layer_idx: int,
-    ) -> tuple[Array, KVCache | None]:
+    def __call__(self, x_btd: Array, cos_sin: tuple[Array, Array],
+                 segment_ids_bt: Array | None) -> Array:
         q_bkgtd, k_bktd, v_bktd = self.project_qkv(x_btd, cos_sin)
-        if cache is None:
-            out_bkgtd = attention(q_bkgtd, k_bktd, v_bktd, segment_ids_bt=segment_ids_bt)
-            return self.project_out(out_bkgtd), None
-        k_btkd, v_btkd = k_bktd.transpose(0, 2, 1, 3), v_bktd.transpose(0, 2, 1, 3)
-        cache = KVCache(
-            k=_write_cache(cache.k, layer_idx, k_btkd, positions_bt, cache_rows_b),
-            v=_write_cache(cache.v, layer_idx, v_btkd, positions_bt, cache_rows_b),
-        )
-        keys_bskd, values_bskd = cache.k[layer_idx], cache.v[layer_idx]
-        if cache_rows_b is not None:
-            keys_bskd, values_bskd = keys_bskd[cache_rows_b], values_bskd[cache_rows_b]
-        # A query at position p reads cache indices j <= p of its own row.
-        out_bkgtd = attention(q_bkgtd, keys_bskd.astype(self.dtype).transpose(0, 2, 1, 3),
-                              values_bskd.astype(self.dtype).transpose(0, 2, 1, 3),
-                              kv_limit_bt=positions_bt)
-        return self.project_out(out_bkgtd), cache
+        out_bkgtd = attention(q_bkgtd, k_bktd, v_bktd, segment_ids_bt=segment_ids_bt)
+        return self.project_out(out_bkgtd)
 
 
 class MLP(nnx.Module):
@@ -226,18 +171,16 @@ class DecoderLayer(nnx.Module):
         x_btd = x_btd + self.mlp(self.post_attn_norm(x_btd))
         return shard(x_btd, ("batch", "seq", "act_embed"))
 
-    def __call__(self, x_btd, cos_sin, segment_ids_bt, positions_bt, cache, cache_rows_b,
-                 layer_idx):
-        attn_btd, cache = self.attn(self.input_norm(x_btd), cos_sin, segment_ids_bt,
-                                    positions_bt, cache, cache_rows_b, layer_idx)
+    def __call__(self, x_btd: Array, cos_sin: tuple[Array, Array],
+                 segment_ids_bt: Array | None) -> Array:
+        attn_btd = self.attn(self.input_norm(x_btd), cos_sin, segment_ids_bt)
         x_btd = shard(x_btd + attn_btd, ("batch", "seq", "act_embed"))
         x_btd = x_btd + self.mlp(self.post_attn_norm(x_btd))
-        return shard(x_btd, ("batch", "seq", "act_embed")), cache
+        return shard(x_btd, ("batch", "seq", "act_embed"))
 
 
-def _run_layer(layer, x_btd, cos_sin, segment_ids_bt, positions_bt, cache, cache_rows_b,
-               layer_idx):
-    return layer(x_btd, cos_sin, segment_ids_bt, positions_bt, cache, cache_rows_b, layer_idx)
+def _run_layer(layer, x_btd, cos_sin, segment_ids_bt):
+    return layer(x_btd, cos_sin, segment_ids_bt)
 
 
 # --------------------------------------------------------------------------- remat
@@ -261,7 +204,11 @@ def remat_policy_name(remat: bool | str) -> str:
 
 # --------------------------------------------------------------------------- model
 class CausalLM(nnx.Module):
-    """Decoder-only LM. ``model(ids)`` -> fp32 logits; with ``cache=`` -> (logits, cache)."""
+    """Decoder-only LM. ``model(ids)`` -> fp32 logits [B, T, V].
+
+    Generation does not go through ``__call__``: the engine (``areal_jax.engine.forward``)
+    keeps its own slot KV cache and drives the layers through their public pieces
+    (``attention_inputs``, ``finish``) and the same attention function."""
 
     def __init__(
         self,
@@ -311,14 +258,8 @@ class CausalLM(nnx.Module):
         input_ids_bt: Array,
         positions: Array | None = None,
         segment_ids: Array | None = None,
-        cache: KVCache | None = None,
-        cache_rows: Array | None = None,
-    ) -> Any:
-        """Hidden states after the final norm, [B, T, D] (and the cache when given).
-
-        ``cache_rows`` [B] int (optional): input row b reads/writes cache row
-        ``cache_rows[b]`` instead of row b, e.g. to prefill one slot of a batch cache.
-        """
+    ) -> Array:
+        """Hidden states after the final norm, [B, T, D]."""
         input_ids_bt = jnp.asarray(input_ids_bt)
         if input_ids_bt.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {input_ids_bt.shape}")
@@ -329,19 +270,8 @@ class CausalLM(nnx.Module):
             positions_bt = jnp.asarray(positions, jnp.int32)
             if positions_bt.shape != (b, t):
                 raise ValueError(f"positions has shape {positions_bt.shape}, expected {(b, t)}")
-        if cache_rows is not None:
-            if cache is None:
-                raise ValueError("cache_rows needs a cache")
-            cache_rows = jnp.asarray(cache_rows, jnp.int32)
-            if cache_rows.shape != (b,):
-                raise ValueError(f"cache_rows has shape {cache_rows.shape}, expected {(b,)}")
-        elif cache is not None and cache.k.shape[1] != b:
-            raise ValueError(
-                f"cache has {cache.k.shape[1]} rows but input_ids has batch {b}; "
-                "pass cache_rows to address a subset of cache rows"
-            )
         seg_bt = None
-        if cache is None and segment_ids is not None:
+        if segment_ids is not None:
             seg_bt = jnp.asarray(segment_ids, jnp.int32)
             if seg_bt.shape != (b, t):
                 raise ValueError(f"segment_ids has shape {seg_bt.shape}, expected {(b, t)}")
@@ -350,11 +280,10 @@ class CausalLM(nnx.Module):
         cos_sin = self.rope(positions_bt)
         policy = remat_policy_name(self.remat)
         run = (_run_layer if policy == "none" else
-               nnx.remat(_run_layer, static_argnums=(7,), policy=REMAT_POLICIES[policy]))
-        for i, layer in enumerate(self.layers):
-            x_btd, cache = run(layer, x_btd, cos_sin, seg_bt, positions_bt, cache, cache_rows, i)
-        hidden_btd = self.final_norm(x_btd)
-        return hidden_btd if cache is None else (hidden_btd, cache)
+               nnx.remat(_run_layer, policy=REMAT_POLICIES[policy]))
+        for layer in self.layers:
+            x_btd = run(layer, x_btd, cos_sin, seg_bt)
+        return self.final_norm(x_btd)
 
     def logits_from_hidden(self, hidden_btd: Array) -> Array:
         """fp32 logits [B, T, V] = hidden @ unembed_dv."""
@@ -373,16 +302,7 @@ class CausalLM(nnx.Module):
         input_ids_bt: Array,
         positions: Array | None = None,
         segment_ids: Array | None = None,
-        cache: KVCache | None = None,
-        cache_rows: Array | None = None,
-    ) -> Any:
-        """fp32 logits [B, T, V]; with ``cache`` returns (logits, updated cache).
-
-        ``segment_ids`` [B, T]: tokens attend only to earlier tokens of the same segment
-        (0 marks padding). Ignored when a cache is given.
-        """
-        out = self.hidden_states(input_ids_bt, positions, segment_ids, cache, cache_rows)
-        if cache is None:
-            return self.logits_from_hidden(out)
-        hidden_btd, cache = out
-        return self.logits_from_hidden(hidden_btd), cache
+    ) -> Array:
+        """fp32 logits [B, T, V]. ``segment_ids`` [B, T]: tokens attend only to earlier
+        tokens of the same segment (0 marks padding)."""
+        return self.logits_from_hidden(self.hidden_states(input_ids_bt, positions, segment_ids))
