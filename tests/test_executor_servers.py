@@ -276,9 +276,9 @@ def test_rlvr_workflow_sends_n_concurrent_requests_and_scores_them(fleet, ckpts,
     wf = RLVRWorkflow(BUILTIN_REWARD, n_samples=4, tokenizer=tokenizer,
                       gconfig=SamplingConfig(max_new_tokens=12, temperature=1.0))
     item = {"prompt_id": "q1", "prompt": "Q:12+5=", "answer": "17"}
-    ex = RolloutExecutor(spy, wf, batch_size=1, reward_pool=reward_pool, seed=3)
+    ex = RolloutExecutor(spy, wf, [item], batch_size=1, reward_pool=reward_pool, seed=3)
     with ex:
-        (group,) = ex.rollout_batch([item])
+        (group,) = ex.prepare_batch(timeout=120)
         ex.run_coroutine(spy.client.aclose())
     assert len(group) == 4 == len(spy.calls)
     starts, ends = [c[2] for c in spy.calls], [c[3] for c in spy.calls]
@@ -301,9 +301,10 @@ def test_rlvr_workflow_sends_n_concurrent_requests_and_scores_them(fleet, ckpts,
     # a verifier that raises rejects the whole group, counted
     ex = RolloutExecutor(RolloutClient([fleet[0].url]), RLVRWorkflow(
         always_raises, n_samples=2, tokenizer=tokenizer, gconfig=SamplingConfig(max_new_tokens=4)),
-        batch_size=1, reward_pool=reward_pool)
+        [item, {**item, "prompt_id": "q2"}], batch_size=1, reward_pool=reward_pool)
     with ex:
-        assert ex.rollout_batch([item, {**item, "prompt_id": "q2"}]) == []
+        with pytest.raises(PromptsExhausted):  # both groups rejected: nothing to train on
+            ex.prepare_batch(timeout=120)
         m = ex.metrics()
         ex.stop(close_client=True)
     assert m["rejected"] == 2 and m["reward_failed_groups"] == 2
@@ -333,9 +334,9 @@ def test_multi_turn_is_token_in_token_out(fleet, ckpts, tokenizer):
     wf = MultiTurnWorkflow(env_factory, n_samples=2, tokenizer=tokenizer, max_turns=5,
                            max_total_tokens=60,
                            gconfig=SamplingConfig(max_new_tokens=6, ignore_eos=True))
-    ex = RolloutExecutor(spy, wf, batch_size=1)
+    ex = RolloutExecutor(spy, wf, [{"prompt_id": "m1", "prompt": "Q:3+4="}], batch_size=1)
     with ex:
-        (group,) = ex.rollout_batch([{"prompt_id": "m1", "prompt": "Q:3+4="}])
+        (group,) = ex.prepare_batch(timeout=120)
         ex.run_coroutine(spy.client.aclose())
     assert len(group) == 2 and len(spy.calls) == 6  # 2 samples x 3 model turns
     prompt_ids = tokenizer.encode_prompt("Q:3+4=")

@@ -12,13 +12,11 @@
 Units: B counts prompts (groups). One workflow run handles one prompt and returns a
 group (list[Trajectory]) or None (rejected).
 
-**The gate.** A new run is submitted only while
-``capacity = min(max_concurrent - running, (eta + (v - v0) + 1) * B - (accepted + running)) > 0``,
-where ``accepted`` counts every group ever accepted (consumed or not), ``running`` the runs
-in flight, ``v`` the version set with :meth:`set_version`, and ``v0`` the version at which
-this executor's accounting began (0 for a fresh run). ``eta = max_staleness``; None
-means unbounded (only ``max_concurrent`` limits). Rejected and failed runs free their
-capacity.
+**The gate.** A new run is submitted only while the :class:`StalenessGate`
+(``rollout/staleness.py``) has capacity:
+``min(max_concurrent - running, (eta + (v - v0) + 1) * B - (accepted + running)) > 0``,
+with ``v`` the version set with :meth:`set_version` and ``eta = max_staleness`` (None:
+unbounded). Rejected and failed runs free their capacity.
 
 **The guarantee.** A batch returned by ``prepare_batch`` at version v (the learner will
 train on it to produce v + 1) holds no group with ``start_version < v - eta``, where
@@ -58,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import re
 import sys
@@ -70,11 +69,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from areal_jax.rewards.pool import RewardPool
-from areal_jax.rollout.executor_state import (
-    AcceptedGroup,
-    executor_state_dict,
-    load_executor_state,
-)
+from areal_jax.rollout.staleness import StalenessGate
 from areal_jax.rollout.types import Trajectory
 from areal_jax.rollout.workflows import WorkflowContext, as_workflow_fn
 
@@ -103,6 +98,24 @@ def _cause_key(cause: str) -> str:
     return re.sub(r"'[^']*'|\"[^\"]*\"|\S*\d\S*", "_", cause)[:200]
 
 
+STATE_FORMAT = 1  # of state_dict()
+
+
+@dataclass
+class _AcceptedGroup:
+    """A group waiting for the learner, with where it came from."""
+
+    seq: int  # submission order of its run
+    start_version: int
+    item: dict[str, Any]
+    group: list[Trajectory]
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Oldest first: by start version, then submission order."""
+        return (self.start_version, self.seq)
+
+
 @dataclass
 class _Run:
     seq: int  # submission order, unique over the executor's (restored) lifetime
@@ -123,12 +136,7 @@ class RolloutExecutor:
                  reward_max_abs: float | None = None,
                  max_attempts_without_progress: int = 0,
                  max_seconds_without_progress: float = 0.0) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if max_concurrent < 1:
-            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
-        if max_staleness is not None and max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0 or None (unbounded), got {max_staleness}")
+        self._gate = StalenessGate(batch_size, max_staleness, max_concurrent)  # validates them
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         if max_attempts_without_progress < 0 or not max_seconds_without_progress >= 0:
@@ -139,9 +147,6 @@ class RolloutExecutor:
         self.workflow = workflow
         self._workflow_fn = as_workflow_fn(workflow)
         self._prompts: Iterator[dict] | None = iter(prompts) if prompts is not None else None
-        self.batch_size = batch_size
-        self.max_concurrent = max_concurrent
-        self.max_staleness = max_staleness
         self.seed = seed
         self.max_retries = max_retries
         self.reward_pool = reward_pool
@@ -153,14 +158,11 @@ class RolloutExecutor:
         self.max_seconds_without_progress = max_seconds_without_progress
 
         self._cond = threading.Condition()
-        self._version = 0
-        self._base_version = 0
-        self._gate_accepted = 0  # groups accepted ever (the gate's "accepted")
         self._next_seq = 0
         self._running: dict[int, _Run] = {}
         self._pending: deque[tuple[dict[str, Any], int]] = deque()  # (item, attempt)
-        self._accepted: list[AcceptedGroup] = []
-        self._exhausted = prompts is None  # without prompts only rollout_batch works
+        self._accepted: list[_AcceptedGroup] = []
+        self._exhausted = prompts is None
         self._paused = False
         self._stopping = False
         self._close_client = False
@@ -300,12 +302,16 @@ class RolloutExecutor:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     # --- the gate -----------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self._gate.batch_size
+
+    @property
+    def max_staleness(self) -> int | None:
+        return self._gate.max_staleness
+
     def _capacity_locked(self) -> int:
-        cap = self.max_concurrent - len(self._running)
-        if self.max_staleness is not None:
-            allowed = (self.max_staleness + self._version - self._base_version + 1) * self.batch_size
-            cap = min(cap, allowed - (self._gate_accepted + len(self._running)))
-        return cap
+        return self._gate.capacity(len(self._running))
 
     def capacity(self) -> int:
         with self._cond:
@@ -334,7 +340,7 @@ class RolloutExecutor:
                 if nxt is None:
                     break
                 item, attempt = nxt
-                run = _Run(self._next_seq, item, attempt, self._version)
+                run = _Run(self._next_seq, item, attempt, self._gate.version)
                 self._next_seq += 1
                 self._running[run.seq] = run
                 self._counts["submitted"] += 1
@@ -373,8 +379,9 @@ class RolloutExecutor:
                 self._no_progress_locked(run.problem or _REJECTED)
             else:
                 _stamp_group(group, run)
-                self._accepted.append(AcceptedGroup(run.seq, run.start_version, run.item, group))
-                self._gate_accepted += 1
+                self._accepted.append(_AcceptedGroup(run.seq, run.start_version, run.item,
+                                                     group))
+                self._gate.accept()
                 self._counts["accepted"] += 1
                 self._progress_locked()
             self._cond.notify_all()
@@ -418,16 +425,13 @@ class RolloutExecutor:
     # --- the trainer's side -------------------------------------------------------------
     @property
     def version(self) -> int:
-        return self._version
+        return self._gate.version
 
     def set_version(self, version: int) -> None:
         """The learner's current version (new runs record it as their start version)."""
         with self._cond:
-            if version < self._version:
-                raise ValueError(f"set_version({version}) would go back from version {self._version}")
-            if self._counts["submitted"] == 0 and self._gate_accepted == 0:
-                self._base_version = version  # a fresh executor joining a run at version v0
-            self._version = version
+            fresh = self._counts["submitted"] == 0 and self._gate.accepted == 0
+            self._gate.set_version(version, fresh=fresh)
             self._cond.notify_all()
         self._wake()
 
@@ -442,25 +446,23 @@ class RolloutExecutor:
         self._wake()
 
     def _requeue_stale_locked(self) -> None:
-        if self.max_staleness is None:
-            return
-        oldest_allowed = self._version - self.max_staleness
-        stale = [a for a in self._accepted if a.start_version < oldest_allowed]
+        stale = [a for a in self._accepted if self._gate.is_stale(a.start_version)]
         if not stale:
             return
-        self._accepted = [a for a in self._accepted if a.start_version >= oldest_allowed]
+        self._accepted = [a for a in self._accepted if not self._gate.is_stale(a.start_version)]
         for a in sorted(stale, key=lambda a: a.order):
             self._pending.append((a.item, 0))
-        self._gate_accepted -= len(stale)
+        self._gate.release(len(stale))
         self._counts["stale_requeued"] += len(stale)
         logger.warning("%d accepted groups became older than max_staleness=%d at version %d; "
-                       "their prompts are regenerated", len(stale), self.max_staleness, self._version)
+                       "their prompts are regenerated", len(stale), self.max_staleness,
+                       self._gate.version)
         self._wake()
 
     def _old_runs_in_flight_locked(self) -> bool:
-        if self.max_staleness is None:
+        oldest_allowed = self._gate.oldest_allowed
+        if oldest_allowed is None:
             return False
-        oldest_allowed = self._version - self.max_staleness
         return any(r.start_version <= oldest_allowed for r in self._running.values())
 
     def _raise_if_dead_locked(self) -> None:
@@ -534,62 +536,15 @@ class RolloutExecutor:
             batch, self._accepted = self._accepted[:n], self._accepted[n:]
             self._counts["consumed"] += len(batch)
             for a in batch:
-                self._staleness_hist[self._version - a.start_version] += 1
+                self._staleness_hist[self._gate.version - a.start_version] += 1
         self._wake()
         return [a.group for a in batch]
-
-    def rollout_batch(self, items: list[dict[str, Any]],
-                      timeout: float | None = None) -> list[list[Trajectory]]:
-        """Synchronous mode: runs exactly these prompts now and waits for all of them.
-
-        Returns the accepted groups in input order; rejected and failed prompts are left
-        out and counted. Runs respect ``max_concurrent`` but not the staleness gate (do
-        not mix with ``prepare_batch`` in one run).
-        """
-        for i, item in enumerate(items):
-            if not isinstance(item, dict) or "prompt_id" not in item:
-                raise TypeError(f"rollout_batch item {i} must be a dict with a 'prompt_id' key")
-        self.start()
-        groups = self.run_coroutine(self._rollout_batch(items), timeout)
-        return [g for g in groups if g is not None]
-
-    async def _rollout_batch(self, items: list[dict[str, Any]]) -> list[list[Trajectory] | None]:
-        limit = asyncio.Semaphore(self.max_concurrent)
-
-        async def one(item: dict[str, Any]) -> list[Trajectory] | None:
-            for attempt in range(self.max_retries + 1):
-                with self._cond:
-                    run = _Run(self._next_seq, item, attempt, self._version)
-                    self._next_seq += 1
-                    self._counts["submitted"] += 1
-                try:
-                    async with limit:
-                        result = await self._workflow_fn(self.client, item, self._context(run))
-                    group = _validate_group(result, self.workflow)
-                except Exception as e:  # noqa: BLE001 - counted, retried, never raised
-                    if self._record_failure(run, e):
-                        continue
-                    return None
-                with self._cond:
-                    if group is None:
-                        self._counts["rejected"] += 1
-                        self._no_progress_locked(run.problem or _REJECTED)
-                        return None
-                    _stamp_group(group, run)
-                    self._progress_locked()
-                    self._counts["accepted"] += 1
-                    self._counts["consumed"] += 1
-                    self._staleness_hist[self._version - run.start_version] += 1
-                return group
-            return None
-
-        return list(await asyncio.gather(*(one(item) for item in items)))
 
     # --- metrics and checkpoints --------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
         with self._cond:
             out: dict[str, Any] = {
-                "version": self._version, "running": len(self._running),
+                "version": self._gate.version, "running": len(self._running),
                 "pending": len(self._pending), "accepted_unconsumed": len(self._accepted),
                 "capacity": self._capacity_locked(), "paused": self._paused,
                 "prompts_exhausted": self._exhausted,
@@ -608,12 +563,73 @@ class RolloutExecutor:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable snapshot (see "Checkpoints" in the module doc)."""
-        return executor_state_dict(self)
+        """A JSON-serialisable snapshot (see "Checkpoints" in the module doc): the gate,
+        the counters, the prompt iterator's state, every accepted-but-unconsumed group as
+        data, and the prompt item of every run in flight or queued for retry."""
+        with self._cond:
+            iterator_state = None
+            if self._prompts is not None:
+                get_state = getattr(self._prompts, "get_state", None)
+                if get_state is None:
+                    raise TypeError("the prompt iterator has no get_state(); use a grain "
+                                    "DatasetIterator (iter(load_prompt_dataset(...)))")
+                iterator_state = get_state()
+            in_flight = [{"item": r.item, "attempt": r.attempt}
+                         for r in sorted(self._running.values(), key=lambda r: r.seq)]
+            in_flight += [{"item": item, "attempt": attempt} for item, attempt in self._pending]
+            state = {
+                "format": STATE_FORMAT,
+                **self._gate.state_dict(),
+                "next_seq": self._next_seq,
+                "counts": dict(self._counts),
+                "staleness_hist": {str(k): v for k, v in self._staleness_hist.items()},
+                "prompt_iterator": iterator_state,
+                "prompts_exhausted": self._exhausted,
+                "accepted": [{"seq": a.seq, "start_version": a.start_version, "item": a.item,
+                              "group": [t.to_dict() for t in a.group]}
+                             for a in sorted(self._accepted, key=lambda a: a.order)],
+                "in_flight": in_flight,
+            }
+        try:
+            json.dumps(state)
+        except TypeError as e:
+            raise TypeError(f"executor state is not JSON-serialisable ({e}); prompt items and "
+                            "Trajectory.info must hold only JSON types") from e
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores a :meth:`state_dict` snapshot into this (not yet started) executor."""
-        load_executor_state(self, state)
+        """Restores a :meth:`state_dict` snapshot into this (not yet started) executor:
+        accepted groups come back as they were; in-flight prompts are queued to be
+        replayed from scratch, before any new prompt."""
+        if self._thread is not None:
+            raise RuntimeError("load_state_dict must be called before start()")
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"executor state has format {state.get('format')!r}, "
+                             f"this version reads {STATE_FORMAT}")
+        missing = {"version", "base_version", "next_seq", "counts", "prompt_iterator",
+                   "accepted", "in_flight"} - set(state)
+        if missing:
+            raise KeyError(f"executor state lacks keys {sorted(missing)}")
+        if state["prompt_iterator"] is not None:
+            set_state = getattr(self._prompts, "set_state", None)
+            if set_state is None:
+                raise TypeError("the executor state holds a prompt-iterator state, but this "
+                                "executor's prompt iterator has no set_state()")
+            set_state(state["prompt_iterator"])
+        with self._cond:
+            self._next_seq = int(state["next_seq"])
+            self._counts = Counter(state["counts"])
+            self._staleness_hist = Counter({int(k): v
+                                            for k, v in state.get("staleness_hist", {}).items()})
+            self._exhausted = bool(state.get("prompts_exhausted", False))
+            self._accepted = [_AcceptedGroup(a["seq"], a["start_version"], a["item"],
+                                             [Trajectory.from_dict(t) for t in a["group"]])
+                              for a in state["accepted"]]
+            self._pending = deque((f["item"], int(f["attempt"])) for f in state["in_flight"])
+            self._running = {}
+            self._gate.load_state_dict(
+                state, default_accepted=self._counts.get("consumed", 0) + len(self._accepted))
+            self._counts["replayed"] += len(self._pending)
 
 
 def _stamp_group(group: list[Trajectory], run: _Run) -> None:

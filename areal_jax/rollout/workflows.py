@@ -10,7 +10,7 @@ A workflow is either a plain coroutine function or an object with an ``arun`` me
 - ``client`` has ``await client.agenerate(GenerateRequest) -> GenerateResponse``; it
   handles interruption (weight updates) and server failover itself.
 - ``item`` is one prompt dict from the prompt dataset (``prompt_id``, ``prompt``,
-  ``answer``, ...), or from ``RolloutExecutor.rollout_batch``.
+  ``answer``, ...).
 - ``ctx`` is a :class:`WorkflowContext`: the start version, a per-run seed, the group id,
   the reward pool, the tokenizer, and ``ctx.count(name)`` for your own metrics.
 
