@@ -1,17 +1,29 @@
-"""The training loop: asynchronous (or synchronous) RL, as the six steps of ARCHITECTURE.md.
+"""The training loop: asynchronous (or synchronous) RL, one version at a time.
 
     run_training(load_config("configs/tiny_demo.yaml"))
 
-1. Prompts: the executor submits a workflow per prompt while the staleness gate allows.
-2. Generation: workflows call the rollout servers and the reward pool (off this thread).
-3. Batching: the B oldest accepted groups, rewards -> advantages, packed micro-batches.
-4. Training: prox_logp recompute + ``ppo_n_minibatches`` decoupled-PPO steps.
-5. Publishing: pause servers, export HF weights ``weights/v{N}``, update, continue.
-6. Checkpointing: every K versions, Orbax (params, optimizer, step/version, prompt
-   iterator, executor accounting, RNG), asynchronously.
+:meth:`Trainer.step` is one version, each step one call into the room that owns it
+(docs/architecture.md):
+
+1. Prompts: the executor (``rollout/``) submits a workflow per prompt while the
+   staleness gate allows; it has been doing so all along.
+2. Generation: workflows call the rollout servers and the reward pool, off this thread.
+3. Batching: the trajectory pipeline (``data/trajectories.py``) takes the B oldest
+   groups, computes advantages and packs micro-batches.
+4. Training: the learner (``learner/``): prox_logp recompute + ``ppo_n_minibatches``
+   decoupled-PPO steps.
+5. Publishing: a host copy of the weights; ``WeightSync`` (``rollout/weight_sync.py``)
+   writes ``weights/v{N}`` and updates the servers while the learner goes on.
+6. Checkpointing: every K versions, Orbax (``checkpoint/``): params, optimizer,
+   step/version, the executor's accounting and prompt iterator, asynchronously.
 
 Sync mode is the same loop with eta = 0: batch v is generated entirely under weights v,
-and nothing is generated while the learner trains.
+and nothing is generated while the learner trains. Construction (what each piece is
+built from, what is checked up front) is ``trainer_setup.build_trainer``; the process
+around the loop (signals, exit codes) is ``process.py``.
+
+With several JAX processes every process runs the loop; only process 0 has the executor,
+the servers and the metrics writer, and its batches reach the others' learners as rows.
 """
 
 from __future__ import annotations
@@ -20,45 +32,24 @@ import contextlib
 import logging
 import math
 import os
-import signal
 import sys
-import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from areal_jax.config import TrainConfig, to_dict
-from areal_jax.trainer_setup import (
-    LIVE_SERVERS,
-    MetricsWriter,
-    RunContext,
-    RunStopped,
-    TrainerError,
-    build_components,
-    shaped_rewards_for,
-)
+from areal_jax.run_inputs import TrainerError
 
-__all__ = ["EXIT_CODES", "Interrupted", "RunStopped", "TrainerError", "main_guarded", "run_training"]
-
-# scripts/train.py's exit status (README, "When things go wrong").
-EXIT_CODES = {
-    "done": 0,
-    "crash": 1,  # an unexpected error (a traceback)
-    "bad_input": 2,  # config or input error, found before training starts
-    "stopped": 3,  # the run could not go on: no progress, non-finite loss, failed weight update
-    "shutdown_timeout": 4,  # shutdown took longer than watchdog.shutdown_timeout_s
-}  # and 128 + signal number after SIGINT (130) or SIGTERM (143)
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM: the run shuts down gracefully."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+__all__ = ["RunStopped", "Trainer", "TrainerError", "run_training"]
 
 logger = logging.getLogger("areal_jax.trainer")
+
+
+class RunStopped(TrainerError):
+    """The run started but cannot go on (no progress, a non-finite loss, a failed weight
+    update); the message says why. scripts/train.py exits with status 3."""
 
 
 def run_training(cfg: TrainConfig, resume: bool | None = None, *,
@@ -70,261 +61,334 @@ def run_training(cfg: TrainConfig, resume: bool | None = None, *,
     once the run ends, the process has ``watchdog.shutdown_timeout_s`` to exit, or it
     kills its servers and exits with status 4.
     """
+    from areal_jax.process import EXIT_CODES, Interrupted, arm_shutdown_deadline
+    from areal_jax.trainer_setup import build_trainer
+
     with contextlib.ExitStack() as stack:
-        ctx: RunContext = build_components(cfg, resume, stack)
+        trainer = build_trainer(cfg, resume, stack)
         # Runs first when the stack unwinds: every shutdown step after it is time-bounded.
         if exit_deadline:
             stack.callback(arm_shutdown_deadline, cfg.watchdog.shutdown_timeout_s,
                            EXIT_CODES["shutdown_timeout"])
         try:
-            return _train_loop(cfg, ctx)
+            return trainer.run()
         except Interrupted:
             if cfg.checkpoint.on_interrupt:
-                _checkpoint_on_interrupt(cfg, ctx)
+                arm_shutdown_deadline(cfg.watchdog.shutdown_timeout_s,
+                                      EXIT_CODES["shutdown_timeout"])
+                trainer.checkpoint_on_interrupt()
             raise
 
 
-def _checkpoint_on_interrupt(cfg: TrainConfig, ctx: RunContext) -> None:
-    """checkpoint.on_interrupt: save the current version before shutting down."""
-    arm_shutdown_deadline(cfg.watchdog.shutdown_timeout_s, EXIT_CODES["shutdown_timeout"])
-    try:
-        if ctx.learner.version != ctx.last_saved_version:
-            ctx.save_checkpoint()
-            print(f"saved a checkpoint of version {ctx.learner.version} before stopping",
-                  file=sys.stderr, flush=True)
-        ctx.checkpointer.wait()
-    except Exception as e:  # noqa: BLE001 - the last completed checkpoint is still there
-        logger.error("checkpoint on interrupt failed (%s: %s); the last completed one is kept",
-                     type(e).__name__, e)
+@dataclass
+class Progress:
+    """Where the run is, restored from a checkpoint's meta."""
+
+    start_version: int = 0
+    consumed_tokens: int = 0
+    last_saved_version: int = -1
+    elapsed_before: float = 0.0  # seconds of earlier (resumed-from) processes
+    t_start: float = field(default_factory=time.time)
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> Progress:
+        version = int(meta.get("version", 0))
+        return cls(start_version=version, consumed_tokens=int(meta.get("consumed_tokens", 0)),
+                   last_saved_version=version if meta else -1,
+                   elapsed_before=float(meta.get("elapsed_s", 0.0)))
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + (time.time() - self.t_start)
 
 
-def _train_loop(cfg: TrainConfig, ctx: RunContext) -> dict[str, Any]:
-    """Every process runs this loop; only process 0 (``ctx.is_main``) has the executor,
-    the servers and the metrics writer, and its batches reach the others' learners as rows."""
-    learner, executor = ctx.learner, ctx.executor
-    writer: MetricsWriter | None = ctx.writer
-    total = cfg.train.total_versions
-    row: dict[str, Any] = {}
-    nonfinite = 0  # versions in a row with a non-finite loss
-    if ctx.is_main and ctx.start_version == 0 and cfg.eval.at_start and ctx.eval_items:
-        t0 = time.perf_counter()
-        evaluated = ctx.evaluate("eval_")
-        row = writer.log({"version": 0, "step": 0, **evaluated, "eval_s": time.perf_counter() - t0})
+@dataclass
+class RolloutSide:
+    """What process 0 alone has: the executor and its servers' weight sync, the metrics
+    files, and what evaluation needs."""
 
-    for version in range(ctx.start_version, total):
+    executor: Any
+    weights: Any  # rollout.weight_sync.WeightSync
+    writer: Any  # metrics.MetricsWriter
+    run_files: Any  # storage.RunFiles: metrics, logs, config (uploaded for gs://)
+    tokenizer: Any
+    reward_fn: str
+    reward_pool: Any
+    eval_items: list[dict]
+
+
+class Trainer:
+    """One run: the learner side (every process) and the rollout side (process 0)."""
+
+    def __init__(self, cfg: TrainConfig, *, learner: Any, batches: Any, checkpointer: Any,
+                 progress: Progress, rollout: RolloutSide | None, ref_learner: Any = None,
+                 critic: Any = None, critic_checkpointer: Any = None,
+                 startup: dict[str, float] | None = None) -> None:
+        self.cfg = cfg
+        self.learner = learner
+        self.batches = batches  # iterator of TrainBatch: this process's rows of each batch
+        self.checkpointer = checkpointer
+        self.progress = progress
+        self.rollout = rollout  # None on processes other than 0
+        self.ref_learner = ref_learner  # algo.kl_coef > 0: the frozen reference policy
+        self.critic = critic  # algo.name == "ppo": the value model
+        self.critic_checkpointer = critic_checkpointer
+        self.startup = dict(startup or {})  # seconds from process start to each milestone
+        self._nonfinite = 0  # versions in a row with a non-finite loss
+
+    @property
+    def is_main(self) -> bool:
+        return self.rollout is not None
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict[str, Any]:
+        cfg, row = self.cfg, {}
+        start = self.progress.start_version
+        if self.is_main and start == 0 and cfg.eval.at_start and self.rollout.eval_items:
+            t0 = time.perf_counter()
+            evaluated = self.evaluate()
+            row = self.rollout.writer.log({"version": 0, "step": 0, **evaluated,
+                                           "eval_s": time.perf_counter() - t0})
+        for version in range(start, cfg.train.total_versions):
+            row = self.step(version) or row
+        if self.learner.version != self.progress.last_saved_version:
+            self.save_checkpoint()
+        self.finish()
+        return row
+
+    def step(self, version: int) -> dict[str, Any] | None:
+        """Trains version ``version`` into ``version + 1``; returns its metrics row (process 0)."""
+        cfg, first = self.cfg, version == self.progress.start_version
         t_step = time.perf_counter()
-        # Steps 1-3: the executor has been generating all along; the trajectory pipeline
-        # takes the B oldest groups, computes advantages and packs (this process's rows).
+        # Steps 1-3: generation has been going on all along; take the next packed batch.
+        batch = self.next_batch(version)
+        wait_s = time.perf_counter() - t_step
+        if first:
+            self.mark_startup("first_batch_s")
+        # Step 4: train.
+        train_metrics = self.train(batch, version)
+        if first:
+            self.mark_startup("first_step_s")
+        # Step 5: publish version + 1; rollouts continue under it.
         t0 = time.perf_counter()
+        self.publish(version + 1)
+        publish_s = time.perf_counter() - t0
+        # Step 6: checkpoint (every process takes part).
+        if cfg.checkpoint.every_versions and (version + 1) % cfg.checkpoint.every_versions == 0:
+            self.save_checkpoint()
+        if not self.is_main:
+            return None
+        row = self.metrics_row(version, batch, train_metrics, t_step=t_step, wait_s=wait_s,
+                               publish_s=publish_s)
+        is_last = version + 1 == cfg.train.total_versions
+        every = cfg.eval.every_versions
+        if self.rollout.eval_items and ((every and (version + 1) % every == 0)
+                                        or (is_last and cfg.eval.at_end)):
+            t0 = time.perf_counter()
+            row.update(self.evaluate())
+            row["eval_s"] = time.perf_counter() - t0
+        row = self.rollout.writer.log(row)
+        if version + 1 == self.progress.last_saved_version:
+            self.rollout.run_files.sync()  # gs:// run dirs: the checkpointed row is uploaded
+        return row
+
+    # ------------------------------------------------------------------ steps 1-3
+    def next_batch(self, version: int) -> Any:
+        """The trajectory pipeline's next batch: the B oldest groups, advantages, packed rows
+        (this process's rows of them)."""
         from areal_jax.rollout.executor import NoProgressError
 
         try:
-            batch = next(ctx.batches)
+            batch = next(self.batches)
         except NoProgressError as e:
             raise RunStopped(str(e)) from None
         except ValueError as e:  # e.g. a trajectory longer than a packed row
             raise RunStopped(f"cannot pack the batch of version {version + 1}: {e} "
-                             f"(train.seq_len={cfg.train.seq_len})") from None
-        wait_s = time.perf_counter() - t0
-        first = version == ctx.start_version
-        if first:
-            ctx.mark_startup("first_batch_s")
-        batches, groups, trajs = batch.micro_batches, batch.groups, batch.trajectories
-        if cfg.train.record_batches and ctx.is_main:
-            from areal_jax.data.trajectories import save_batch
+                             f"(train.seq_len={self.cfg.train.seq_len})") from None
+        if self.is_main:
+            if self.cfg.train.record_batches:
+                from areal_jax.data.trajectories import save_batch
 
-            os.makedirs(os.path.join(ctx.run_files.local, "batches"), exist_ok=True)
-            save_batch(os.path.join(ctx.run_files.local, "batches", f"v{version + 1}.npz"), batch)
-        if ctx.is_main:
-            writer.log_consumed(version + 1, [g[0].prompt_id for g in groups])
-        rewards = np.array([t.reward for t in trajs], np.float32)
-        if ctx.critic is not None:  # PPO (one process): GAE advantages from the critic's values
-            targets = ctx.critic.gae_targets(batches, trajs, gamma=cfg.algo.gamma,
-                                             lam=cfg.algo.lam, normalize=True,
-                                             rewards=shaped_rewards_for(cfg, trajs))
+                folder = os.path.join(self.rollout.run_files.local, "batches")
+                os.makedirs(folder, exist_ok=True)
+                save_batch(os.path.join(folder, f"v{version + 1}.npz"), batch)
+            self.rollout.writer.log_consumed(version + 1, [g[0].prompt_id for g in batch.groups])
+        return batch
 
-        # Step 4: train (prox_logp recompute happens inside train_step when decoupled).
-        if ctx.ref_learner is not None:
-            for mb, ref in zip(batches, ctx.ref_learner.compute_logp(batches), strict=True):
+    # ------------------------------------------------------------------ step 4
+    def train(self, batch: Any, version: int) -> dict[str, float]:
+        """The learner's update (and the critic's, for PPO); stops the run after
+        ``watchdog.max_nonfinite_versions`` non-finite losses in a row."""
+        cfg, micro = self.cfg, batch.micro_batches
+        targets = None
+        if self.critic is not None:  # PPO (one process): GAE advantages from the critic's values
+            targets = self.critic.gae_targets(micro, batch.trajectories, gamma=cfg.algo.gamma,
+                                              lam=cfg.algo.lam, normalize=True,
+                                              rewards=shaped_rewards(cfg, batch.trajectories))
+        if self.ref_learner is not None:
+            for mb, ref in zip(micro, self.ref_learner.compute_logp(micro), strict=True):
                 mb["ref_logp"] = ref
-        train_metrics = learner.train_step(batches, current_version=version)
-        if first:
-            ctx.mark_startup("first_step_s")
-        nonfinite = 0 if math.isfinite(float(train_metrics.get("loss", 0.0))) else nonfinite + 1
+        metrics = self.learner.train_step(micro, current_version=version)
+        finite = math.isfinite(float(metrics.get("loss", 0.0)))
+        self._nonfinite = 0 if finite else self._nonfinite + 1
         limit = cfg.watchdog.max_nonfinite_versions
-        if limit and nonfinite >= limit:
-            seen = (f"; rewards this batch: min {rewards.min():g}, max {rewards.max():g}"
-                    if len(rewards) else "")  # process 0 has the trajectories
+        if limit and self._nonfinite >= limit:
+            rewards = [t.reward for t in batch.trajectories]  # process 0 has the trajectories
+            seen = f"; rewards this batch: min {min(rewards):g}, max {max(rewards):g}" if rewards else ""
             raise RunStopped(
-                f"the training loss was not finite for {nonfinite} versions in a row (versions "
-                f"{version + 2 - nonfinite}-{version + 1}{seen}): the learner skipped those "
-                f"updates, so the run is not learning. Check the rewards' scale "
+                f"the training loss was not finite for {self._nonfinite} versions in a row "
+                f"(versions {version + 2 - self._nonfinite}-{version + 1}{seen}): the learner "
+                f"skipped those updates, so the run is not learning. Check the rewards' scale "
                 f"(reward.max_abs, reward.scale) and optim.lr, then resume from the last "
                 f"checkpoint (watchdog.max_nonfinite_versions={limit})")
-        if ctx.critic is not None:
-            critic_metrics = ctx.critic.train_step(batches, returns=targets.returns,
-                                                   old_values=targets.old_values)
-            train_metrics.update({f"critic_{k}": v for k, v in critic_metrics.items()})
+        if targets is not None:
+            critic_metrics = self.critic.train_step(micro, returns=targets.returns,
+                                                    old_values=targets.old_values)
+            metrics.update({f"critic_{k}": v for k, v in critic_metrics.items()})
+        return metrics
 
-        # Step 5: publish version + 1 and let rollouts continue under it.
-        t0 = time.perf_counter()
-        ctx.publish(version + 1)
-        publish_s = time.perf_counter() - t0
+    # ------------------------------------------------------------------ step 5
+    def publish(self, version: int) -> None:
+        """A host copy of the params (with several processes, a gather every process joins);
+        process 0 hands it to :class:`WeightSync`, which writes it and updates the servers
+        while the learner trains on its next batch."""
+        from areal_jax.checkpoint.publish import host_params
 
-        # Step 6: checkpoint (every process takes part).
-        if cfg.checkpoint.every_versions and (version + 1) % cfg.checkpoint.every_versions == 0:
-            ctx.save_checkpoint()
+        self.wait_published()
+        params = host_params(self.learner.model)
+        if self.is_main:
+            self.rollout.weights.publish(params, version)
 
-        if not ctx.is_main:
-            continue
-        ctx.consumed_tokens += int(sum(t.num_tokens for t in trajs))
+    def wait_published(self) -> None:
+        """The last publish has reached the servers (before an eval, a checkpoint, the end)."""
+        if self.is_main:
+            from areal_jax.rollout.weight_sync import WeightSyncError
+
+            try:
+                self.rollout.weights.wait()
+            except WeightSyncError as e:
+                raise RunStopped(str(e)) from e
+
+    # ------------------------------------------------------------------ step 6
+    def save_checkpoint(self) -> None:
+        import jax
+
+        from areal_jax.checkpoint.orbax_ckpt import rng_to_json
+
+        self.wait_published()  # the executor state must be at the published version
+        st = self.learner.state_dict()
+        version = int(st["version"])
+        meta = {  # every process saves; process 0 writes meta (only it has an executor)
+            "step": int(st["step"]),
+            "version": version,
+            "executor": self.rollout.executor.state_dict() if self.is_main else {},
+            "model_config": self.learner.model_cfg.to_hf_dict(),
+            "run_config": to_dict(self.cfg),  # eval.py/convert.py: tokenizer, reward, keys
+            "consumed_tokens": self.progress.consumed_tokens,
+            "elapsed_s": self.progress.elapsed(),
+            "rng": rng_to_json(jax.random.key(self.cfg.seed + version)),
+        }
+        self.checkpointer.save(version, st["params"], st["opt_state"], meta)
+        if self.critic is not None:
+            cs = self.critic.state_dict()
+            self.critic_checkpointer.save(version, cs["params"], cs["opt_state"],
+                                          {"step": int(cs["step"]), "version": int(cs["version"])})
+        self.progress.last_saved_version = version
+
+    def checkpoint_on_interrupt(self) -> None:
+        """checkpoint.on_interrupt: save the current version before shutting down."""
+        try:
+            if self.learner.version != self.progress.last_saved_version:
+                self.save_checkpoint()
+                print(f"saved a checkpoint of version {self.learner.version} before stopping",
+                      file=sys.stderr, flush=True)
+            self.checkpointer.wait()
+        except Exception as e:  # noqa: BLE001 - the last completed checkpoint is still there
+            logger.error("checkpoint on interrupt failed (%s: %s); the last completed one is "
+                         "kept", type(e).__name__, e)
+
+    def finish(self) -> None:
+        self.wait_published()
+        self.checkpointer.wait()
+        if self.critic_checkpointer is not None:
+            self.critic_checkpointer.wait()
+
+    # ------------------------------------------------------------------ eval and metrics
+    def evaluate(self, prefix: str = "eval_") -> dict[str, float]:
+        from areal_jax.rollout.evaluate import evaluate_prompts
+        from areal_jax.rollout.workflows import SamplingConfig
+
+        self.wait_published()  # evaluate the latest weights
+        e, ro = self.cfg.eval, self.rollout
+        sampling = SamplingConfig(max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
+                                  temperature=e.temperature, top_p=1.0)
+        out = ro.executor.run_coroutine(evaluate_prompts(
+            ro.executor.client, ro.eval_items, tokenizer=ro.tokenizer, reward_fn=ro.reward_fn,
+            sampling=sampling, n_samples=e.n_samples, reward_pool=ro.reward_pool,
+            answer_key="answer", seed=self.cfg.seed))
+        return {f"{prefix}{k}": v for k, v in out.items()}
+
+    def mark_startup(self, name: str) -> None:
+        """Records the seconds from process start to now as start-up milestone ``name``."""
+        self.startup[name] = time.time() - self.startup.get("process_start", self.progress.t_start)
+
+    def metrics_row(self, version: int, batch: Any, train_metrics: dict[str, float], *,
+                    t_step: float, wait_s: float, publish_s: float) -> dict[str, Any]:
+        trajs, groups = batch.trajectories, batch.groups
+        rewards = np.array([t.reward for t in trajs], np.float32)
+        self.progress.consumed_tokens += int(sum(t.num_tokens for t in trajs))
+        weights = self.rollout.weights
         row = {
             "version": version + 1,
-            "step": learner.step,
+            "step": self.learner.step,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
             "n_trajectories": len(trajs),
             "completion_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
-            "tokens_consumed": ctx.consumed_tokens,
+            "tokens_consumed": self.progress.consumed_tokens,
             "step_time_s": time.perf_counter() - t_step,
             "rollout_wait_s": wait_s,
             "publish_s": publish_s,  # the learner's wait: a host copy of the params
             # the background write and server update of the weights this version trained
             # from (v`version`), whoever waited for them (this publish, an eval, a checkpoint)
-            "publish_write_s": ctx.write_s.pop(version, 0.0),
-            "publish_update_s": ctx.update_s.pop(version, 0.0),
-            "wall_time_s": ctx.elapsed(),
+            "publish_write_s": weights.write_s.pop(version, 0.0),
+            "publish_update_s": weights.update_s.pop(version, 0.0),
+            "wall_time_s": self.progress.elapsed(),
             "token_version_max": int(max(int(t.versions.max()) for t in trajs)),
-            "start_staleness_max": float(max(version - min(g[0].start_version for g in groups), 0)),
+            "start_staleness_max": float(max(version - min(g[0].start_version for g in groups),
+                                             0)),
             **{f"train/{k}": v for k, v in train_metrics.items()},
-            **{f"rollout/{k}": v for k, v in executor.metrics().items()
+            **{f"rollout/{k}": v for k, v in self.rollout.executor.metrics().items()
                if isinstance(v, int | float)},
         }
-        if first:  # seconds from process start to each start-up milestone
-            row.update({f"startup/{k}": v for k, v in ctx.startup.items() if k.endswith("_s")})
-        row["logp_mismatch"] = train_metrics.get("logp_behav_abs_diff", float("nan"))
-        row["clip_frac"] = train_metrics.get("clip_frac", float("nan"))
-        row["cap_frac"] = train_metrics.get("cap_drop_frac", float("nan"))
-        row["staleness_mean"] = train_metrics.get("staleness_mean", float("nan"))
-        row["staleness_max"] = train_metrics.get("staleness_max", float("nan"))
-        is_last = version + 1 == total
-        if ctx.eval_items and ((cfg.eval.every_versions and (version + 1) % cfg.eval.every_versions == 0)
-                               or (is_last and cfg.eval.at_end)):
-            t0 = time.perf_counter()
-            row.update(ctx.evaluate("eval_"))
-            row["eval_s"] = time.perf_counter() - t0
-        row = writer.log(row)
-        ctx.sync_run_files(version + 1)  # gs:// run dirs: the checkpointed row is uploaded
-
-    if ctx.learner.version != ctx.last_saved_version:
-        ctx.save_checkpoint()
-    ctx.finish()
-    return row
+        if version == self.progress.start_version:  # seconds from process start
+            row.update({f"startup/{k}": v for k, v in self.startup.items() if k.endswith("_s")})
+        for key, name in (("logp_mismatch", "logp_behav_abs_diff"), ("clip_frac", "clip_frac"),
+                          ("cap_frac", "cap_drop_frac"), ("staleness_mean", "staleness_mean"),
+                          ("staleness_max", "staleness_max")):
+            row[key] = train_metrics.get(name, float("nan"))
+        return row
 
 
-def _hard_exit(code: int, why: str) -> None:
-    """Kills the embedded servers and leaves at once (no cleanup handlers run)."""
-    print(f"{why}; exiting now with status {code}", file=sys.stderr, flush=True)
-    for handle in list(LIVE_SERVERS):
-        with contextlib.suppress(Exception):
-            handle.kill()
-    os._exit(code)
+# ----------------------------------------------------------------------------- advantages
+def shaped_rewards(cfg: TrainConfig, trajs: list) -> np.ndarray:
+    """Rewards after scale/bias/clip and the optional DAPO overlong penalty, [N] fp32."""
+    from areal_jax.losses import overlong_penalty, shape_rewards
+
+    rewards = np.array([t.reward for t in trajs], np.float32)
+    r = cfg.reward
+    shaped = shape_rewards(rewards, scale=r.scale, bias=r.bias, clip=r.clip)
+    if r.overlong_penalty_tokens:
+        lengths = np.array([t.num_generated for t in trajs], np.float32)
+        shaped = shaped + overlong_penalty(lengths, max_response_length=cfg.rollout.max_new_tokens,
+                                           overlong_tokens=r.overlong_penalty_tokens,
+                                           penalty_factor=r.overlong_penalty_factor)
+    return np.asarray(shaped, np.float32)
 
 
-_deadline_lock = threading.Lock()
-_deadline_armed = False
+def group_advantages_for(cfg: TrainConfig, groups: list) -> np.ndarray:
+    """A batch's groups -> per-trajectory advantages (GRPO / RLOO / Dr.GRPO), fp32."""
+    from areal_jax.losses import group_advantages
 
-
-def arm_shutdown_deadline(seconds: float, code: int) -> None:
-    """From now on the process has ``seconds`` to exit; then it kills its servers and exits
-    with ``code``. Idempotent: the first call sets the deadline."""
-    global _deadline_armed
-    with _deadline_lock:
-        if _deadline_armed:
-            return
-        _deadline_armed = True
-    timer = threading.Timer(seconds, _hard_exit,
-                            (code, f"shutdown took longer than {seconds:g}s "
-                                   "(watchdog.shutdown_timeout_s)"))
-    timer.daemon = True
-    timer.start()
-
-
-def install_signal_handlers(shutdown_timeout_s: float) -> None:
-    """SIGINT and SIGTERM: the first raises :class:`Interrupted` in the main thread (a
-    graceful shutdown, bounded by ``shutdown_timeout_s``); a second one exits at once."""
-    received: list[int] = []
-
-    def handler(signum: int, _frame: Any) -> None:
-        if received:
-            _hard_exit(128 + signum, f"second signal ({signal.Signals(signum).name})")
-        received.append(signum)
-        print(f"{signal.Signals(signum).name}: stopping (servers, executor, files; at most "
-              f"{shutdown_timeout_s:g}s); send it again to exit at once",
-              file=sys.stderr, flush=True)
-        arm_shutdown_deadline(shutdown_timeout_s, 128 + signum)
-        raise Interrupted(signum)
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-
-
-def main_guarded(cfg: TrainConfig, resume: bool | None) -> int:
-    """Entry point used by scripts/train.py: runs training and returns its exit status
-    (``EXIT_CODES``; 128 + signal number after SIGINT/SIGTERM). Errors for users are
-    printed as one line, never a traceback. With several processes, a process that fails
-    tells the others (which exit at once with status 1) and exits without waiting in
-    JAX's shutdown barrier."""
-    from areal_jax.parallel import job_guard
-
-    code, message = _run_for_status(cfg, resume)
-    guard = job_guard()
-    if guard is not None:
-        if code == EXIT_CODES["done"]:
-            guard.done()
-        else:
-            guard.fail(message, code)  # does not return
-    return code
-
-
-def _run_for_status(cfg: TrainConfig, resume: bool | None) -> tuple[int, str]:
-    from areal_jax.parallel import job_guard
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if threading.current_thread() is threading.main_thread():
-        install_signal_handlers(cfg.watchdog.shutdown_timeout_s)
-    try:
-        run_training(cfg, resume, exit_deadline=True)
-    except Interrupted as e:
-        saved = " (and a checkpoint of this version)" if cfg.checkpoint.on_interrupt else ""
-        message = (f"interrupted by {signal.Signals(e.signum).name}: servers, executor and files "
-                   f"closed; the last completed checkpoint is kept{saved}")
-        code = 128 + e.signum
-    except RunStopped as e:
-        message, code = f"stopped: {e}", EXIT_CODES["stopped"]
-    except TrainerError as e:
-        message, code = f"error: {e}", EXIT_CODES["bad_input"]
-    except Exception as e:  # with several processes the others must hear of it
-        if job_guard() is None:
-            raise
-        import traceback
-
-        traceback.print_exc()
-        message, code = f"error: {type(e).__name__}: {e}", EXIT_CODES["crash"]
-    else:
-        return EXIT_CODES["done"], ""
-    print(message, file=sys.stderr, flush=True)
-    return code, message
-
-
-def resolved_config_text(cfg: TrainConfig) -> str:
-    import yaml
-
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-
-def run_dir_of(cfg: TrainConfig) -> str:
-    """The run dir as a local path or gs:// URL (never a ``Path``, which mangles URLs)."""
-    from areal_jax import storage
-
-    return storage.normalize(cfg.run_dir)
+    trajs = [t for g in groups for t in g]
+    adv = group_advantages(shaped_rewards(cfg, trajs), len(groups[0]), mode=cfg.algo.name)
+    return np.asarray(adv, np.float32)

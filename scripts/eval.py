@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from areal_jax.rollout.client import RolloutClient
     from areal_jax.rollout.evaluate import evaluate_prompts
     from areal_jax.rollout.workflows import SamplingConfig
-    from areal_jax.trainer_setup import (
+    from areal_jax.run_inputs import (
         TrainerError,
         resolve_dataset,
         resolve_model_path,

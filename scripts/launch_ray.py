@@ -68,7 +68,7 @@ class ProcessRunner:
             return s.getsockname()[1]
 
     def resolve_model(self, spec: str) -> str:
-        from areal_jax.trainer_setup import resolve_model_path
+        from areal_jax.run_inputs import resolve_model_path
 
         return str(resolve_model_path(spec))
 

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
 
-    from areal_jax.trainer import main_guarded
+    from areal_jax.process import main_guarded
 
     return main_guarded(cfg, args.resume)
 

@@ -184,7 +184,7 @@ def arith_chat_model_dir(tmp_path_factory: Any, name: str) -> Path:
     """A copy of the demo's arithmetic checkpoint with ``CHAT_TEMPLATE`` beside it."""
     import shutil
 
-    from areal_jax.trainer_setup import ASSETS_DIR
+    from areal_jax.run_inputs import ASSETS_DIR
 
     out = tmp_path_factory.mktemp(name) / "arith"
     shutil.copytree(ASSETS_DIR / "arith_sft", out)

@@ -253,7 +253,7 @@ def test_cosine_warmup_longer_than_the_run_names_the_users_keys():
 
 
 def test_learner_config_errors_are_translated_to_run_config_keys():
-    from areal_jax.trainer_setup import user_key_message
+    from areal_jax.run_inputs import user_key_message
 
     assert user_key_message("ppo.temperature must be > 0, got nan") == \
         "rollout.temperature must be > 0, got nan"

@@ -13,7 +13,7 @@ import pytest
 
 from tests.test_trainer import REPO, SMALL, TRAIN, _env, _rows
 
-STOPPED, BAD_INPUT = 3, 2  # areal_jax.trainer.EXIT_CODES
+STOPPED, BAD_INPUT = 3, 2  # areal_jax.process.EXIT_CODES
 
 
 def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:

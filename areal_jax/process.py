@@ -1,0 +1,135 @@
+"""What a training process does around the loop: exit codes, SIGINT/SIGTERM, the
+shutdown deadline, and one-line errors instead of tracebacks (``main_guarded``, the
+entry point of scripts/train.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from areal_jax.config import TrainConfig
+from areal_jax.run_inputs import TrainerError
+
+__all__ = ["EXIT_CODES", "LIVE_SERVERS", "Interrupted", "arm_shutdown_deadline",
+           "install_signal_handlers", "main_guarded"]
+
+# scripts/train.py's exit status (README, "When things go wrong").
+EXIT_CODES = {
+    "done": 0,
+    "crash": 1,  # an unexpected error (a traceback)
+    "bad_input": 2,  # config or input error, found before training starts
+    "stopped": 3,  # the run could not go on: no progress, non-finite loss, failed weight update
+    "shutdown_timeout": 4,  # shutdown took longer than watchdog.shutdown_timeout_s
+}  # and 128 + signal number after SIGINT (130) or SIGTERM (143)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM: the run shuts down gracefully."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+LIVE_SERVERS: list[Any] = []  # embedded servers of the running trainer (for a hard exit)
+
+
+def _hard_exit(code: int, why: str) -> None:
+    """Kills the embedded servers and leaves at once (no cleanup handlers run)."""
+    print(f"{why}; exiting now with status {code}", file=sys.stderr, flush=True)
+    for handle in list(LIVE_SERVERS):
+        with contextlib.suppress(Exception):
+            handle.kill()
+    os._exit(code)
+
+
+_deadline_lock = threading.Lock()
+_deadline_armed = False
+
+
+def arm_shutdown_deadline(seconds: float, code: int) -> None:
+    """From now on the process has ``seconds`` to exit; then it kills its servers and exits
+    with ``code``. Idempotent: the first call sets the deadline."""
+    global _deadline_armed
+    with _deadline_lock:
+        if _deadline_armed:
+            return
+        _deadline_armed = True
+    timer = threading.Timer(seconds, _hard_exit,
+                            (code, f"shutdown took longer than {seconds:g}s "
+                                   "(watchdog.shutdown_timeout_s)"))
+    timer.daemon = True
+    timer.start()
+
+
+def install_signal_handlers(shutdown_timeout_s: float) -> None:
+    """SIGINT and SIGTERM: the first raises :class:`Interrupted` in the main thread (a
+    graceful shutdown, bounded by ``shutdown_timeout_s``); a second one exits at once."""
+    received: list[int] = []
+
+    def handler(signum: int, _frame: Any) -> None:
+        if received:
+            _hard_exit(128 + signum, f"second signal ({signal.Signals(signum).name})")
+        received.append(signum)
+        print(f"{signal.Signals(signum).name}: stopping (servers, executor, files; at most "
+              f"{shutdown_timeout_s:g}s); send it again to exit at once",
+              file=sys.stderr, flush=True)
+        arm_shutdown_deadline(shutdown_timeout_s, 128 + signum)
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main_guarded(cfg: TrainConfig, resume: bool | None) -> int:
+    """Entry point used by scripts/train.py: runs training and returns its exit status
+    (``EXIT_CODES``; 128 + signal number after SIGINT/SIGTERM). Errors for users are
+    printed as one line, never a traceback. With several processes, a process that fails
+    tells the others (which exit at once with status 1) and exits without waiting in
+    JAX's shutdown barrier."""
+    from areal_jax.parallel import job_guard
+
+    code, message = _run_for_status(cfg, resume)
+    guard = job_guard()
+    if guard is not None:
+        if code == EXIT_CODES["done"]:
+            guard.done()
+        else:
+            guard.fail(message, code)  # does not return
+    return code
+
+
+def _run_for_status(cfg: TrainConfig, resume: bool | None) -> tuple[int, str]:
+    from areal_jax.parallel import job_guard
+    from areal_jax.trainer import RunStopped, run_training
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if threading.current_thread() is threading.main_thread():
+        install_signal_handlers(cfg.watchdog.shutdown_timeout_s)
+    try:
+        run_training(cfg, resume, exit_deadline=True)
+    except Interrupted as e:
+        saved = " (and a checkpoint of this version)" if cfg.checkpoint.on_interrupt else ""
+        message = (f"interrupted by {signal.Signals(e.signum).name}: servers, executor and files "
+                   f"closed; the last completed checkpoint is kept{saved}")
+        code = 128 + e.signum
+    except RunStopped as e:
+        message, code = f"stopped: {e}", EXIT_CODES["stopped"]
+    except TrainerError as e:
+        message, code = f"error: {e}", EXIT_CODES["bad_input"]
+    except Exception as e:  # with several processes the others must hear of it
+        if job_guard() is None:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        message, code = f"error: {type(e).__name__}: {e}", EXIT_CODES["crash"]
+    else:
+        return EXIT_CODES["done"], ""
+    print(message, file=sys.stderr, flush=True)
+    return code, message

@@ -1,0 +1,85 @@
+"""Step 5 of a version: the new weights reach the rollout servers, off the learner's path.
+
+    sync = WeightSync(executor, write=lambda params, v: publisher.publish(params, cfg, v),
+                      interruptible=True)
+    sync.publish(host_params, version)   # returns at once; the learner trains on
+    ...
+    sync.wait()                          # before the next publish, an eval, a checkpoint
+
+``publish`` runs, as one coroutine on the executor's loop: the write of the serving
+weights (in a thread: ``write(params, version)`` returns the directory the servers read),
+then the servers' update: the executor stops submitting, the servers pause (in-flight
+requests return as aborted and the client resubmits them under the new weights) or, when
+not ``interruptible``, the executor waits for its runs to finish; then
+``/update_weights_from_disk`` (sent only once the version is completely written),
+``executor.set_version`` and the resume. In sync mode (eta = 0) nothing starts under the
+new version before ``set_version``, so sync runs stay exactly on-policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class WeightSyncError(RuntimeError):
+    """Writing the weights or updating a server failed; the message says which version."""
+
+
+class WeightSync:
+    def __init__(self, executor: Any, write: Callable[[Any, int], Any], *,
+                 interruptible: bool = True) -> None:
+        self.executor = executor
+        self.write = write
+        self.interruptible = interruptible
+        self._pending: tuple[int, Any] | None = None  # (version, Future)
+        self.write_s: dict[int, float] = {}  # version -> seconds its write took
+        self.update_s: dict[int, float] = {}  # version -> seconds its servers' update took
+
+    def publish(self, params: Any, version: int) -> None:
+        """Starts writing ``params`` as ``version`` and updating the servers to it (after the
+        previous publish is done)."""
+        self.wait()
+        self._pending = (version, self.executor.submit_coroutine(self._write_and_update(
+            params, version)))
+
+    def wait(self) -> None:
+        """Waits for the last :meth:`publish`; records its seconds in ``write_s`` and
+        ``update_s``. Raises :class:`WeightSyncError` if the write or the update failed."""
+        if self._pending is None:
+            return
+        version, future = self._pending
+        self._pending = None
+        try:
+            self.write_s[version], self.update_s[version] = future.result()
+        except Exception as e:  # noqa: BLE001 - a storage, transport or server error
+            raise WeightSyncError(f"weight update to v{version} failed: "
+                                  f"{type(e).__name__}: {e}") from e
+
+    async def _write_and_update(self, params: Any, version: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        path = await asyncio.to_thread(self.write, params, version)
+        write_s = time.perf_counter() - t0
+        return write_s, await self.update_servers(str(path), version)
+
+    async def update_servers(self, path: str, version: int) -> float:
+        """Runs on the executor's loop: pause, load ``path`` as ``version``, resume. Returns
+        the seconds it took."""
+        t0 = time.perf_counter()
+        ex, client = self.executor, self.executor.client
+        ex.pause()  # no new runs until the servers have the new version
+        try:
+            if self.interruptible:
+                await client.pause()  # in-flight requests return as abort and are resubmitted
+            else:  # let in-flight runs finish under the old weights
+                while ex.metrics()["running"] > 0:
+                    await asyncio.sleep(0.005)
+            await client.update_weights_from_disk(path, version)  # raises if a server refuses
+            ex.set_version(version)
+        finally:
+            if self.interruptible:
+                await client.continue_()
+            ex.resume()
+        return time.perf_counter() - t0

@@ -1,0 +1,192 @@
+"""A run's inputs, resolved and checked before long work starts: the model and tokenizer
+directories (``builtin:``, local or ``gs://``), datasets, the run directory, external
+servers, the prompts' lengths against the packed row. Also used by scripts/eval.py and
+scripts/launch_ray.py. Every problem is a :class:`TrainerError` with one clear line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+from areal_jax import storage
+from areal_jax.config import TrainConfig
+
+ASSETS_DIR = Path(__file__).resolve().parent / "data" / "assets"
+
+
+class TrainerError(RuntimeError):
+    """A problem with the run's inputs or environment, reported before long work starts."""
+
+
+def user_key_message(message: str) -> str:
+    """Learner config errors name the learner's fields; say the run config's keys instead."""
+    for internal, user in (("ppo.temperature", "rollout.temperature"), ("ppo.", "algo."),
+                           ("optimizer.total_steps", "train.total_versions x algo.ppo_n_minibatches"),
+                           ("optimizer.", "optim.")):
+        message = message.replace(internal, user)
+    return message
+
+
+def resolve_model_path(spec: str, cache_dir: str | None = None, key: str = "model.path") -> Path:
+    """``builtin:NAME`` -> the packaged asset; a ``gs://`` HF directory -> its local cached
+    copy (downloaded once, see ``storage.local_copy``); otherwise a local HF directory."""
+    if spec.startswith("builtin:"):
+        path = ASSETS_DIR / spec.split(":", 1)[1]
+        if not path.is_dir():
+            known = sorted(p.name for p in ASSETS_DIR.iterdir() if p.is_dir()) if ASSETS_DIR.is_dir() else []
+            raise TrainerError(f"{key} {spec!r}: no packaged model of that name; known: {known}")
+        return path
+    try:
+        if storage.is_url(spec):
+            url = storage.check_location(spec, key, must_exist=True)
+            if not storage.isfile(storage.join(url, "config.json")):
+                raise TrainerError(f"{key} {spec} has no config.json (expected an HF model directory)")
+            path = storage.local_copy(url, cache_dir, kind="models")
+        else:
+            path = Path(storage.normalize(spec))
+    except storage.StorageError as e:
+        raise TrainerError(f"{e}" if str(e).startswith(key) else f"{key} {e}") from None
+    if not path.is_dir():
+        raise TrainerError(f"model.path {spec} does not exist or is not a directory")
+    if not (path / "config.json").is_file():
+        raise TrainerError(f"model.path {spec} has no config.json (expected an HF model directory)")
+    return path
+
+
+def saved_run_config(ckpt_dir: str, meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The config of the run that wrote a checkpoint: from its meta (``run_config``), else
+    the ``config.yaml`` next to the checkpoint directory (the run dir); None if neither."""
+    if isinstance(meta.get("run_config"), dict):
+        return meta["run_config"]
+    import yaml
+
+    path = storage.join(storage.parent_of(ckpt_dir), "config.yaml")
+    try:
+        if storage.exists(path):
+            data = yaml.safe_load(storage.read_text(path))
+            return data if isinstance(data, dict) else None
+    except (OSError, yaml.YAMLError, storage.StorageError):
+        return None
+    return None
+
+
+def resolve_dataset(spec: str, run_dir: Path, key: str) -> str:
+    """``builtin:train|eval`` -> a JSONL written into the (local) run dir; else the path
+    (local or ``gs://``), checked to exist."""
+    if spec.startswith("builtin:"):
+        from areal_jax.data import builtin_task
+
+        split = spec.split(":", 1)[1]
+        if split not in ("train", "eval"):
+            raise TrainerError(f"{key} {spec!r}: the builtin task has splits 'train' and 'eval'")
+        return str(builtin_task.write_split(run_dir / "data" / f"builtin_{split}.jsonl", split))
+    try:
+        return storage.check_location(spec, key, must_exist=True)
+    except storage.StorageError as e:
+        raise TrainerError(str(e)) from None
+
+
+def check_writable(path: Path, key: str) -> None:
+    """Creates ``path`` if needed and proves a file can be written there."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_probe_{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise TrainerError(f"{key} {path} is not writable: {e.strerror or e}") from None
+
+
+def check_prompt_lengths(cfg: TrainConfig, tokenizer: Any, train_path: str,
+                         max_rows: int = 512) -> None:
+    """The longest of the first ``max_rows`` prompts + ``rollout.max_new_tokens`` must fit a
+    packed row (``train.seq_len``) and, with embedded servers, their context. (A longer
+    prompt further on stops the run when it is packed, naming train.seq_len.)"""
+    from areal_jax.data.prompts import read_records
+
+    rows = read_records(train_path)[:max_rows]
+    key, ro = cfg.data.prompt_key, cfg.rollout
+    longest, where = 0, None
+    for i, row in enumerate(rows):
+        if key not in row:
+            raise TrainerError(f"data.train {train_path}: row {i} has no {key!r} key "
+                               f"(data.prompt_key); keys: {sorted(row)}")
+        n = len(tokenizer.encode_prompt(row[key]))
+        if n > longest:
+            longest, where = n, i
+    if where is None:
+        raise TrainerError(f"data.train {train_path} holds no prompts")
+    if not ro.servers and longest >= ro.max_seq_len:
+        raise TrainerError(f"rollout.max_seq_len ({ro.max_seq_len}) is too small: prompt {where} "
+                           f"of data.train has {longest} tokens; raise rollout.max_seq_len above "
+                           f"{longest + ro.max_new_tokens}")
+    need = longest + ro.max_new_tokens
+    if not ro.servers:  # the embedded engine stops a sequence at its context length
+        need = min(need, ro.max_seq_len)
+    if cfg.train.seq_len < need:
+        raise TrainerError(f"train.seq_len ({cfg.train.seq_len}) is shorter than the longest "
+                           f"prompt ({longest} tokens, row {where} of data.train) + "
+                           f"rollout.max_new_tokens ({ro.max_new_tokens}); raise train.seq_len "
+                           f"to at least {need}")
+
+
+def check_servers_reachable(urls: list[str], api_key: str | None, timeout: float = 5.0) -> None:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    for url in urls:
+        try:
+            r = httpx.get(url.rstrip("/") + "/health", timeout=timeout, headers=headers)
+        except httpx.HTTPError as e:
+            raise TrainerError(f"rollout server {url} is unreachable ({type(e).__name__}: {e}); "
+                               "start it first (see README, 'Running with SGLang')") from None
+        if r.status_code != 200:
+            raise TrainerError(f"rollout server {url} answered /health with HTTP {r.status_code}")
+
+
+def enable_compilation_cache(path: str | None) -> str | None:
+    """``compile_cache.enable_compilation_cache``, with a TrainerError for a bad path."""
+    from areal_jax.compile_cache import enable_compilation_cache as enable
+
+    try:
+        return enable(path)
+    except OSError as e:
+        raise TrainerError(f"compilation_cache_dir {path} cannot be created ({e}); "
+                           "set compilation_cache_dir to a writable directory or null") from None
+
+
+CHECKPOINT_DIR_NAMES = ("checkpoints", "checkpoints-critic", "weights")  # written directly
+
+
+def prepare_run_dir(cfg: TrainConfig, resume: bool | None) -> tuple[str, str, bool]:
+    """Checks run_dir (and checkpoint.dir), local or gs://, up front; returns
+    (run_dir, ckpt_dir, has_ckpt) as local paths or URLs."""
+    try:
+        run_dir = storage.check_location(cfg.run_dir, "run_dir", write=True)
+        ckpt_dir = (storage.check_location(cfg.checkpoint.dir, "checkpoint.dir", write=True)
+                    if cfg.checkpoint.dir else storage.join(run_dir, "checkpoints"))
+    except storage.StorageError as e:
+        raise TrainerError(str(e)) from None
+    if not storage.is_url(run_dir):
+        check_writable(Path(run_dir), "run_dir")
+    if not storage.is_url(ckpt_dir):
+        check_writable(Path(ckpt_dir), "checkpoint.dir" if cfg.checkpoint.dir else "run_dir")
+    from areal_jax.checkpoint import TrainCheckpointer
+
+    has_ckpt = False
+    if storage.is_url(ckpt_dir) or os.path.exists(ckpt_dir):
+        with contextlib.suppress(Exception):
+            probe = TrainCheckpointer(ckpt_dir, read_only=True)
+            has_ckpt = probe.latest_step() is not None
+            probe.close()
+    if resume is True and not has_ckpt:
+        raise TrainerError(f"--resume given but {ckpt_dir} holds no checkpoint")
+    if resume is False and has_ckpt:
+        raise TrainerError(f"run_dir {run_dir} already holds checkpoints in {ckpt_dir}; "
+                           "use --resume (or drop --no-resume) to continue it, or pick a new run_dir")
+    return run_dir, ckpt_dir, has_ckpt
+
+
