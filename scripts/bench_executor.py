@@ -31,7 +31,7 @@ def add_arguments(p) -> None:
 
 
 def _noop_group():
-    from areal_jax.rollout.types import Trajectory
+    from areal_jax.trajectory import Trajectory
 
     return [Trajectory(input_ids=[1, 2], loss_mask=[0, 1], behav_logp=[0.0, -1.0],
                        versions=[-1, 0], reward=0.0)]

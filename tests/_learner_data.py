@@ -14,7 +14,7 @@ from jax.experimental import multihost_utils
 
 from areal_jax.learner import Learner, OptimizerConfig, PPOConfig, pack_trajectories
 from areal_jax.parallel import local_batch_rows
-from areal_jax.rollout.types import Trajectory
+from areal_jax.trajectory import Trajectory
 from model_defs import CausalLM, ModelConfig
 
 # Every dim divides 8 (fsdp=8) and the head counts divide tensor=2.

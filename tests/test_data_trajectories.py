@@ -13,7 +13,7 @@ import pytest
 from areal_jax.data.prompts import prompt_items_from_list
 from areal_jax.data.trajectories import TrainBatch, TrajectoryBatchDataset
 from areal_jax.rollout.executor import RolloutExecutor
-from areal_jax.rollout.types import Trajectory
+from areal_jax.trajectory import Trajectory
 
 SEQ_LEN, ROWS = 48, 4
 

@@ -18,7 +18,7 @@ import pytest
 
 from areal_jax.data.prompts import prompt_items_from_list
 from areal_jax.rollout.executor import PromptsExhausted, RolloutExecutor
-from areal_jax.rollout.types import Trajectory
+from areal_jax.trajectory import Trajectory
 
 
 def items(n, prefix="p"):

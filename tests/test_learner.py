@@ -25,7 +25,7 @@ from areal_jax.learner import (
     unpack_per_token,
 )
 from areal_jax.parallel import make_mesh
-from areal_jax.rollout.types import Trajectory
+from areal_jax.trajectory import Trajectory
 
 
 def one_device():

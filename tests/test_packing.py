@@ -9,7 +9,7 @@ from areal_jax.learner.packing import (
     pack_trajectories,
     unpack_per_token,
 )
-from areal_jax.rollout.types import Trajectory
+from areal_jax.trajectory import Trajectory
 
 
 def make_traj(rng: np.random.Generator, n_prompt: int, n_gen: int, vocab: int = 50) -> Trajectory:

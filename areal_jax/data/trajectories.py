@@ -34,7 +34,7 @@ import numpy as np
 
 from areal_jax.learner.packing import PackedBatch, pack_trajectories
 from areal_jax.rollout.executor import PromptsExhausted, RolloutExecutor
-from areal_jax.rollout.types import Trajectory
+from areal_jax.trajectory import Trajectory
 
 AdvantagesFn = Callable[[list[list[Trajectory]]], Sequence[float | np.ndarray]]
 

@@ -40,7 +40,7 @@ from areal_jax.learner.steps import cast_params
 from areal_jax.learner.token_logp import predicted_mask, shift_right
 from areal_jax.losses import gae, normalize_advantages, ppo_value_loss
 from areal_jax.parallel.mesh import make_mesh, replicated
-from areal_jax.rollout.types import Trajectory
+from areal_jax.trajectory import Trajectory
 from model_defs import CausalLM, ModelConfig, load_hf, remat_policy_name, use_mesh
 
 VALUE_TRAIN_KEYS = (*LOGP_KEYS, "loss_mask", "returns", "old_values")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from areal_jax.rollout.types import Trajectory
+from areal_jax.trajectory import Trajectory
 
 # Per-token arrays of a packed micro-batch, with their dtypes. All have shape [R, L].
 PACKED_FIELDS: dict[str, type] = {

@@ -48,8 +48,9 @@ from typing import Any
 from areal_jax.engine.openai_api import Generated, OpenAIError, OpenAIRoutes
 from areal_jax.engine.request import SamplingParams
 from areal_jax.rewards.pool import check_reward_value
-from areal_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, Trajectory
+from areal_jax.rollout.types import FINISH_LENGTH, FINISH_STOP
 from areal_jax.rollout.workflows import SamplingConfig, WorkflowContext
+from areal_jax.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 AgentFn = Callable[..., Any]

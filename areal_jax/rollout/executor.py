@@ -70,8 +70,8 @@ from typing import Any
 
 from areal_jax.rewards.pool import RewardPool
 from areal_jax.rollout.staleness import StalenessGate
-from areal_jax.rollout.types import Trajectory
 from areal_jax.rollout.workflows import WorkflowContext, as_workflow_fn
+from areal_jax.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 

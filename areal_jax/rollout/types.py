@@ -1,23 +1,17 @@
-"""Plain data types shared by the rollout client, workflows, executor and learner feed.
-
-These are the contracts between rooms: the client returns a ``GenerateResponse``,
-a workflow turns responses into ``Trajectory`` objects, and the data pipeline packs
-trajectories for the learner. Token alignment: every per-token array is aligned with
-``input_ids``; ``behav_logp[t]`` is log p(input_ids[t] | input_ids[:t]) under the
-behaviour policy (0 where ``loss_mask`` is 0).
+"""The rollout client's plain data types: a ``GenerateRequest`` goes to a server and a
+``GenerateResponse`` comes back, stitched across interruptions. Workflows turn responses
+into ``areal_jax.trajectory.Trajectory`` objects (the learner's input, in a module of
+its own that both sides import).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+from areal_jax.trajectory import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-FINISH_ABORT = "abort"
+__all__ = ["FINISH_ABORT", "FINISH_LENGTH", "FINISH_STOP", "GenerateRequest", "GenerateResponse"]
 
 
 @dataclass
@@ -62,48 +56,3 @@ class GenerateResponse:
     server: str | None = None
     latency_s: float = 0.0
     rid: str | None = None
-
-
-@dataclass
-class Trajectory:
-    """One sequence ready for the learner. Per-token arrays have shape [T]."""
-
-    input_ids: np.ndarray  # int32 [T]: prompt + completion (+ env turns)
-    loss_mask: np.ndarray  # int32 [T]: 1 on model-generated tokens to train on
-    behav_logp: np.ndarray  # float32 [T]: 0 where loss_mask == 0
-    versions: np.ndarray  # int32 [T]: -1 on prompt / environment tokens
-    reward: float
-    group_id: str = ""  # samples of one prompt share it
-    prompt_id: str = ""  # stable id of the dataset prompt
-    start_version: int = 0  # learner version when the workflow was submitted
-    finish_reason: str = FINISH_STOP
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.input_ids = np.asarray(self.input_ids, dtype=np.int32)
-        self.loss_mask = np.asarray(self.loss_mask, dtype=np.int32)
-        self.behav_logp = np.asarray(self.behav_logp, dtype=np.float32)
-        self.versions = np.asarray(self.versions, dtype=np.int32)
-        n = self.input_ids.shape[0]
-        for name in ("loss_mask", "behav_logp", "versions"):
-            arr = getattr(self, name)
-            if arr.shape != (n,):
-                raise ValueError(f"Trajectory.{name} has shape {arr.shape}, expected ({n},)")
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def num_generated(self) -> int:
-        return int(self.loss_mask.sum())
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        for k in ("input_ids", "loss_mask", "behav_logp", "versions"):
-            d[k] = getattr(self, k).tolist()
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
-        return cls(**d)

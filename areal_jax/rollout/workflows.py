@@ -39,7 +39,8 @@ from areal_jax.rewards.pool import (
     check_reward_value,
     resolve_reward_fn,
 )
-from areal_jax.rollout.types import GenerateRequest, GenerateResponse, Trajectory
+from areal_jax.rollout.types import GenerateRequest, GenerateResponse
+from areal_jax.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,67 @@
+"""The trajectory: what a rollout workflow produces and the learner trains on.
+
+A neutral module: ``rollout/`` builds trajectories, ``data/trajectories.py`` batches them
+and ``learner/`` packs them, and none of those rooms needs another to know the type.
+Token alignment: every per-token array is aligned with ``input_ids``; ``behav_logp[t]``
+is log p(input_ids[t] | input_ids[:t]) under the behaviour policy (0 where ``loss_mask``
+is 0); ``versions[t]`` is the weight version that generated token t (-1 for prompt and
+tool tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Why a generation ended (SGLang's finish_reason types); "abort" only between resumptions.
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+@dataclass
+class Trajectory:
+    """One sequence ready for the learner. Per-token arrays have shape [T]."""
+
+    input_ids: np.ndarray  # int32 [T]: prompt + completion (+ env turns)
+    loss_mask: np.ndarray  # int32 [T]: 1 on model-generated tokens to train on
+    behav_logp: np.ndarray  # float32 [T]: 0 where loss_mask == 0
+    versions: np.ndarray  # int32 [T]: -1 on prompt / environment tokens
+    reward: float
+    group_id: str = ""  # samples of one prompt share it
+    prompt_id: str = ""  # stable id of the dataset prompt
+    start_version: int = 0  # learner version when the workflow was submitted
+    finish_reason: str = FINISH_STOP
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.input_ids = np.asarray(self.input_ids, dtype=np.int32)
+        self.loss_mask = np.asarray(self.loss_mask, dtype=np.int32)
+        self.behav_logp = np.asarray(self.behav_logp, dtype=np.float32)
+        self.versions = np.asarray(self.versions, dtype=np.int32)
+        n = self.input_ids.shape[0]
+        for name in ("loss_mask", "behav_logp", "versions"):
+            arr = getattr(self, name)
+            if arr.shape != (n,):
+                raise ValueError(f"Trajectory.{name} has shape {arr.shape}, expected ({n},)")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_generated(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in ("input_ids", "loss_mask", "behav_logp", "versions"):
+            d[k] = getattr(self, k).tolist()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        return cls(**d)
