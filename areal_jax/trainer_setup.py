@@ -402,30 +402,29 @@ def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,
                     stack: contextlib.ExitStack, cache_dir: str | None) -> list:
     """Starts the embedded servers without waiting for them (the caller waits with
     ``_wait_for_servers`` once the learner has compiled); returns their handles."""
-    from areal_jax.engine.launch import ServerStartError, launch_server
+    from areal_jax.engine.launch import ServerStartError, launch_servers
 
     ro = cfg.rollout
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
     platform, device_env = engine_placement(ro)
-    handles = []
-    for i in range(ro.num_servers):
-        try:
-            handle = launch_server(weights, max_slots=ro.max_slots, max_seq_len=ro.max_seq_len,
-                                   dtype=cfg.model.dtype, jax_platforms=platform, env=device_env,
-                                   cpu_affinity=ro.server_cpu_cores, api_key=ro.api_key,
-                                   allowed_weight_dirs=[storage.parent_of(weights)],  # later versions
-                                   warmup=True,  # compile every shape now, not mid-run
-                                   log_path=logs / f"server{i}.log", wait=False,
-                                   compilation_cache_dir=cache_dir,
-                                   extra_args=["--weight-version", str(version)])
-        except (ServerStartError, OSError) as e:
-            raise _server_start_error(i, e, cfg) from None
+
+    def register(handle: Any) -> None:
         LIVE_SERVERS.append(handle)
         stack.callback(_forget_server, handle)
         stack.callback(handle.terminate)
-        handles.append(handle)
-    return handles
+
+    try:
+        return launch_servers(weights, ro.num_servers, wait=False, log_dir=logs, on_start=register,
+                              max_slots=ro.max_slots, max_seq_len=ro.max_seq_len,
+                              dtype=cfg.model.dtype, jax_platforms=platform, env=device_env,
+                              cpu_affinity=ro.server_cpu_cores, api_key=ro.api_key,
+                              allowed_weight_dirs=[storage.parent_of(weights)],  # later versions
+                              warmup=True,  # compile every shape now, not mid-run
+                              compilation_cache_dir=cache_dir,
+                              extra_args=["--weight-version", str(version)])
+    except ServerStartError as e:
+        raise _server_start_error(e.index or 0, e, cfg) from None
 
 
 def _forget_server(handle: Any) -> None:

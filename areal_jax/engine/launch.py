@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,10 @@ API_KEY_ENV = "AREAL_JAX_API_KEY"  # the server reads its key from here (see ser
 
 
 class ServerStartError(RuntimeError):
-    """The server process exited or never became healthy; the message has its log tail."""
+    """The server process exited or never became healthy; the message has its log tail.
+    ``index``: which of ``launch_servers``' servers, when it could not be started."""
+
+    index: int | None = None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -242,11 +245,31 @@ def wait_healthy(handles: Sequence[ServerHandle], timeout: float = 180.0) -> Non
 
 
 def launch_servers(model_path: str | os.PathLike, count: int, *, startup_timeout: float = 180.0,
+                   wait: bool = True, log_dir: str | os.PathLike | None = None,
+                   on_start: Callable[[ServerHandle], Any] | None = None,
                    **kwargs: Any) -> list[ServerHandle]:
     """Starts ``count`` servers in parallel (same arguments as ``launch_server``, each on
-    its own free port) and waits until all are healthy."""
+    its own free port, logging to ``log_dir/server{i}.log`` when given) and, with ``wait``,
+    waits until all are healthy (else call ``wait_healthy`` later, e.g. after compiling
+    something else meanwhile). ``on_start(handle)`` runs for each server as soon as its
+    process exists (to register it for shutdown). A server that cannot be started raises
+    ServerStartError with ``index`` set; the ones already started are terminated."""
     if "port" in kwargs or "log_path" in kwargs:
         raise ValueError("launch_servers picks ports and log files itself")
-    handles = [launch_server(model_path, wait=False, **kwargs) for _ in range(count)]
-    wait_healthy(handles, startup_timeout)
+    handles: list[ServerHandle] = []
+    for i in range(count):
+        log_path = Path(log_dir) / f"server{i}.log" if log_dir is not None else None
+        try:
+            handle = launch_server(model_path, wait=False, log_path=log_path, **kwargs)
+        except (ServerStartError, OSError) as e:
+            for h in handles:
+                h.terminate()
+            error = ServerStartError(str(e))
+            error.index = i
+            raise error from e
+        if on_start is not None:
+            on_start(handle)
+        handles.append(handle)
+    if wait:
+        wait_healthy(handles, startup_timeout)
     return handles
