@@ -23,9 +23,13 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from areal_jax.bench.common import Benchmark
 
 
-def benchmarks() -> dict:
+def benchmarks() -> dict[str, Benchmark]:
     """Subcommand -> the module that implements it (imported here, not at package import)."""
     from areal_jax.bench import (
         async_vs_sync,
@@ -45,7 +49,7 @@ def benchmarks() -> dict:
             "executor": executor, "memory": memory, "startup": startup, "trl": trl}
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Benchmark]]:
     """The command line of every benchmark, and the module behind each subcommand."""
     parser = argparse.ArgumentParser(prog="python -m areal_jax.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

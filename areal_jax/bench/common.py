@@ -13,6 +13,7 @@ Nothing here imports torch or transformers at import time.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -22,7 +23,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+
+class Benchmark(Protocol):
+    """What a benchmark module provides (the contract above)."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> dict[str, Any]: ...
+
 
 # The checkout that holds this package (areal_jax/bench/common.py -> the repo root): its
 # scripts/ and configs/ are beside areal_jax/ in a source (or editable) install.
