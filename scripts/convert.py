@@ -19,16 +19,14 @@ import argparse
 import os
 import sys
 import tempfile
-from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from areal_jax import storage  # noqa: E402
-from areal_jax.checkpoint.orbax_ckpt import CheckpointError, TrainCheckpointer  # noqa: E402
-from areal_jax.checkpoint.publish import PublishError, params_to_hf_dir  # noqa: E402
-from model_defs import CheckpointError as HFCheckpointError  # noqa: E402
-from model_defs import ConfigError, ModelConfig, load_hf  # noqa: E402
+from areal_jax import storage
+from areal_jax.checkpoint.orbax_ckpt import CheckpointError, TrainCheckpointer
+from areal_jax.checkpoint.publish import PublishError, params_to_hf_dir
+from model_defs import CheckpointError as HFCheckpointError
+from model_defs import ConfigError, ModelConfig, load_hf
 
 USER_ERRORS = (CheckpointError, PublishError, ConfigError, HFCheckpointError, FileNotFoundError,
                FileExistsError, NotADirectoryError, storage.StorageError)

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 SERVE = str(REPO / "scripts" / "serve.py")
 TRAIN = str(REPO / "scripts" / "train.py")

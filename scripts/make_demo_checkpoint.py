@@ -28,17 +28,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from areal_jax.data import builtin_task as bt  # noqa: E402
-from areal_jax.rewards.builtin import builtin_reward  # noqa: E402
-from model_defs import CausalLM, ModelConfig, save_hf  # noqa: E402
+from areal_jax.data import builtin_task as bt
+from areal_jax.rewards.builtin import builtin_reward
+from model_defs import CausalLM, ModelConfig, save_hf
 
 SEQ_LEN = 64
 

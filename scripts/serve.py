@@ -8,11 +8,8 @@ See ``python scripts/serve.py --help`` for all options.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from areal_jax.engine.server import main  # noqa: E402
+from areal_jax.engine.server import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,6 +12,11 @@ if "--xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} {_count}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Scripts (scripts/*.py) and `python -m` children import the installed package; this
+# checkout goes first so that the tests' subprocesses run the code under test.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (_REPO, os.environ.get("PYTHONPATH")) if p)
 
 import pytest  # noqa: E402
 

@@ -1,24 +1,19 @@
-"""Learner memory from the compiled programs (scripts/bench_memory.py's figures): fsdp=2
-halves what each device holds and computes with."""
+"""Learner memory from the compiled programs (the memory benchmark's figures,
+areal_jax/bench/memory.py): fsdp=2 halves what each device holds and computes with."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import jax
 import pytest
 
+from areal_jax.bench import memory as bench_memory
 from areal_jax.parallel.mesh import make_mesh
 from model_defs import ModelConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import bench_memory  # noqa: E402
 
 
 def _per_device_bytes(mesh) -> int:
     cfg = ModelConfig.preset("tiny", vocab_size=4096, hidden_size=128, intermediate_size=512)
-    mem, _ = bench_memory._grad_memory(cfg, "float32", "full", 256, rows=4, mesh=mesh)
+    mem, _ = bench_memory.grad_memory(cfg, "float32", "full", 256, rows=4, mesh=mesh)
     return mem.argument_size_in_bytes + mem.temp_size_in_bytes
 
 

@@ -1,7 +1,7 @@
 """Learner memory: compiled forward+backward temporaries vs row length, and bytes/parameter.
 
-    python scripts/bench.py memory [--seq 2048,4096,8192 --layers 2 --hidden 256]
-                                   [--learner-preset qwen2.5-0.5b --learner-seq 1024]
+    python -m areal_jax.bench memory [--seq 2048,4096,8192 --layers 2 --hidden 256]
+                                      [--learner-preset qwen2.5-0.5b --learner-seq 1024]
 
 Compile only (nothing is run, so it works for shapes that would not fit): the learner's
 real gradient program (``learner.steps.make_grad_fn``: packed rows, chunked logprobs,
@@ -14,9 +14,9 @@ does not depend on how the row is split into segments):
   full T x T scores, the peer a linear-memory attention is measured against.
 
 The summary then gives the learner's memory per parameter for --learner-preset with
-micro-batches of --learner-rows x --learner-seq tokens: fp32 master params (4 B) + AdamW moments (8 B) +
-the gradient accumulator (4 B) = 16 B/param held between steps, plus the larger of the
-gradient and optimizer programs' compiled temporaries.
+micro-batches of --learner-rows x --learner-seq tokens: fp32 master params (4 B) + AdamW
+moments (8 B) + the gradient accumulator (4 B) = 16 B/param held between steps, plus the
+larger of the gradient and optimizer programs' compiled temporaries.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _abstract_model(cfg: Any, dtype: str, remat: Any) -> tuple[Any, Any, Any, int]:
+    import jax
     import jax.numpy as jnp
     from flax import nnx
 
@@ -55,7 +56,7 @@ def _abstract_model(cfg: Any, dtype: str, remat: Any) -> tuple[Any, Any, Any, in
     model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(dtype),
                                             param_dtype=jnp.float32, remat=remat))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    n_params = sum(int(np.prod(x.shape)) for x in __import__("jax").tree.leaves(params))
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     return graphdef, params, rest, n_params
 
 
@@ -81,7 +82,7 @@ def _on_mesh(tree: Any, shardings: Any) -> Any:
         for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True)])
 
 
-def _grad_memory(cfg: Any, dtype: str, remat: Any, t: int, rows: int = 1,
+def grad_memory(cfg: Any, dtype: str, remat: Any, t: int, rows: int = 1,
                  mesh: Any = None) -> tuple[Any, int]:
     import contextlib
 
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, block in (("blockwise", shipped_block), ("one block", t)):
             attention_module.BLOCK = block
             try:
-                mem, _ = _grad_memory(cfg, args.dtype, remat, t)
+                mem, _ = grad_memory(cfg, args.dtype, remat, t)
             finally:
                 attention_module.BLOCK = shipped_block
             temps[name].append(mem.temp_size_in_bytes)
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             mesh = make_mesh(args.mesh)
             shards = mesh.shape.get("fsdp", 1) * mesh.shape.get("tensor", 1)
         lcfg = ModelConfig.preset(args.learner_preset)
-        grad_mem, n_params = _grad_memory(lcfg, args.dtype, remat, args.learner_seq,
+        grad_mem, n_params = grad_memory(lcfg, args.dtype, remat, args.learner_seq,
                                           args.learner_rows, mesh)
         apply_mem, opt_state = _apply_memory(lcfg, mesh)
         opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state))

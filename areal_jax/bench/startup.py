@@ -1,8 +1,8 @@
 """startup: seconds from process start to the first batch and the first learner step,
 with a cold and a warm compilation cache.
 
-    python scripts/bench.py startup [--config configs/tiny_demo.yaml] [--repeats 2]
-                                    [--peer-repo DIR] [key=value ...]
+    python -m areal_jax.bench startup [--config configs/tiny_demo.yaml] [--repeats 2]
+                                      [--peer-repo DIR] [key=value ...]
 
 Each run is its own ``scripts/train.py`` process training ``--versions`` versions (no
 evals, no periodic checkpoints). ``cold`` runs start with an empty compilation cache
@@ -22,17 +22,12 @@ without the cache, so its cold and warm runs are alike.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+from areal_jax.bench.common import REPO, run_train
 
 
 def add_arguments(p) -> None:
@@ -51,24 +46,18 @@ def _knows_cache_key(repo: Path) -> bool:
 def time_run(repo: Path, config: str, versions: int, run_dir: Path, cache_dir: Path,
              overrides: list[str]) -> dict[str, float]:
     """One train.py process of ``repo``; milestones in seconds from its start."""
-    args = [f"run_dir={run_dir}", f"train.total_versions={versions}", "eval.at_start=false",
+    args = [f"train.total_versions={versions}", "eval.at_start=false",
             "eval.every_versions=0", "eval.at_end=false", "checkpoint.every_versions=0",
             "progress_bar=false", *overrides]
     if _knows_cache_key(repo):
         args.append(f"compilation_cache_dir={cache_dir}")
-    env = dict(os.environ, PYTHONPATH=str(repo), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    t0 = time.time()
-    res = subprocess.run([sys.executable, str(repo / "scripts" / "train.py"), "--config", config,
-                          *args], capture_output=True, text=True, env=env, cwd=repo)
-    total = time.time() - t0
-    if res.returncode != 0:
-        raise RuntimeError(f"train.py in {repo} failed ({res.returncode}):\n{res.stderr[-3000:]}")
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    first = next(r for r in rows if r.get("version") == 1)
+    done = run_train(config, args, run_dir, repo=repo, JAX_PLATFORMS="cpu")
+    first = next(r for r in done.rows if r.get("version") == 1)
     # The row is written after the step and the publish; the batch arrived before both.
+    t0 = done.t_launch
     first_batch = first["time"] - t0 - (first["step_time_s"] - first["rollout_wait_s"])
-    out = {"first_batch_s": first_batch, "first_step_s": first["time"] - t0, "total_s": total}
+    out = {"first_batch_s": first_batch, "first_step_s": first["time"] - t0,
+           "total_s": done.total_s}
     out.update({k: v for k, v in first.items() if k.startswith("startup/")})
     return out
 
@@ -95,7 +84,8 @@ def run(args) -> dict:
     for (name, kind), ms in results.items():
         med = {k: float(np.median([m[k] for m in ms])) for k in ("first_batch_s", "first_step_s",
                                                                   "total_s")}
-        rows.append([name, kind, med["first_batch_s"], med["first_step_s"], med["total_s"], len(ms)])
+        rows.append([name, kind, med["first_batch_s"], med["first_step_s"], med["total_s"],
+                     len(ms)])
         for k, v in med.items():
             summary[f"{name}_{kind}_{k}"] = v
     if "peer" in repos:

@@ -6,18 +6,18 @@ peer materialises [N, V] fp32 logits and log-softmax; ``logprobs_from_hidden`` k
 online logsumexp over vocabulary chunks. Reported side by side in one run: step time
 and XLA's temp-buffer bytes from the compiled executable, plus the max abs difference.
 
-    python scripts/bench.py losses --tokens 2048 --dim 512 --vocab 32768 --chunk 4096
+    python -m areal_jax.bench losses --tokens 2048 --dim 512 --vocab 32768 --chunk 4096
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from areal_jax.bench.common import time_calls
 from areal_jax.losses import logprobs_from_hidden
 
 
@@ -50,14 +50,8 @@ def _measure(step, args, repeats):
     compiled = step.lower(*args).compile()
     memory = compiled.memory_analysis()
     temp_mib = memory.temp_size_in_bytes / 2**20 if memory is not None else float("nan")
-    out = compiled(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = compiled(*args)
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
+    out = jax.block_until_ready(compiled(*args))
+    times = time_calls(lambda: jax.block_until_ready(compiled(*args)), repeats)
     return float(np.median(times)), temp_mib, out
 
 
@@ -71,7 +65,8 @@ def run(args: argparse.Namespace) -> dict:
         labels = jnp.asarray(rng.integers(0, vocab, args.tokens), jnp.int32)
         naive_step = _objective(lambda h, w_, lab: _naive(h, w_, lab, 0.9))
         chunk = args.chunk
-        chunked_step = _objective(lambda h, w_, lab, c=chunk: logprobs_from_hidden(h, w_, lab, 0.9, c))
+        chunked_step = _objective(
+            lambda h, w_, lab, c=chunk: logprobs_from_hidden(h, w_, lab, 0.9, c))
         naive_s, naive_mib, naive_out = _measure(naive_step, (hidden, w, labels), args.repeats)
         chunk_s, chunk_mib, chunk_out = _measure(chunked_step, (hidden, w, labels), args.repeats)
         max_diff = max(

@@ -1,6 +1,6 @@
 """staleness: final accuracy and throughput vs the staleness bound eta, naive PPO vs decoupled PPO.
 
-    python scripts/bench.py staleness --config configs/tiny_demo.yaml \
+    python -m areal_jax.bench staleness --config configs/tiny_demo.yaml \
         [--etas 0,1,2,4,8] [--seeds 0,1] [--versions 30] [key=value ...]
 
 For each eta, each objective and each seed, one asynchronous training run:
@@ -21,7 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from bench_async import summarize, train_run
+
+from areal_jax.bench.async_vs_sync import summarize, train_run
 
 
 def add_arguments(p) -> None:
@@ -29,7 +30,8 @@ def add_arguments(p) -> None:
     p.add_argument("--etas", default="0,1,2,4,8")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--versions", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=None, help="train.batch_size (default: config)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="train.batch_size (default: config)")
     p.add_argument("--work-dir", default="bench_results/staleness")
     p.add_argument("--docs-dir", default="docs")
     p.add_argument("overrides", nargs="*")
@@ -70,7 +72,8 @@ def run(args) -> dict:
             acc = np.array([r["final_eval_accuracy"] for r in rs])
             tps = float(np.mean([r["tokens_per_s"] for r in rs]))
             stale = float(np.mean([r["staleness_mean"] for r in rs]))
-            rows.append([eta, objective, float(acc.mean()), float(acc.std()), tps, stale, len(seeds)])
+            rows.append([eta, objective, float(acc.mean()), float(acc.std()), tps, stale,
+                         len(seeds)])
             curves[objective].append((eta, float(acc.mean()), float(acc.std())))
     initial = float(np.mean([r["initial_eval_accuracy"] for r in results.values()]))
     docs = Path(args.docs_dir)
@@ -93,7 +96,8 @@ def _write_markdown(path: Path, columns, rows, initial: float, args) -> None:
     for r in rows:
         cells = [f"{v:.3f}" if isinstance(v, float) else str(v) for v in r]
         lines.append("| " + " | ".join(cells) + " |")
-    cmd = f"python scripts/bench.py staleness --config {args.config} --etas {args.etas} --seeds {args.seeds}"
+    cmd = (f"python scripts/bench.py staleness --config {args.config} --etas {args.etas} "
+           f"--seeds {args.seeds}")
     if args.versions:
         cmd += f" --versions {args.versions}"
     if args.overrides:

@@ -1,6 +1,7 @@
 """async-vs-sync: the same config trained synchronously and asynchronously, one after the other.
 
-    python scripts/bench.py async-vs-sync --config configs/tiny_demo.yaml [--versions 40] [key=value ...]
+    python -m areal_jax.bench async-vs-sync --config configs/tiny_demo.yaml [--versions 40] \
+        [key=value ...]
 
 Runs, each as its own ``scripts/train.py`` process (fresh run dirs under ``--work-dir``):
 
@@ -31,21 +32,18 @@ Run-to-run spread on a 2-core machine is ~10-20%, so single runs decide little.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
+import shutil
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+from areal_jax.bench.common import run_train
 
 
 def add_arguments(p) -> None:
     p.add_argument("--config", required=True)
-    p.add_argument("--versions", type=int, default=None, help="train.total_versions (default: config)")
+    p.add_argument("--versions", type=int, default=None,
+                   help="train.total_versions (default: config)")
     p.add_argument("--work-dir", default="bench_results/async_vs_sync")
     p.add_argument("--skip-nointerrupt", action="store_true")
     p.add_argument("--warmup-versions", type=int, default=4,
@@ -61,24 +59,11 @@ def train_run(config: str, overrides: list[str], run_dir: Path, log_path: Path,
               timeout_s: float = 7200) -> list[dict]:
     """One scripts/train.py run in a fresh run dir; returns its metrics rows."""
     if run_dir.exists():
-        import shutil
-
         shutil.rmtree(run_dir)
-    cmd = [sys.executable, str(REPO / "scripts" / "train.py"), "--config", config, "--no-resume",
-           f"run_dir={run_dir}", "progress_bar=false", *overrides]
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    with log_path.open("w") as log:
-        res = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                             timeout=timeout_s)
-    if res.returncode != 0:
-        tail = log_path.read_text()[-3000:]
-        raise RuntimeError(f"training run failed (exit {res.returncode}); log {log_path}:\n{tail}")
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    print(f"  {run_dir.name}: {len(rows)} rows in {time.time() - t0:.0f}s", flush=True)
-    return rows
+    done = run_train(config, ["progress_bar=false", *overrides], run_dir,
+                     flags=["--no-resume"], log_path=log_path, timeout_s=timeout_s)
+    print(f"  {run_dir.name}: {len(done.rows)} rows in {done.total_s:.0f}s", flush=True)
+    return done.rows
 
 
 def summarize(rows: list[dict], warmup_versions: int = 1) -> dict:

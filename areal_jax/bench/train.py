@@ -1,8 +1,8 @@
 """Train-step tokens/s (forward + backward + AdamW): our jitted learner step vs transformers
 + torch.optim.AdamW, same model, same batch, same PPO loss, side by side.
 
-    python scripts/bench.py train                       # CPU: Qwen2-shaped 512 hidden, 4 layers
-    python scripts/bench.py train --preset qwen2.5-0.5b --dtype bfloat16 --tokens 4096 \\
+    python -m areal_jax.bench train                       # CPU: Qwen2-shaped 512 hidden, 4 layers
+    python -m areal_jax.bench train --preset qwen2.5-0.5b --dtype bfloat16 --tokens 4096 \\
         --rows 1 --no-torch                             # GPU: MFU of a 4k-token packed micro-batch
 
 Default model: Qwen2-shaped (hidden 512, 8/2 heads, mlp 2048, vocab 32000, tied), 4 layers;
@@ -31,15 +31,19 @@ from typing import Any
 
 import numpy as np
 
+from areal_jax.bench.common import interleaved_times, save_random_hf
+
 PEAK_TFLOPS_BF16 = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "TPU v5e": 197.0,
                     "TPU v4": 275.0, "TPU v5p": 459.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None,
-                        help="ModelConfig preset (e.g. qwen2.5-0.5b); default: the small Qwen2 shape")
+                        help="ModelConfig preset (e.g. qwen2.5-0.5b); default: the small "
+                             "Qwen2 shape")
     parser.add_argument("--layers", type=int, default=None, help="override the layer count")
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch (rows x seq)")
+    parser.add_argument("--tokens", type=int, default=2048,
+                        help="tokens per micro-batch (rows x seq)")
     parser.add_argument("--rows", type=int, default=4, help="rows per micro-batch")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="compute dtype (master weights stay fp32)")
@@ -65,19 +69,6 @@ def _model_config(args: argparse.Namespace) -> Any:
     if args.layers:
         cfg = cfg.replace(num_hidden_layers=args.layers)
     return cfg
-
-
-def _make_checkpoint(cfg: Any, out_dir: Path) -> Path:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    hf_dict = cfg.to_hf_dict()
-    hf_config = AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    path = out_dir / "bench-train"
-    model.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 def _random_model(cfg: Any, mesh: Any) -> Any:
@@ -189,7 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             if args.threads:
                 torch.set_num_threads(args.threads)
-            path = _make_checkpoint(cfg, Path(tmp))
+            path = save_random_hf(cfg, Path(tmp), "bench-train")
             learner = Learner.from_hf(str(path), optim, ppo, mesh=mesh, compute_dtype=args.dtype,
                                       remat=args.remat)
             torch_dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
@@ -215,12 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         loss_diff = abs(torch_step() - first["loss"])
         systems["transformers"] = torch_step
 
-    times: dict[str, list[float]] = {name: [] for name in systems}
-    for _ in range(args.repeats):
-        for name, step in systems.items():
-            t0 = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - t0)
+    times = interleaved_times(systems, args.repeats)
 
     tokens = args.tokens
     rows, summary = [], {}

@@ -1,6 +1,6 @@
 """Model forward tokens/s vs transformers (torch, CPU), same config, side by side.
 
-    python scripts/bench.py forward [--layers 2 --shapes 1x2048,4x512 --repeats 5]
+    python -m areal_jax.bench forward [--layers 2 --shapes 1x2048,4x512 --repeats 5]
 
 A Qwen2.5-0.5B-shaped config (hidden 896, 14/2 heads, mlp 4864, vocab 151936, tied) cut
 to --layers layers, random weights shared by both models (ours is loaded from the
@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from areal_jax.bench.common import interleaved_times, save_random_hf
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,22 +43,6 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def _make_checkpoint(preset: str, layers: int, out_dir: Path) -> Path:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from model_defs import ModelConfig
-
-    cfg = ModelConfig.preset(preset, num_hidden_layers=layers)
-    hf_dict = cfg.to_hf_dict()
-    hf_config = AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    path = out_dir / f"bench-{preset}-{layers}l"
-    model.save_pretrained(path, safe_serialization=True)
-    return path
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
@@ -64,13 +50,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from flax import nnx
     from transformers import AutoModelForCausalLM
 
-    from model_defs import load_hf
+    from model_defs import ModelConfig, load_hf
 
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes = _parse_shapes(args.shapes)
     with tempfile.TemporaryDirectory() as tmp:
-        path = _make_checkpoint(args.preset, args.layers, Path(tmp))
+        cfg = ModelConfig.preset(args.preset, num_hidden_layers=args.layers)
+        path = save_random_hf(cfg, Path(tmp), f"bench-{args.preset}-{args.layers}l")
         torch_dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
         theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
         ours, cfg = load_hf(path, dtype=args.dtype)
@@ -94,13 +81,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         theirs_logits = run_theirs(ids).float().numpy()
         max_diff = float(np.max(np.abs(ours_logits - theirs_logits)))
         del ours_logits, theirs_logits
-        times: dict[str, list[float]] = {"ours": [], "transformers": []}
-        for _ in range(args.repeats):
-            for name, fn in (("ours", run_ours), ("transformers", run_theirs)):
-                t0 = time.perf_counter()
-                out = fn(ids)
-                times[name].append(time.perf_counter() - t0)
-                del out
+        times = interleaved_times({"ours": lambda ids=ids: run_ours(ids),
+                                   "transformers": lambda ids=ids: run_theirs(ids)},
+                                  args.repeats)
         tokens = batch * seq
         ours_tps = tokens / statistics.median(times["ours"])
         theirs_tps = tokens / statistics.median(times["transformers"])

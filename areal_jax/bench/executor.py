@@ -1,6 +1,6 @@
 """executor: overhead of the rollout executor and the reward pool, and the gate at work.
 
-    python scripts/bench.py executor [--runs 2000] [--rewards 400] [--versions 30]
+    python -m areal_jax.bench executor [--runs 2000] [--rewards 400] [--versions 30]
 
 Three measurements, each against a peer in the same run:
 

@@ -27,7 +27,8 @@ How each knob of ``configs/tiny_demo.yaml`` maps onto ``GRPOConfig``:
 | model.path builtin:arith_sft | HF dir | ``AutoModelForCausalLM.from_pretrained`` (fp32) |
 | data.train / data.eval | builtin | the same problems (``builtin_task.make_split``) |
 | reward.fn builtin | A:<int> matches | the same function (``builtin_reward``) |
-| train.batch_size x rollout.n_samples | 16 x 8 | per_device_train_batch_size=128, num_generations=8 |
+| train.batch_size x rollout.n_samples | 16 x 8 | per_device_train_batch_size=128, |
+| | | num_generations=8 |
 | rollout.max_new_tokens | 48 | max_completion_length=48 |
 | rollout.temperature / top_p / top_k | 1.0 / 1.0 / off | temperature=1.0, top_p=1.0, top_k=0 |
 | algo.name grpo (std-normalised group advantages) | | scale_rewards="group" |
@@ -37,8 +38,10 @@ How each knob of ``configs/tiny_demo.yaml`` maps onto ``GRPOConfig``:
 | algo.kl_coef | 0 | beta=0.0 |
 | algo.behav_imp_weight_cap | 5.0 | none (TRL is on-policy: the weight is 1) |
 | rollout.max_staleness (async) | 2 | none (TRL is synchronous) |
-| optim.lr / warmup_steps | 1e-4 / 2 | learning_rate=1e-4, warmup_steps=2, lr_scheduler_type="constant_with_warmup" |
-| optim.max_grad_norm, AdamW b1 b2 eps, weight_decay | 1.0, 0.9 0.999 1e-8, 0 | the same (HF defaults) |
+| optim.lr / warmup_steps | 1e-4 / 2 | learning_rate=1e-4, warmup_steps=2, |
+| | | lr_scheduler_type="constant_with_warmup" |
+| optim.max_grad_norm, AdamW b1 b2 eps, weight_decay | 1.0, 0.9 0.999 1e-8, 0 | the same |
+| | | (HF defaults) |
 | train.total_versions | --versions | max_steps |
 | seed | 0 | seed=0 |
 | CPU: server core 0, learner core 1 | 2 cores | torch on the same 2 cores (its default threads) |
@@ -47,8 +50,8 @@ How each knob of ``configs/tiny_demo.yaml`` maps onto ``GRPOConfig``:
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -57,8 +60,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-ASSET = REPO / "areal_jax" / "data" / "assets" / "arith_sft"
+from areal_jax.bench.common import REPO, format_summary, format_table, run_train, script_env
+
 MISSING = ("the trl benchmark needs TRL: pip install -e '.[trl]' "
            "(or: pip install 'trl>=0.20' datasets)")
 
@@ -70,16 +73,11 @@ def add_arguments(p) -> None:
     p.add_argument("--target", type=float, default=0.8, help="accuracy for time-to-accuracy")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--peer-repo", default=None, help="another areal-jax checkout, timed alike")
-    p.add_argument("--docs", default=None, help="write <docs>.md and <docs>.png (e.g. docs/trl_vs_areal)")
+    p.add_argument("--docs", default=None,
+                   help="write <docs>.md and <docs>.png (e.g. docs/trl_vs_areal)")
     p.add_argument("--work-dir", default=None)
-    p.add_argument("--trl-worker", default=None, help=argparse_hidden())
-    p.add_argument("--t-launch", type=float, default=None, help=argparse_hidden())
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
+    p.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--t-launch", type=float, default=None, help=argparse.SUPPRESS)
 
 
 # ----------------------------------------------------------------------------- TRL worker
@@ -92,10 +90,12 @@ def trl_worker(out_path: Path, versions: int, eval_every: int, t_launch: float) 
 
     from areal_jax.data.builtin_task import make_split
     from areal_jax.rewards.builtin import builtin_reward
+    from areal_jax.trainer_setup import resolve_model_path
 
+    asset = resolve_model_path("builtin:arith_sft")  # the demo's model.path
     torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(ASSET)
-    model = AutoModelForCausalLM.from_pretrained(ASSET, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(asset)
+    model = AutoModelForCausalLM.from_pretrained(asset, dtype=torch.float32)
     train = Dataset.from_list([{"prompt": r["question"], "answer": r["answer"]}
                                for r in make_split("train")])
     evals = make_split("eval")[:128]
@@ -119,9 +119,11 @@ def trl_worker(out_path: Path, versions: int, eval_every: int, t_launch: float) 
             model.train(was_training)
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:],
                                            skip_special_tokens=True)
-            acc = float(np.mean([builtin_reward(t, r["answer"]) for t, r in zip(texts, evals, strict=True)]))
+            acc = float(np.mean([builtin_reward(t, r["answer"])
+                                 for t, r in zip(texts, evals, strict=True)]))
             record["eval_s"] += time.time() - t0
-            record["evals"].append({"step": step, "accuracy": acc, "time_s": time.time() - t_launch})
+            record["evals"].append({"step": step, "accuracy": acc,
+                                    "time_s": time.time() - t_launch})
 
         def on_train_begin(self, args, state, control, model=None, **kw):
             self.run(0, model)
@@ -151,38 +153,30 @@ def trl_worker(out_path: Path, versions: int, eval_every: int, t_launch: float) 
 # ----------------------------------------------------------------------------- runs
 def run_trl(work: Path, versions: int, eval_every: int) -> dict:
     out = work / "trl.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
     t_launch = time.time()
-    res = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "trl",
+    res = subprocess.run([sys.executable, "-m", "areal_jax.bench", "trl",
                           "--trl-worker", str(out), "--versions", str(versions),
                           "--eval-every", str(eval_every), "--t-launch", str(t_launch)],
-                         capture_output=True, text=True, env=env, cwd=REPO)
+                         capture_output=True, text=True, cwd=REPO,
+                         env=script_env(REPO, TOKENIZERS_PARALLELISM="false"))
     if res.returncode != 0:
         raise RuntimeError(f"TRL run failed ({res.returncode}):\n{res.stderr[-3000:]}")
     rec = json.loads(out.read_text())
     rec["total_s"] = time.time() - t_launch
-    return _summarise(rec["evals"], rec["tokens"], rec["last_step_s"], rec["eval_s"], rec["total_s"])
+    return _summarise(rec["evals"], rec["tokens"], rec["last_step_s"], rec["eval_s"],
+                      rec["total_s"])
 
 
 def run_areal(repo: Path, config: str, work: Path, versions: int, eval_every: int) -> dict:
-    run_dir = work / "run"
-    env = dict(os.environ, PYTHONPATH=str(repo), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    args = [f"run_dir={run_dir}", f"train.total_versions={versions}",
-            f"eval.every_versions={eval_every}", "progress_bar=false",
-            "checkpoint.every_versions=0"]
-    t_launch = time.time()
-    res = subprocess.run([sys.executable, str(repo / "scripts" / "train.py"), "--config", config,
-                          *args], capture_output=True, text=True, env=env, cwd=repo)
-    total = time.time() - t_launch
-    if res.returncode != 0:
-        raise RuntimeError(f"train.py in {repo} failed ({res.returncode}):\n{res.stderr[-3000:]}")
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    args = [f"train.total_versions={versions}", f"eval.every_versions={eval_every}",
+            "progress_bar=false", "checkpoint.every_versions=0"]
+    done = run_train(config, args, work / "run", repo=repo, JAX_PLATFORMS="cpu")
+    rows, t_launch = done.rows, done.t_launch
     evals = [{"step": r["version"], "accuracy": r["eval_accuracy"], "time_s": r["time"] - t_launch}
              for r in rows if "eval_accuracy" in r]
     trained = [r for r in rows if "tokens_consumed" in r]
     return _summarise(evals, float(trained[-1]["tokens_consumed"]), trained[-1]["time"] - t_launch,
-                      areal_eval_seconds(rows), total)
+                      areal_eval_seconds(rows), done.total_s)
 
 
 def areal_eval_seconds(rows: list[dict]) -> float:
@@ -236,7 +230,8 @@ def run(args) -> dict:
             runs[name].append(m)
             print(f"{name} #{rep}: tokens/s {m['tokens_per_s']:.0f}, time to {args.target}: "
                   f"{time_to(m['evals'], args.target)}, evals "
-                  + " ".join(f"{e['step']}:{e['accuracy']:.3f}@{e['time_s']:.1f}s" for e in m["evals"]),
+                  + " ".join(f"{e['step']}:{e['accuracy']:.3f}@{e['time_s']:.1f}s"
+                             for e in m["evals"]),
                   flush=True)
     columns = ["system", "training tokens/s (best)", f"time to acc {args.target} s (best)",
                "whole command s (best)", "final accuracy (last run)", "runs"]
@@ -253,7 +248,8 @@ def run(args) -> dict:
     summary["tokens/s ratio areal-jax / TRL"] = (summary["areal-jax tokens/s"]
                                                  / summary["TRL GRPOTrainer tokens/s"])
     summary[f"time-to-{args.target} ratio areal-jax / TRL"] = (
-        summary[f"areal-jax time to {args.target} s"] / summary[f"TRL GRPOTrainer time to {args.target} s"])
+        summary[f"areal-jax time to {args.target} s"]
+        / summary[f"TRL GRPOTrainer time to {args.target} s"])
     result = {"title": f"areal-jax vs TRL GRPOTrainer on the demo ({args.versions} steps)",
               "columns": columns, "rows": rows, "summary": summary, "runs": runs,
               "trl_runs": len(trl)}
@@ -271,7 +267,8 @@ def write_docs(stem: Path, result: dict, args) -> None:
 
     stem.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"areal-jax": "tab:blue", "areal-jax (peer)": "tab:gray", "TRL GRPOTrainer": "tab:orange"}
+    colors = {"areal-jax": "tab:blue", "areal-jax (peer)": "tab:gray",
+              "TRL GRPOTrainer": "tab:orange"}
     for name, ms in result["runs"].items():
         for i, m in enumerate(ms):
             ax.plot([e["time_s"] for e in m["evals"]], [e["accuracy"] for e in m["evals"]],
@@ -284,13 +281,10 @@ def write_docs(stem: Path, result: dict, args) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(stem.with_suffix(".png"), dpi=110)
-    from bench import format_table
-
     cmd = "python scripts/bench.py " + " ".join(sys.argv[1:])
     lines = [f"# {result['title']}", "", f"Made by `{cmd}`.", "", "```",
              format_table(result["columns"], result["rows"]), "```", ""]
-    lines += [f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}"
-              for k, v in result["summary"].items()]
+    lines += format_summary(result["summary"], prefix="- ")
     lines += ["", "Accuracy at each eval (step: accuracy @ seconds since process start):", ""]
     for name, ms in result["runs"].items():
         for i, m in enumerate(ms):

@@ -1,6 +1,6 @@
 """Engine decode throughput vs transformers generate (torch, CPU), same model, side by side.
 
-    python scripts/bench.py generate [--batch 32 --new-tokens 128 --hidden 384 --layers 4]
+    python -m areal_jax.bench generate [--batch 32 --new-tokens 128 --hidden 384 --layers 4]
 
 Both generate greedily with EOS ignored, so every request makes exactly --new-tokens
 tokens. The engine runs in-process, warmed up (all shapes compiled first); the figure
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from areal_jax.bench.common import save_random_hf, time_calls
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,20 +50,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an existing HF checkpoint instead of the random Qwen2 model")
 
 
-def _make_model(args: argparse.Namespace, out_dir: Path) -> Path:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def _model_config(args: argparse.Namespace) -> Any:
+    from model_defs import ModelConfig
 
-    config = Qwen2Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=4096,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).eval()
-    path = out_dir / "bench-qwen2"
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return ModelConfig(
+        architecture="Qwen2ForCausalLM", vocab_size=args.vocab, hidden_size=args.hidden,
+        intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2)
 
 
 def _bench_transformers(path: Path, prompts: np.ndarray, new_tokens: int, repeats: int,
@@ -138,7 +135,8 @@ def _bench_engine(path: Path, prompts: np.ndarray, new_tokens: int, repeats: int
 def decode_flops_per_token(cfg: Any, context: float) -> float:
     """Matmul FLOPs of one decoded token: 2 x (projection + MLP + LM-head weights) plus the
     attention scores and weighted sum over ``context`` cached positions."""
-    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    h = cfg.hidden_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     per_layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
     attention = 2 * q * context  # q.k over the context, then the weighted sum of v
     return 2.0 * (cfg.num_hidden_layers * (per_layer + attention) + h * cfg.vocab_size)
@@ -153,11 +151,7 @@ def matmul_gflops(m: int, k: int, n: int, repeats: int = 20) -> float:
     b = jnp.asarray(np.random.default_rng(1).standard_normal((k, n)), jnp.float32)
     f = jax.jit(lambda a, b: a @ b)
     f(a, b).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(a, b).block_until_ready()
-        times.append(time.perf_counter() - t0)
+    times = time_calls(lambda: f(a, b).block_until_ready(), repeats)
     return 2.0 * m * k * n / min(times) / 1e9
 
 
@@ -180,14 +174,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     request_cpu_devices(max(dps))  # one XLA CPU device per slot shard, before JAX starts
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(args.model_path) if args.model_path else _make_model(args, Path(tmp))
+        path = (Path(args.model_path) if args.model_path else
+                save_random_hf(_model_config(args), Path(tmp), "bench-qwen2"))
         from model_defs import ModelConfig
 
         model_cfg = ModelConfig.from_pretrained_dir(path)
         vocab = model_cfg.vocab_size
         prompts = rng.integers(3, vocab, size=(args.batch, args.prompt_len)).astype(np.int32)
-        engines = [_bench_engine(path, prompts, args.new_tokens, args.repeats, args.decode_steps, dp)
-                   for dp in dps]
+        engines = [_bench_engine(path, prompts, args.new_tokens, args.repeats,
+                                 args.decode_steps, dp) for dp in dps]
         import torch
 
         if args.torch_threads == "auto":
@@ -243,7 +238,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "engine_decode_steps": ours["decode_steps"],
             "engine_data_parallel": ours["data_parallel"],
             "speedup_data_parallel_1": next(
-                r["tokens_per_s"] for r in engines if r["data_parallel"] == 1) / theirs["tokens_per_s"]
+                r["tokens_per_s"] for r in engines if r["data_parallel"] == 1)
+            / theirs["tokens_per_s"]
             if 1 in dps else float("nan"),
         },
     }

@@ -1,0 +1,95 @@
+"""The benchmark package (areal_jax.bench): one entry point for every benchmark, light to
+import, a real tiny run end to end, and named errors from its train.py runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from areal_jax.bench import benchmarks, build_parser, main
+from areal_jax.bench.common import REPO, format_table, repo_file, run_train, script_env
+
+NAMES = ["forward", "train", "generate", "async-vs-sync", "staleness", "losses", "executor",
+         "memory", "startup", "trl"]
+
+
+def test_importing_the_package_or_its_benchmarks_pulls_in_no_torch_trl_or_transformers():
+    code = ("import sys, areal_jax; assert 'areal_jax.bench' not in sys.modules; "
+            "from areal_jax.bench import benchmarks; benchmarks(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'trl', 'datasets') "
+            "if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "[]"
+
+
+def test_every_benchmark_is_a_subcommand_with_the_contract():
+    assert list(benchmarks()) == NAMES
+    for mod in benchmarks().values():
+        assert callable(mod.add_arguments) and callable(mod.run)
+    parser, _ = build_parser()
+    for name in NAMES:  # each one's own options parse (--help exits 0 after printing them)
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args([name, "--help"])
+        assert e.value.code == 0
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["no-such-benchmark"])
+    assert e.value.code == 2
+
+
+@pytest.mark.parametrize("cmd", [["scripts/bench.py"], ["-m", "areal_jax.bench"]])
+def test_the_script_and_the_module_are_the_same_entry_point(cmd):
+    res = subprocess.run([sys.executable, *cmd, "--help"], capture_output=True, text=True,
+                         timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-2000:]
+    for name in NAMES:
+        assert name in res.stdout
+
+
+def test_format_table_aligns_columns_and_rounds_floats():
+    text = format_table(["name", "value"], [["a", 1.234567], ["longer", 10]])
+    lines = text.splitlines()
+    assert lines[0] == "name   | value"
+    assert lines[1] == "-------+------"
+    assert lines[2] == "a      | 1.235"
+    assert lines[3] == "longer | 10   "
+
+
+def test_a_tiny_losses_run_prints_a_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "losses.json"
+    assert main(["losses", "--tokens", "64", "--dim", "32", "--vocab", "256", "--chunk", "64",
+                 "--repeats", "1", "--dtype", "float32", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r[2] for r in result["rows"]] == ["naive", "chunked(64)"]
+    assert all(len(r) == len(result["columns"]) for r in result["rows"])
+    assert set(result["summary"]) == {"V256_speed_vs_naive", "V256_temp_memory_reduction"}
+    assert result["argv"][0] == "losses" and "machine" in result
+    printed = capsys.readouterr().out
+    assert result["title"] in printed and f"wrote {out}" in printed
+
+
+def test_run_train_names_the_failing_script_and_shows_its_output(tmp_path):
+    with pytest.raises(RuntimeError, match=r"scripts/train\.py failed \(exit 2\)") as e:
+        run_train(str(REPO / "configs" / "tiny_demo.yaml"), ["no_such_key=1"],
+                  tmp_path / "run", JAX_PLATFORMS="cpu")
+    assert "no_such_key" in str(e.value)
+
+
+def test_a_checkout_without_scripts_is_a_named_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="source checkout"):
+        repo_file("scripts/train.py", tmp_path)
+    assert repo_file("scripts/train.py") == REPO / "scripts" / "train.py"
+
+
+def test_script_env_puts_the_checkout_first_and_drops_xla_flags(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = script_env(Path("/some/checkout"), JAX_PLATFORMS="cpu")
+    assert env["PYTHONPATH"].split(os.pathsep) == ["/some/checkout", "/elsewhere"]
+    assert "XLA_FLAGS" not in env and env["JAX_PLATFORMS"] == "cpu"
