@@ -69,7 +69,7 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class PPOConfig:
-    """The PPO update (see ARCHITECTURE.md, "The decoupled PPO loss").
+    """The PPO update (see README, "Using the losses in your own JAX code").
 
     ``use_decoupled_loss=False`` is naive PPO: prox_logp := behav_logp, so no recompute
     and no behaviour importance weight. ``temperature`` must be the sampling temperature.
