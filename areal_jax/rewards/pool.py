@@ -246,7 +246,7 @@ class RewardPool:
                 fut = self._waiters.pop(0)
                 if fut.done():
                     continue
-                fut.get_loop().call_soon_threadsafe(_deliver, fut, worker, self)
+                fut.get_loop().call_soon_threadsafe(self._deliver, fut, worker)
                 return
             self._idle.append(worker)
 
@@ -345,6 +345,13 @@ class RewardPool:
         for fut in waiters:
             fut.get_loop().call_soon_threadsafe(_cancel, fut)
 
+    def _deliver(self, fut: asyncio.Future, worker: _Worker) -> None:
+        """On the waiter's loop: hand it the worker (or, cancelled meanwhile, release it)."""
+        if fut.done():
+            self._release(worker)
+        else:
+            fut.set_result(worker)
+
     def __enter__(self) -> RewardPool:
         return self
 
@@ -367,13 +374,6 @@ async def _recv(worker: _Worker, timeout_s: float) -> tuple[str, Any]:
     finally:
         loop.remove_reader(fd)
     return worker.conn.recv()
-
-
-def _deliver(fut: asyncio.Future, worker: _Worker, pool: RewardPool) -> None:
-    if fut.done():  # cancelled meanwhile: give the worker to someone else
-        pool._release(worker)
-    else:
-        fut.set_result(worker)
 
 
 def _cancel(fut: asyncio.Future) -> None:
