@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from areal_jax.config_io import ConfigError, from_dict, load, to_dict
+from areal_jax.learner.config import AlgoConfig, OptimConfig, check_non_negative, check_positive
 
 __all__ = [
     "AlgoConfig",
@@ -32,18 +33,6 @@ __all__ = [
     "load_config",
     "to_dict",
 ]
-
-
-def _positive(section: str, **values: float | int | None) -> None:
-    for key, v in values.items():
-        if v is not None and not v > 0:  # also rejects NaN
-            raise ValueError(f"{section}.{key} must be > 0, got {v}")
-
-
-def _non_negative(section: str, **values: float | int | None) -> None:
-    for key, v in values.items():
-        if v is not None and not v >= 0:
-            raise ValueError(f"{section}.{key} must be >= 0, got {v}")
 
 
 @dataclass(frozen=True)
@@ -73,7 +62,7 @@ class DataConfig:
     use_chat_template: bool = True  # when the tokenizer has one
 
     def __post_init__(self) -> None:
-        _positive("data", max_eval_prompts=self.max_eval_prompts)
+        check_positive("data", max_eval_prompts=self.max_eval_prompts)
 
 
 @dataclass(frozen=True)
@@ -91,7 +80,7 @@ class RewardConfig:
     max_abs: float = 1.0e6
 
     def __post_init__(self) -> None:
-        _positive("reward", num_workers=self.num_workers, timeout_s=self.timeout_s,
+        check_positive("reward", num_workers=self.num_workers, timeout_s=self.timeout_s,
                   clip=self.clip, overlong_penalty_tokens=self.overlong_penalty_tokens,
                   max_abs=self.max_abs)
 
@@ -134,7 +123,7 @@ class RolloutConfig:
     engine_devices: list[int] | None = None
 
     def __post_init__(self) -> None:
-        _positive("rollout", max_turns=self.max_turns, max_total_tokens=self.max_total_tokens)
+        check_positive("rollout", max_turns=self.max_turns, max_total_tokens=self.max_total_tokens)
         if self.workflow == "agent" and not self.agent:
             raise ValueError("rollout.workflow='agent' needs rollout.agent, the agent function "
                              "as 'module:function'")
@@ -149,7 +138,7 @@ class RolloutConfig:
                                                for d in self.engine_devices)):
             raise ValueError("rollout.engine_devices must be null or a non-empty list of device "
                              f"ids >= 0, got {self.engine_devices}")
-        _positive("rollout", num_servers=self.num_servers, max_slots=self.max_slots,
+        check_positive("rollout", num_servers=self.num_servers, max_slots=self.max_slots,
                   max_seq_len=self.max_seq_len, n_samples=self.n_samples,
                   max_new_tokens=self.max_new_tokens, max_concurrent=self.max_concurrent,
                   top_p=self.top_p, request_timeout_s=self.request_timeout_s,
@@ -177,70 +166,6 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
-class AlgoConfig:
-    # gspo: GRPO advantages with sequence-level (geometric-mean) importance ratios
-    name: Literal["grpo", "rloo", "drgrpo", "gspo", "ppo"] = "grpo"  # ppo: actor-critic with GAE
-    decoupled: bool = True  # decoupled PPO (prox recompute + behaviour weights); False: naive PPO
-    eps_clip: float = 0.2
-    eps_clip_higher: float | None = None  # DAPO clip-higher
-    c_clip: float | None = None  # dual clip, > 1
-    behav_imp_weight_cap: float | None = None
-    ppo_n_minibatches: int = 1
-    agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    # The trust-region ratio: per token (PPO) or per sequence (GSPO). null: "sequence" for
-    # name gspo, else "token" (AReaL calls this importance_sampling_level).
-    ratio_level: Literal["token", "sequence"] | None = None
-    dynamic_filter: bool = False  # DAPO: drop groups whose rewards are all equal
-    kl_coef: float = 0.0  # reference-model KL penalty (0: no reference model)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    gamma: float = 1.0  # ppo only
-    lam: float = 1.0  # ppo only
-    value_eps_clip: float = 0.2  # ppo only
-    value_coef: float = 1.0  # ppo only: critic loss weight (critic has its own optimizer)
-
-    def __post_init__(self) -> None:
-        _positive("algo", eps_clip=self.eps_clip, ppo_n_minibatches=self.ppo_n_minibatches,
-                  behav_imp_weight_cap=self.behav_imp_weight_cap,
-                  eps_clip_higher=self.eps_clip_higher)
-        if self.c_clip is not None and not self.c_clip > 1:
-            raise ValueError(f"algo.c_clip must be > 1 (or null), got {self.c_clip}")
-        _non_negative("algo", kl_coef=self.kl_coef, value_eps_clip=self.value_eps_clip,
-                      value_coef=self.value_coef)
-        for key in ("gamma", "lam"):
-            if not 0.0 <= getattr(self, key) <= 1.0:
-                raise ValueError(f"algo.{key} must be in [0, 1], got {getattr(self, key)}")
-        if self.name == "gspo" and self.ratio_level == "token":
-            raise ValueError("algo.ratio_level='token' contradicts algo.name='gspo' (GSPO is "
-                             "the sequence-level ratio); drop algo.ratio_level or use name grpo")
-
-    @property
-    def resolved_ratio_level(self) -> str:
-        """``ratio_level``, or its default for ``name``: "sequence" for gspo, else "token"."""
-        if self.ratio_level is not None:
-            return self.ratio_level
-        return "sequence" if self.name == "gspo" else "token"
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-5
-    warmup_steps: int = 0
-    schedule: Literal["constant", "cosine"] = "constant"
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-
-    def __post_init__(self) -> None:
-        _positive("optim", lr=self.lr, max_grad_norm=self.max_grad_norm, eps=self.eps)
-        _non_negative("optim", warmup_steps=self.warmup_steps, weight_decay=self.weight_decay)
-        for key in ("b1", "b2"):
-            if not 0.0 <= getattr(self, key) < 1.0:
-                raise ValueError(f"optim.{key} must be in [0, 1), got {getattr(self, key)}")
-
-
-@dataclass(frozen=True)
 class TrainLoopConfig:
     batch_size: int = 16  # prompts (groups) per version
     total_versions: int = 100  # learner versions (= optimizer batches) to train
@@ -252,7 +177,7 @@ class TrainLoopConfig:
     record_batches: bool = False
 
     def __post_init__(self) -> None:
-        _positive("train", batch_size=self.batch_size, total_versions=self.total_versions,
+        check_positive("train", batch_size=self.batch_size, total_versions=self.total_versions,
                   seq_len=self.seq_len, rows_per_micro_batch=self.rows_per_micro_batch,
                   logp_chunk_size=self.logp_chunk_size)
 
@@ -267,7 +192,7 @@ class EvalConfig:
     max_new_tokens: int | None = None  # default: rollout.max_new_tokens
 
     def __post_init__(self) -> None:
-        _positive("eval", n_samples=self.n_samples, max_new_tokens=self.max_new_tokens)
+        check_positive("eval", n_samples=self.n_samples, max_new_tokens=self.max_new_tokens)
         if self.every_versions < 0 or self.temperature < 0:
             raise ValueError("eval.every_versions and eval.temperature must be >= 0")
 
@@ -285,7 +210,7 @@ class CheckpointConfig:
     publish_dir: str | None = None
 
     def __post_init__(self) -> None:
-        _positive("checkpoint", keep=self.keep, keep_weights=self.keep_weights)
+        check_positive("checkpoint", keep=self.keep, keep_weights=self.keep_weights)
         if self.every_versions < 0:
             raise ValueError(f"checkpoint.every_versions must be >= 0, got {self.every_versions}")
 
@@ -307,10 +232,10 @@ class WatchdogConfig:
     shutdown_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        _non_negative("watchdog", max_attempts_without_progress=self.max_attempts_without_progress,
+        check_non_negative("watchdog", max_attempts_without_progress=self.max_attempts_without_progress,
                       max_seconds_without_progress=self.max_seconds_without_progress,
                       max_nonfinite_versions=self.max_nonfinite_versions)
-        _positive("watchdog", shutdown_timeout_s=self.shutdown_timeout_s)
+        check_positive("watchdog", shutdown_timeout_s=self.shutdown_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -338,7 +263,7 @@ class DistributedConfig:
     auto_detect: bool = True  # with nothing set: join a detected Slurm / TPU pod / MPI job
 
     def __post_init__(self) -> None:
-        _positive("distributed", num_processes=self.num_processes)
+        check_positive("distributed", num_processes=self.num_processes)
         if self.peer_timeout_s < 2:
             raise ValueError(f"distributed.peer_timeout_s must be >= 2 (heartbeats every 0.5 s), "
                              f"got {self.peer_timeout_s}")
@@ -378,12 +303,16 @@ class TrainConfig:
             raise ValueError(
                 f"train.seq_len ({self.train.seq_len}) must be larger than rollout.max_new_tokens "
                 f"({self.rollout.max_new_tokens}): a packed row holds a whole prompt + completion")
-        o = self.optim
-        if o.schedule == "cosine" and self.train.total_versions * self.algo.ppo_n_minibatches <= o.warmup_steps:
+        if self.optim.schedule == "cosine" and self.optimizer_steps <= self.optim.warmup_steps:
             raise ValueError(
-                f"optim.warmup_steps ({o.warmup_steps}) must be smaller than the run's optimizer "
-                f"steps for the cosine schedule (train.total_versions x algo.ppo_n_minibatches = "
-                f"{self.train.total_versions * self.algo.ppo_n_minibatches})")
+                f"optim.warmup_steps ({self.optim.warmup_steps}) must be smaller than the "
+                f"cosine schedule's optimizer steps (optim.total_steps, default train."
+                f"total_versions x algo.ppo_n_minibatches = {self.optimizer_steps})")
+
+    @property
+    def optimizer_steps(self) -> int:
+        """The cosine schedule's length: optim.total_steps, else the run's optimizer steps."""
+        return self.optim.total_steps or self.train.total_versions * self.algo.ppo_n_minibatches
 
     @property
     def max_concurrent(self) -> int:

@@ -21,15 +21,6 @@ class TrainerError(RuntimeError):
     """A problem with the run's inputs or environment, reported before long work starts."""
 
 
-def user_key_message(message: str) -> str:
-    """Learner config errors name the learner's fields; say the run config's keys instead."""
-    for internal, user in (("ppo.temperature", "rollout.temperature"), ("ppo.", "algo."),
-                           ("optimizer.total_steps", "train.total_versions x algo.ppo_n_minibatches"),
-                           ("optimizer.", "optim.")):
-        message = message.replace(internal, user)
-    return message
-
-
 def resolve_model_path(spec: str, cache_dir: str | None = None, key: str = "model.path") -> Path:
     """``builtin:NAME`` -> the packaged asset; a ``gs://`` HF directory -> its local cached
     copy (downloaded once, see ``storage.local_copy``); otherwise a local HF directory."""

@@ -29,7 +29,6 @@ from areal_jax.run_inputs import (
     prepare_run_dir,
     resolve_dataset,
     resolve_model_path,
-    user_key_message,
 )
 from areal_jax.trainer import Progress, RolloutSide, Trainer, group_advantages_for
 
@@ -290,17 +289,17 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
     multi, is_main = jax.process_count() > 1, jax.process_index() == 0
     try:
         mesh = make_mesh(cfg.mesh)
-        optim, ppo = learner_configs(cfg)
     except ValueError as e:
-        raise TrainerError(user_key_message(str(e))) from None
+        raise TrainerError(str(e)) from None
+    optim, algo, loss_kw = learner_configs(cfg)
     model_kw = dict(mesh=mesh, compute_dtype=cfg.model.dtype, remat=cfg.model.remat)
     # With several processes each one feeds only the rows its devices hold.
-    learner = Learner.from_hf(str(model_path), optim, ppo, process_local_batches=multi,
-                              **model_kw)
+    learner = Learner.from_hf(str(model_path), optim, algo, process_local_batches=multi,
+                              **model_kw, **loss_kw)
     ref_learner = None
     if cfg.algo.kl_coef > 0:
-        ref_learner = Learner.from_hf(str(model_path), optim, ppo, trainable=False,
-                                      process_local_batches=multi, **model_kw)
+        ref_learner = Learner.from_hf(str(model_path), optim, algo, trainable=False,
+                                      process_local_batches=multi, **model_kw, **loss_kw)
     ckpt_kw = dict(keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     checkpointer = TrainCheckpointer(ckpt_dir, **ckpt_kw)
     stack.callback(checkpointer.close)
@@ -334,18 +333,18 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
                 first_params=host_params(learner.model))
 
 
-def learner_configs(cfg: TrainConfig) -> tuple[Any, Any]:
-    """The learner's (OptimizerConfig, PPOConfig) for a run config (ValueError if invalid)."""
-    from areal_jax.learner import OptimizerConfig, PPOConfig
+def learner_configs(cfg: TrainConfig) -> tuple[Any, Any, dict[str, Any]]:
+    """The learner's (optim, algo, keyword arguments) for a run config: the ``algo`` section
+    as is, ``optim`` with the cosine schedule's length filled in, and the settings that other
+    sections hold (the sampling temperature, the logprob chunk, Dr.GRPO's normaliser)."""
+    import dataclasses
 
-    optim = OptimizerConfig.from_section(cfg.optim, total_steps=cfg.train.total_versions
-                                         * cfg.algo.ppo_n_minibatches)
+    optim = dataclasses.replace(cfg.optim, total_steps=cfg.optimizer_steps)
     seq_norm = (float(cfg.rollout.max_new_tokens) if cfg.algo.agg_mode == "seq-mean-token-sum"
                 else None)  # Dr.GRPO: a constant normaliser, the max generation length
-    ppo = PPOConfig.from_algo(cfg.algo, temperature=cfg.rollout.temperature,
-                              logp_chunk_size=cfg.train.logp_chunk_size,
-                              seq_token_sum_normalizer=seq_norm)
-    return optim, ppo
+    return optim, cfg.algo, {"temperature": cfg.rollout.temperature,
+                             "logp_chunk_size": cfg.train.logp_chunk_size,
+                             "seq_token_sum_normalizer": seq_norm}
 
 
 def process_start_time() -> float:

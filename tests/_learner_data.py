@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from areal_jax.learner import Learner, OptimizerConfig, PPOConfig, pack_trajectories
+from areal_jax.learner import AlgoConfig, Learner, OptimConfig, pack_trajectories
 from areal_jax.parallel import local_batch_rows
 from areal_jax.trajectory import Trajectory
 from model_defs import CausalLM, ModelConfig
@@ -72,16 +72,16 @@ def init_model(cfg: ModelConfig = TINY, seed: int = 0) -> CausalLM:
 
 
 def make_learner(mesh: Any, cfg: ModelConfig = TINY, seed: int = 0,
-                 optim: OptimizerConfig | None = None, ppo: PPOConfig | None = None,
+                 optim: OptimConfig | None = None, algo: AlgoConfig | None = None,
                  **kwargs: Any) -> Learner:
     model = init_model(cfg, seed)
     # eps=1e-6 rather than 1e-8: Adam's m / (sqrt(v) + eps) amplifies last-bit gradient
     # differences (the reduction order differs between meshes) where the moment estimates
     # are tiny; the mesh tests also compare the gradients themselves, at rtol 1e-5.
-    optim = optim or OptimizerConfig(lr=1e-3, weight_decay=0.01, max_grad_norm=1.0, eps=1e-6)
-    ppo = ppo or PPOConfig(ppo_n_minibatches=2, c_clip=3.0, behav_imp_weight_cap=5.0)
+    optim = optim or OptimConfig(lr=1e-3, weight_decay=0.01, max_grad_norm=1.0, eps=1e-6)
+    algo = algo or AlgoConfig(ppo_n_minibatches=2, c_clip=3.0, behav_imp_weight_cap=5.0)
     kwargs.setdefault("compiler_options", FAST_COMPILE)
-    return Learner(model, cfg, optim, ppo, mesh=mesh, **kwargs)
+    return Learner(model, cfg, optim, algo, mesh=mesh, **kwargs)
 
 
 # The standard run that the mesh, multi-process and packing tests compare against.

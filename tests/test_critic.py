@@ -10,12 +10,12 @@ from hf_fixtures import make_hf_model, make_tiny_hf_checkpoint
 from tolerance import hf_path_length, network_tolerance
 
 from areal_jax.checkpoint import TrainCheckpointer
-from areal_jax.learner import OptimizerConfig, pack_trajectories, unpack_per_token
+from areal_jax.learner import OptimConfig, pack_trajectories, unpack_per_token
 from areal_jax.learner.critic import Critic, gae_advantages, scatter_per_token
 from areal_jax.parallel import make_mesh
 from areal_jax.trajectory import Trajectory
 
-OPTIM = OptimizerConfig(lr=3e-3, max_grad_norm=1.0, eps=1e-6)
+OPTIM = OptimConfig(lr=3e-3, max_grad_norm=1.0, eps=1e-6)
 
 
 def one_device():

@@ -11,9 +11,9 @@ from tolerance import logprob_tolerance, sum_tolerance
 
 from areal_jax.config import ConfigError, load_config
 from areal_jax.learner import (
+    AlgoConfig,
     Learner,
-    OptimizerConfig,
-    PPOConfig,
+    OptimConfig,
     pack_trajectories,
     unpack_per_token,
 )
@@ -33,15 +33,15 @@ def test_gspo_from_yaml_gives_the_loss_areal_jax_losses_computes(tmp_path):
     yaml_path = tmp_path / "run.yaml"
     yaml_path.write_text(f"model:\n  path: {path}\nalgo:\n  name: gspo\n  eps_clip: 0.05\n")
     cfg = load_config(yaml_path)
-    ppo = PPOConfig.from_algo(cfg.algo)
-    assert ppo.ratio_level == "sequence"
-    assert PPOConfig.from_algo(load_config(yaml_path, ["algo.name=grpo"]).algo).ratio_level == "token"
+    algo = cfg.algo  # the learner takes the run config's section as is
+    assert isinstance(algo, AlgoConfig) and algo.resolved_ratio_level == "sequence"
+    assert load_config(yaml_path, ["algo.name=grpo"]).algo.resolved_ratio_level == "token"
     grpo_seq = load_config(yaml_path, ["algo.name=grpo", "algo.ratio_level=sequence"]).algo
-    assert PPOConfig.from_algo(grpo_seq).ratio_level == "sequence"
+    assert grpo_seq.resolved_ratio_level == "sequence"
     with pytest.raises(ConfigError, match="algo.ratio_level='token' contradicts algo.name='gspo'"):
         load_config(yaml_path, ["algo.ratio_level=token"])
 
-    learner = Learner.from_hf(str(path), OptimizerConfig(), ppo,
+    learner = Learner.from_hf(str(path), OptimConfig(), algo,
                               mesh=make_mesh("data=1", jax.devices()[:1]),
                               compiler_options=FAST_COMPILE)
     trajs = random_trajectories(13, 8, 20)

@@ -18,9 +18,9 @@ from hf_fixtures import logit_tolerance, make_hf_model, make_tiny_hf_checkpoint
 from tolerance import logprob_tolerance
 
 from areal_jax.learner import (
+    AlgoConfig,
     Learner,
-    OptimizerConfig,
-    PPOConfig,
+    OptimConfig,
     pack_trajectories,
     unpack_per_token,
 )
@@ -36,7 +36,7 @@ def one_device():
 def test_compute_logp_matches_transformers_with_temperature(tmp_path):
     path = make_tiny_hf_checkpoint(tmp_path, arch="qwen2", tie=True, seed=3)
     hf = make_hf_model("qwen2", tie=True, seed=3)
-    learner = Learner.from_hf(str(path), OptimizerConfig(), PPOConfig(temperature=0.7),
+    learner = Learner.from_hf(str(path), OptimConfig(), AlgoConfig(), temperature=0.7,
                               mesh=make_mesh("fsdp=2,tensor=2", jax.devices()[:4]),
                               compiler_options=FAST_COMPILE)
     trajs = random_trajectories(1, 9, 20)
@@ -78,8 +78,8 @@ def test_mesh_equivalence_with_one_device(spec):
 
 @pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
 def test_packed_and_padded_batches_give_same_loss_and_grads(agg_mode):
-    ppo = PPOConfig(ppo_n_minibatches=1, agg_mode=agg_mode, c_clip=3.0)
-    learner = make_learner(one_device(), ppo=ppo)
+    algo = AlgoConfig(ppo_n_minibatches=1, agg_mode=agg_mode, c_clip=3.0)
+    learner = make_learner(one_device(), algo=algo)
     trajs = random_trajectories(11, 10, 24)
     advs = random_advantages(11, trajs)
     packed = pack_trajectories(trajs, advs, seq_len=64, rows_per_micro_batch=2)
@@ -107,8 +107,8 @@ def test_packed_and_padded_batches_give_same_loss_and_grads(agg_mode):
 def test_ppo_moves_logp_of_advantaged_tokens_the_right_way():
     """Fixed batch sampled from the model itself: tokens with A > 0 become more likely,
     tokens with A < 0 less likely, and the PPO objective improves."""
-    learner = make_learner(one_device(), optim=OptimizerConfig(lr=3e-3, max_grad_norm=1.0),
-                           ppo=PPOConfig(ppo_n_minibatches=1, eps_clip=0.2))
+    learner = make_learner(one_device(), optim=OptimConfig(lr=3e-3, max_grad_norm=1.0),
+                           algo=AlgoConfig(ppo_n_minibatches=1, eps_clip=0.2))
     rng = np.random.default_rng(5)
     trajs = []
     for _ in range(8):
@@ -144,16 +144,16 @@ def test_bf16_compute_keeps_fp32_master_weights_and_remat_is_exact():
     trajs = random_trajectories(2, 6, 20)
     batches = pack_trajectories(trajs, random_advantages(2, trajs), seq_len=64,
                                 rows_per_micro_batch=2)
-    ppo = PPOConfig(ppo_n_minibatches=1, c_clip=3.0)  # as in the packing test: shared programs
-    plain = make_learner(one_device(), ppo=ppo)
+    algo = AlgoConfig(ppo_n_minibatches=1, c_clip=3.0)  # as in the packing test: shared programs
+    plain = make_learner(one_device(), algo=algo)
     loss_plain, grads_plain = plain.compute_gradients(batches)
-    remat = make_learner(one_device(), ppo=ppo, remat=True)
+    remat = make_learner(one_device(), algo=algo, remat=True)
     loss_remat, grads_remat = remat.compute_gradients(batches)
     np.testing.assert_allclose(loss_remat, loss_plain, rtol=1e-6)
     for g1, g2 in zip(jax.tree.leaves(grads_remat), jax.tree.leaves(grads_plain), strict=True):
         np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-5, atol=1e-8)
 
-    bf16 = make_learner(one_device(), ppo=ppo, compute_dtype="bfloat16")
+    bf16 = make_learner(one_device(), algo=algo, compute_dtype="bfloat16")
     assert bf16.compute_dtype == jnp.bfloat16
     for b in batches:
         b.prox_logp = None
@@ -172,7 +172,7 @@ def test_bf16_compute_keeps_fp32_master_weights_and_remat_is_exact():
 @pytest.mark.devices(2)
 def test_bad_inputs_get_named_errors():
     learner = make_learner(make_mesh("data=2", jax.devices()[:2]),
-                           ppo=PPOConfig(ppo_n_minibatches=1, kl_coef=0.1))
+                           algo=AlgoConfig(ppo_n_minibatches=1, kl_coef=0.1))
     trajs = random_trajectories(3, 4, 12)
     (batch,) = pack_trajectories(trajs, None, seq_len=32, rows_per_micro_batch=2, n_shards=2)
     with pytest.raises(ValueError, match=r"micro-batch 0 has 3 rows, not a multiple of the mesh's data x fsdp = 2"):
@@ -188,7 +188,7 @@ def test_bad_inputs_get_named_errors():
     with pytest.raises(KeyError, match="micro-batch 0 has no 'advantages' array"):
         learner.train_step([no_adv])
     with pytest.raises(ValueError, match="ppo_n_minibatches=3 but only 2 micro-batches"):
-        make_learner(one_device(), ppo=PPOConfig(ppo_n_minibatches=3)).minibatches([batch, batch])
+        make_learner(one_device(), algo=AlgoConfig(ppo_n_minibatches=3)).minibatches([batch, batch])
     with pytest.raises(ValueError, match="temperature must be > 0"):
         learner.compute_logp([batch], temperature=0.0)
     frozen = make_learner(one_device(), trainable=False)
@@ -200,7 +200,7 @@ def test_bad_inputs_get_named_errors():
 @pytest.mark.devices(2)
 def test_kl_penalty_to_reference_logprobs():
     learner = make_learner(make_mesh("data=2", jax.devices()[:2]),
-                           ppo=PPOConfig(ppo_n_minibatches=1, kl_coef=0.1))
+                           algo=AlgoConfig(ppo_n_minibatches=1, kl_coef=0.1))
     trajs = random_trajectories(3, 4, 12)
     batches = pack_trajectories(trajs, random_advantages(3, trajs), seq_len=32,
                                 rows_per_micro_batch=2, n_shards=2)
@@ -215,20 +215,29 @@ def test_kl_penalty_to_reference_logprobs():
 
 
 def test_configs_validate_with_named_errors():
-    with pytest.raises(ValueError, match=r"optimizer.schedule='linear'; expected one of \('constant', 'cosine'\)"):
-        OptimizerConfig(schedule="linear")
-    with pytest.raises(ValueError, match="optimizer.total_steps must be > warmup_steps=10"):
-        OptimizerConfig(schedule="cosine", warmup_steps=10, total_steps=5)
-    with pytest.raises(ValueError, match="optimizer.lr must be > 0"):
-        OptimizerConfig(lr=0.0)
-    with pytest.raises(ValueError, match="ppo.c_clip must be > 1"):
-        PPOConfig(c_clip=0.5)
-    with pytest.raises(ValueError, match="ppo.agg_mode='sum'"):
-        PPOConfig(agg_mode="sum")
-    with pytest.raises(ValueError, match="ppo.ppo_n_minibatches must be an int >= 1"):
-        PPOConfig(ppo_n_minibatches=0)
-    with pytest.raises(ValueError, match="ppo.seq_token_sum_normalizer must be > 0"):
-        PPOConfig(agg_mode="seq-mean-token-sum")
-    assert PPOConfig(agg_mode="seq-mean-token-sum", seq_token_sum_normalizer=256.0)
+    # The Python API's errors name the run config's keys: it is the same class.
+    with pytest.raises(ValueError, match=r"optim.schedule='linear'; expected one of \['constant', 'cosine'\]"):
+        OptimConfig(schedule="linear")
+    with pytest.raises(ValueError, match=r"optim.total_steps \(5\) must be larger than optim.warmup_steps \(10\)"):
+        OptimConfig(schedule="cosine", warmup_steps=10, total_steps=5)
+    with pytest.raises(ValueError, match="optim.lr must be > 0"):
+        OptimConfig(lr=0.0)
+    with pytest.raises(ValueError, match="algo.c_clip must be > 1"):
+        AlgoConfig(c_clip=0.5)
+    with pytest.raises(ValueError, match="algo.agg_mode='sum'"):
+        AlgoConfig(agg_mode="sum")
+    with pytest.raises(ValueError, match="algo.ppo_n_minibatches must be > 0"):
+        AlgoConfig(ppo_n_minibatches=0)
+    with pytest.raises(ValueError, match="algo.ppo_n_minibatches must be an int"):
+        AlgoConfig(ppo_n_minibatches=1.5)
+    with pytest.raises(ValueError, match="optim.schedule='cosine' needs optim.total_steps"):
+        make_learner(one_device(), optim=OptimConfig(schedule="cosine"))
+    sum_mode = AlgoConfig(agg_mode="seq-mean-token-sum")
+    with pytest.raises(ValueError, match="seq_token_sum_normalizer .* is required by algo.agg_mode"):
+        make_learner(one_device(), algo=sum_mode)
+    with pytest.raises(ValueError, match="used by no other mode"):
+        make_learner(one_device(), seq_token_sum_normalizer=256.0)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        make_learner(one_device(), temperature=0.0)
     with pytest.raises(ValueError, match="compute_dtype='float16'"):
         make_learner(one_device(), compute_dtype="float16")

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from areal_jax.learner import PPOConfig, pack_trajectories
+from areal_jax.learner import AlgoConfig, pack_trajectories
 from areal_jax.parallel import make_mesh
 from tests._learner_data import make_learner, random_advantages, random_trajectories
 
@@ -25,8 +25,8 @@ def _batches(seed: int) -> list:
 @pytest.mark.parametrize("c_clip, cap", [(None, None), (3.0, 5.0)])
 def test_skipped_prox_recompute_gives_the_same_update(c_clip, cap):
     mesh = make_mesh("data=2", jax.devices()[:2])
-    ppo = PPOConfig(ppo_n_minibatches=1, c_clip=c_clip, behav_imp_weight_cap=cap)
-    skip, recompute = make_learner(mesh, ppo=ppo), make_learner(mesh, ppo=ppo)
+    algo = AlgoConfig(ppo_n_minibatches=1, c_clip=c_clip, behav_imp_weight_cap=cap)
+    skip, recompute = make_learner(mesh, algo=algo), make_learner(mesh, algo=algo)
     batches = _batches(3)
     assert len(batches) > 1  # the gradient is accumulated over several micro-batches
     given = copy.deepcopy(batches)
@@ -50,7 +50,7 @@ def test_skipped_prox_recompute_gives_the_same_update(c_clip, cap):
                 assert m_skip[key] == 0.0 and abs(value) < rel**2, value
                 continue
             assert m_skip[key] == pytest.approx(value, rel=rel, abs=1e-12), key
-        atol = (version + 1) * 10 * skip.optim_cfg.lr * rel
+        atol = (version + 1) * 10 * skip.optim.lr * rel
         for a, b in zip(jax.tree.leaves(skip.params), jax.tree.leaves(recompute.params), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=atol)
         for b in given:

@@ -31,10 +31,10 @@ monitoring.register_event_duration_secs_listener(on_duration)
 from areal_jax.compile_cache import enable_compilation_cache
 enable_compilation_cache(sys.argv[1])
 from tests._learner_data import make_learner, random_trajectories, random_advantages
-from areal_jax.learner import PPOConfig, pack_trajectories
+from areal_jax.learner import AlgoConfig, pack_trajectories
 from areal_jax.parallel import make_mesh
 import jax
-learner = make_learner(make_mesh("data=1", jax.devices()[:1]), ppo=PPOConfig(ppo_n_minibatches=2))
+learner = make_learner(make_mesh("data=1", jax.devices()[:1]), algo=AlgoConfig(ppo_n_minibatches=2))
 trajs = random_trajectories(0, 12, 30)
 batches = pack_trajectories(trajs, random_advantages(0, trajs), seq_len=32,
                             rows_per_micro_batch=4, n_minibatches=2)
@@ -84,12 +84,12 @@ def compile_counter():
 def test_precompile_leaves_nothing_for_the_train_step(compile_counter):
     import jax
 
-    from areal_jax.learner import PPOConfig, pack_trajectories
+    from areal_jax.learner import AlgoConfig, pack_trajectories
     from areal_jax.parallel import make_mesh
     from tests._learner_data import make_learner, random_advantages, random_trajectories
 
     learner = make_learner(make_mesh("data=2", jax.devices()[:2]),
-                           ppo=PPOConfig(ppo_n_minibatches=2, c_clip=3.0))
+                           algo=AlgoConfig(ppo_n_minibatches=2, c_clip=3.0))
     trajs = random_trajectories(1, 16, 40)
     advs = random_advantages(1, trajs)
     assert learner.precompile(4, 48) > 0

@@ -109,8 +109,8 @@ def test_two_processes_train_and_match_one_process(tmp_path, devices, mesh):
 
     # The first version's step in one process, on the same (recorded) global batch.
     cfg = load_config(run_dir / "config.yaml")
-    optim, ppo = learner_configs(cfg)
-    learner = Learner.from_hf(str(resolve_model_path(cfg.model.path)), optim, ppo,
+    optim, algo, loss_kwargs = learner_configs(cfg)
+    learner = Learner.from_hf(str(resolve_model_path(cfg.model.path)), optim, algo, **loss_kwargs,
                               mesh=make_mesh("data=1", devices=__import__("jax").devices()[:1]))
     batch = load_batch(str(run_dir / "batches" / "v1.npz"))
     assert batch.micro_batches[0].shape == (8, cfg.train.seq_len)

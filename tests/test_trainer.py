@@ -252,10 +252,22 @@ def test_cosine_warmup_longer_than_the_run_names_the_users_keys():
                     ["optim.schedule=cosine", "optim.warmup_steps=50", "train.total_versions=10"])
 
 
-def test_learner_config_errors_are_translated_to_run_config_keys():
-    from areal_jax.run_inputs import user_key_message
+def test_the_learner_takes_the_run_configs_sections_as_they_are():
+    """One class per section: the run config's optim and algo are the learner's configs
+    (so its errors name the user's keys); the trainer only adds what other sections hold."""
+    from areal_jax.learner import AlgoConfig, OptimConfig
+    from areal_jax.trainer_setup import learner_configs
 
-    assert user_key_message("ppo.temperature must be > 0, got nan") == \
-        "rollout.temperature must be > 0, got nan"
-    assert user_key_message("optimizer.lr must be > 0") == "optim.lr must be > 0"
-    assert user_key_message("ppo.c_clip must be > 1") == "algo.c_clip must be > 1"
+    cfg = load_config(REPO / "configs" / "tiny_demo.yaml",
+                      ["optim.schedule=cosine", "train.total_versions=7", "algo.ppo_n_minibatches=3",
+                       "algo.agg_mode=seq-mean-token-sum", "rollout.temperature=0.5"])
+    assert type(cfg.optim) is OptimConfig and type(cfg.algo) is AlgoConfig
+    optim, algo, kwargs = learner_configs(cfg)
+    assert algo is cfg.algo and optim.total_steps == 21  # 7 versions x 3 minibatches
+    assert kwargs == {"temperature": 0.5, "logp_chunk_size": cfg.train.logp_chunk_size,
+                      "seq_token_sum_normalizer": float(cfg.rollout.max_new_tokens)}
+    explicit = load_config(REPO / "configs" / "tiny_demo.yaml",
+                           ["optim.schedule=cosine", "optim.total_steps=50"])
+    assert learner_configs(explicit)[0].total_steps == 50
+    with pytest.raises(ValueError, match="algo.c_clip must be > 1"):
+        AlgoConfig(c_clip=0.5)

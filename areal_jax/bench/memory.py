@@ -89,7 +89,7 @@ def grad_memory(cfg: Any, dtype: str, remat: Any, t: int, rows: int = 1,
     import jax
     import jax.numpy as jnp
 
-    from areal_jax.learner.config import PPOConfig
+    from areal_jax.learner.config import AlgoConfig
     from areal_jax.learner.steps import make_grad_fn, zero_sums
     from areal_jax.parallel.mesh import batch_sharding
     from model_defs import param_shardings, use_mesh
@@ -99,7 +99,7 @@ def grad_memory(cfg: Any, dtype: str, remat: Any, t: int, rows: int = 1,
     if mesh is not None:  # the learner's placement: params by their logical axes, rows split
         params = _on_mesh(params, param_shardings(params, mesh))
         batch = _on_mesh(batch, {k: batch_sharding(mesh) for k in batch})
-    grad_fn = make_grad_fn(graphdef, jnp.dtype(dtype), PPOConfig())
+    grad_fn = make_grad_fn(graphdef, jnp.dtype(dtype), AlgoConfig())
     sums = jax.eval_shape(zero_sums)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     version = jax.ShapeDtypeStruct((), jnp.int32)
@@ -112,13 +112,13 @@ def grad_memory(cfg: Any, dtype: str, remat: Any, t: int, rows: int = 1,
 def _apply_memory(cfg: Any, mesh: Any = None) -> Any:
     import jax
 
-    from areal_jax.learner.config import OptimizerConfig
+    from areal_jax.learner.config import OptimConfig
     from areal_jax.learner.optimizer import make_optimizer
     from areal_jax.learner.steps import make_apply_fn
     from model_defs import param_shardings
 
     _, params, _, _ = _abstract_model(cfg, "float32", False)
-    tx = make_optimizer(OptimizerConfig())
+    tx = make_optimizer(OptimConfig())
     opt_state = jax.eval_shape(tx.init, params)
     if mesh is not None:
         params = _on_mesh(params, param_shardings(params, mesh))

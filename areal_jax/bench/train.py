@@ -157,7 +157,7 @@ def _torch_step_fn(model: Any, batch: dict[str, np.ndarray], eps_clip: float,
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax
 
-    from areal_jax.learner import Learner, OptimizerConfig, PPOConfig
+    from areal_jax.learner import AlgoConfig, Learner, OptimConfig
     from areal_jax.parallel import make_mesh
 
     if args.tokens % args.rows:
@@ -165,15 +165,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     seq_len = args.tokens // args.rows
     cfg = _model_config(args)
     mesh = make_mesh(args.mesh)
-    optim = OptimizerConfig(lr=1e-5, max_grad_norm=1.0)
-    ppo = PPOConfig(ppo_n_minibatches=1, eps_clip=0.2, temperature=1.0, logp_chunk_size=args.chunk)
+    optim = OptimConfig(lr=1e-5, max_grad_norm=1.0)
+    algo = AlgoConfig(ppo_n_minibatches=1, eps_clip=0.2)
     batch = _batch(cfg, args.rows, seq_len)
 
     with tempfile.TemporaryDirectory() as tmp:
         theirs = None
         if args.no_torch:
-            learner = Learner(_random_model(cfg, mesh), cfg, optim, ppo, mesh=mesh,
-                              compute_dtype=args.dtype, remat=args.remat)
+            learner = Learner(_random_model(cfg, mesh), cfg, optim, algo, mesh=mesh,
+                              compute_dtype=args.dtype, remat=args.remat,
+                              logp_chunk_size=args.chunk)
         else:
             import torch
             from transformers import AutoModelForCausalLM
@@ -181,8 +182,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.threads:
                 torch.set_num_threads(args.threads)
             path = save_random_hf(cfg, Path(tmp), "bench-train")
-            learner = Learner.from_hf(str(path), optim, ppo, mesh=mesh, compute_dtype=args.dtype,
-                                      remat=args.remat)
+            learner = Learner.from_hf(str(path), optim, algo, mesh=mesh, compute_dtype=args.dtype,
+                                      remat=args.remat, logp_chunk_size=args.chunk)
             torch_dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
             theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).train()
             if args.remat:
@@ -200,7 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     systems: dict[str, Any] = {"ours": lambda: learner.train_step([batch])}
     loss_diff = None
     if theirs is not None:
-        torch_step, _ = _torch_step_fn(theirs, batch, ppo.eps_clip, ppo.temperature, optim.lr,
+        torch_step, _ = _torch_step_fn(theirs, batch, algo.eps_clip, learner.temperature, optim.lr,
                                        optim.max_grad_norm)
         # Same weights and batch before any update: the losses agree.
         loss_diff = abs(torch_step() - first["loss"])

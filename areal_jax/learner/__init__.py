@@ -1,9 +1,8 @@
 """The sharded learner: packing, logprob recompute, the jitted PPO train step."""
 
-from areal_jax.learner.config import OptimizerConfig, PPOConfig
+from areal_jax.learner.config import AlgoConfig, OptimConfig
 from areal_jax.learner.learner import Learner
 from areal_jax.learner.optimizer import (
-    learning_rate_at,
     learning_rate_schedule,
     make_optimizer,
     weight_decay_mask,
@@ -17,12 +16,11 @@ from areal_jax.learner.packing import (
 from areal_jax.learner.token_logp import packed_token_logprobs
 
 __all__ = [
+    "AlgoConfig",
     "Learner",
-    "OptimizerConfig",
-    "PPOConfig",
+    "OptimConfig",
     "PackedBatch",
     "Placement",
-    "learning_rate_at",
     "learning_rate_schedule",
     "make_optimizer",
     "pack_trajectories",

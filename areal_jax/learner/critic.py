@@ -1,6 +1,6 @@
 """The critic of the actor-critic (``algo.name: ppo``) variant: a value model, GAE, its update.
 
-    critic = Critic.from_hf("hf_dir", optim_cfg, mesh=learner.mesh, ppo_n_minibatches=n)
+    critic = Critic.from_hf("hf_dir", optim, mesh=learner.mesh, ppo_n_minibatches=n)
     batches = pack_trajectories(trajs, None, ...)            # advantages filled in below
     targets = critic.gae_targets(batches, trajs, gamma=1.0, lam=1.0)  # sets mb["advantages"]
     learner.train_step(batches)                              # the policy, as for GRPO
@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from areal_jax.learner.config import OptimizerConfig, PPOConfig
+from areal_jax.learner.config import AlgoConfig, OptimConfig
 from areal_jax.learner.learner import LOGP_KEYS, Learner, MicroBatch, _get
 from areal_jax.learner.packing import PackedBatch, unpack_per_token
 from areal_jax.learner.steps import cast_params
@@ -153,7 +153,7 @@ class Critic(Learner):
       model: the backbone ``CausalLM`` (e.g. the policy's initial weights); its LM head is
         dropped and a zero-initialised value head added.
       model_cfg: its ``ModelConfig``.
-      optim_cfg: the critic's own optimizer.
+      optim: the critic's own optimizer.
       mesh: the device mesh (use the policy learner's).
       value_eps_clip: clip range of the value loss around ``old_values`` (None: no clip).
       value_coef: weight of the value loss (with AdamW this mostly matters through
@@ -163,7 +163,7 @@ class Critic(Learner):
       compute_dtype, remat, compiler_options: as for :class:`Learner`.
     """
 
-    def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim_cfg: OptimizerConfig, *,
+    def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim: OptimConfig, *,
                  mesh: Mesh | None = None, value_eps_clip: float | None = 0.2,
                  value_coef: float = 1.0, ppo_n_minibatches: int = 1, compute_dtype: Any = None,
                  remat: bool | str | None = None, compiler_options: dict[str, Any] | None = None):
@@ -177,19 +177,19 @@ class Critic(Learner):
         self.value_coef = float(value_coef)
         if remat is not None:
             model.remat = remat_policy_name(remat)
-        super().__init__(ValueModel(model), model_cfg, optim_cfg,
-                         PPOConfig(ppo_n_minibatches=ppo_n_minibatches), mesh=mesh,
+        super().__init__(ValueModel(model), model_cfg, optim,
+                         AlgoConfig(ppo_n_minibatches=ppo_n_minibatches), mesh=mesh,
                          compute_dtype=compute_dtype, compiler_options=compiler_options)
 
     @classmethod
-    def from_hf(cls, path: str, optim_cfg: OptimizerConfig, *, mesh: Mesh | None = None,
+    def from_hf(cls, path: str, optim: OptimConfig, *, mesh: Mesh | None = None,
                 value_eps_clip: float | None = 0.2, value_coef: float = 1.0,
                 ppo_n_minibatches: int = 1, compute_dtype: Any = "float32", remat: bool | str = False,
                 compiler_options: dict[str, Any] | None = None) -> Critic:
         """A critic whose backbone is the HF checkpoint at ``path`` (fp32 master weights)."""
         mesh = make_mesh("data=-1") if mesh is None else mesh
         model, cfg = load_hf(path, dtype="float32", mesh=mesh)
-        return cls(model, cfg, optim_cfg, mesh=mesh, value_eps_clip=value_eps_clip,
+        return cls(model, cfg, optim, mesh=mesh, value_eps_clip=value_eps_clip,
                    value_coef=value_coef, ppo_n_minibatches=ppo_n_minibatches,
                    compute_dtype=compute_dtype, remat=remat, compiler_options=compiler_options)
 

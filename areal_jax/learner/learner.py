@@ -1,9 +1,9 @@
 """The sharded learner: fp32 master weights + AdamW state on a mesh, a jitted PPO step.
 
-    learner = Learner.from_hf("hf_dir", optim_cfg, ppo_cfg, mesh=make_mesh("fsdp=-1"))
+    learner = Learner.from_hf("hf_dir", OptimConfig(), AlgoConfig(), mesh=make_mesh("fsdp=-1"))
     batches = pack_trajectories(trajs, advantages, seq_len=512, rows_per_micro_batch=8,
                                 n_shards=n_batch_shards(learner.mesh),
-                                n_minibatches=ppo_cfg.ppo_n_minibatches)
+                                n_minibatches=learner.algo.ppo_n_minibatches)
     metrics = learner.train_step(batches)    # ppo_n_minibatches AdamW steps
 
 ``train_step`` recomputes prox_logp under the current weights first (decoupled loss), except
@@ -30,8 +30,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from areal_jax.learner.config import OptimizerConfig, PPOConfig
-from areal_jax.learner.optimizer import learning_rate_at, make_optimizer
+from areal_jax.learner.config import AlgoConfig, OptimConfig, check_positive
+from areal_jax.learner.optimizer import learning_rate_schedule, make_optimizer
 from areal_jax.learner.packing import OPTIONAL_FIELDS, PACKED_FIELDS
 from areal_jax.learner.steps import (
     MAX_KEYS,
@@ -98,7 +98,14 @@ class Learner:
         ownership of its arrays: ``train_step`` donates them, so use ``learner.model``
         afterwards, not ``model``.
       model_cfg: its ``ModelConfig`` (kept for export).
-      optim_cfg, ppo_cfg: see ``areal_jax.learner.config``.
+      optim, algo: the run config's ``optim`` and ``algo`` sections
+        (``areal_jax.learner.config``).
+      temperature: the sampling temperature; logprobs are those of the sampled
+        distribution (logits / temperature).
+      logp_chunk_size: vocabulary chunk for logprobs (``[tokens, vocab]`` fp32 logits are
+        never materialised whole).
+      seq_token_sum_normalizer: the constant L of ``agg_mode="seq-mean-token-sum"``
+        (Dr.GRPO: the max generation length); required by that mode only.
       mesh: the device mesh (default: every device on the ``data`` axis).
       compute_dtype: "float32" or "bfloat16" for activations and matmuls (default: the
         model's dtype). Logprobs are always accumulated and returned in fp32.
@@ -116,16 +123,27 @@ class Learner:
         must pass the same number of micro-batches of the same shape.
     """
 
-    def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim_cfg: OptimizerConfig,
-                 ppo_cfg: PPOConfig, *, mesh: Mesh | None = None, compute_dtype: Any = None,
-                 remat: bool | str | None = None, compiler_options: dict[str, Any] | None = None,
-                 trainable: bool = True, process_local_batches: bool = False):
-        if not isinstance(optim_cfg, OptimizerConfig):
-            raise TypeError(f"optim_cfg must be an OptimizerConfig, got {type(optim_cfg).__name__}")
-        if not isinstance(ppo_cfg, PPOConfig):
-            raise TypeError(f"ppo_cfg must be a PPOConfig, got {type(ppo_cfg).__name__}")
+    def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim: OptimConfig,
+                 algo: AlgoConfig, *, temperature: float = 1.0, logp_chunk_size: int = 4096,
+                 seq_token_sum_normalizer: float | None = None, mesh: Mesh | None = None,
+                 compute_dtype: Any = None, remat: bool | str | None = None,
+                 compiler_options: dict[str, Any] | None = None, trainable: bool = True,
+                 process_local_batches: bool = False):
+        if not isinstance(optim, OptimConfig):
+            raise TypeError(f"optim must be an OptimConfig, got {type(optim).__name__}")
+        if not isinstance(algo, AlgoConfig):
+            raise TypeError(f"algo must be an AlgoConfig, got {type(algo).__name__}")
+        check_positive("Learner", temperature=temperature, logp_chunk_size=logp_chunk_size)
+        if (algo.agg_mode == "seq-mean-token-sum") != (seq_token_sum_normalizer is not None):
+            raise ValueError("seq_token_sum_normalizer (> 0, Dr.GRPO: the max generation "
+                             "length) is required by algo.agg_mode='seq-mean-token-sum' and "
+                             f"used by no other mode; got {seq_token_sum_normalizer!r} with "
+                             f"agg_mode={algo.agg_mode!r}")
+        check_positive("Learner", seq_token_sum_normalizer=seq_token_sum_normalizer)
         self.mesh = make_mesh("data=-1") if mesh is None else mesh
-        self.model_cfg, self.optim_cfg, self.ppo_cfg = model_cfg, optim_cfg, ppo_cfg
+        self.model_cfg, self.optim, self.algo = model_cfg, optim, algo
+        self.temperature, self.logp_chunk_size = float(temperature), int(logp_chunk_size)
+        self.seq_token_sum_normalizer = seq_token_sum_normalizer
         if remat is not None:
             model.remat = remat_policy_name(remat)
         if compute_dtype is not None:
@@ -146,7 +164,8 @@ class Learner:
         self.params = self._place(params, self.param_shardings)
         self._rest = self._place(self._rest, replicated(self.mesh))
         self.trainable = trainable
-        self.tx = make_optimizer(optim_cfg)
+        self.tx = make_optimizer(optim)
+        self._lr_schedule = learning_rate_schedule(optim)
         self.opt_shardings = self.opt_state = None
         if trainable:
             abstract_opt = jax.eval_shape(self.tx.init, self.params)
@@ -161,16 +180,15 @@ class Learner:
         self._compile()
 
     @classmethod
-    def from_hf(cls, path: str, optim_cfg: OptimizerConfig, ppo_cfg: PPOConfig, *,
-                mesh: Mesh | None = None, compute_dtype: Any = "float32",
-                remat: bool | str = False, compiler_options: dict[str, Any] | None = None,
-                trainable: bool = True, process_local_batches: bool = False) -> Learner:
-        """Loads an HF checkpoint as fp32 master weights, placed directly on the mesh."""
+    def from_hf(cls, path: str, optim: OptimConfig, algo: AlgoConfig, *,
+                mesh: Mesh | None = None, compute_dtype: Any = "float32", remat: bool | str = False,
+                **kwargs: Any) -> Learner:
+        """Loads an HF checkpoint as fp32 master weights, placed directly on the mesh;
+        ``kwargs`` as for the constructor."""
         mesh = make_mesh("data=-1") if mesh is None else mesh
         model, cfg = load_hf(path, dtype="float32", mesh=mesh)
-        return cls(model, cfg, optim_cfg, ppo_cfg, mesh=mesh, compute_dtype=compute_dtype,
-                   remat=remat, compiler_options=compiler_options, trainable=trainable,
-                   process_local_batches=process_local_batches)
+        return cls(model, cfg, optim, algo, mesh=mesh, compute_dtype=compute_dtype, remat=remat,
+                   **kwargs)
 
     @staticmethod
     def _place(tree: Any, shardings: Any) -> Any:
@@ -205,16 +223,20 @@ class Learner:
         return _JIT_CACHE[full_key]
 
     def _compile(self) -> None:
-        ppo = self.ppo_cfg
+        algo = self.algo
         param_sh, rep = self.param_shardings, replicated(self.mesh)
         opts = self._jit_options
-        self._denominator = self._jit("denominator", (ppo.agg_mode,), lambda: jax.jit(
-            make_denominator_fn(ppo), out_shardings=(rep, rep), **opts))
-        self._grads = {prox_from_logp: self._jit("grad", (ppo, prox_from_logp), lambda p=prox_from_logp: jax.jit(
-            make_grad_fn(self._graphdef, self.compute_dtype, ppo, prox_from_logp=p),
+        loss_key = (algo, self.temperature, self.logp_chunk_size, self.seq_token_sum_normalizer)
+        self._denominator = self._jit("denominator", (algo.agg_mode,), lambda: jax.jit(
+            make_denominator_fn(algo.agg_mode), out_shardings=(rep, rep), **opts))
+        self._grads = {prox_from_logp: self._jit("grad", (*loss_key, prox_from_logp), lambda p=prox_from_logp: jax.jit(
+            make_grad_fn(self._graphdef, self.compute_dtype, algo, temperature=self.temperature,
+                         logp_chunk_size=self.logp_chunk_size,
+                         seq_token_sum_normalizer=self.seq_token_sum_normalizer,
+                         prox_from_logp=p),
             donate_argnums=(2, 3), out_shardings=(param_sh, rep), **opts))
             for prox_from_logp in (False, True)}
-        self._apply = self._jit("apply", (self.optim_cfg,), lambda: jax.jit(
+        self._apply = self._jit("apply", (self.optim,), lambda: jax.jit(
             make_apply_fn(self.tx), donate_argnums=(0, 1),
             out_shardings=(param_sh, self.opt_shardings, rep, rep), **opts)
         ) if self.trainable else None
@@ -224,10 +246,10 @@ class Learner:
     def _logp_fn(self, temperature: float) -> Any:
         def build() -> Any:
             fn = make_logp_fn(self._graphdef, self.compute_dtype, temperature,
-                              self.ppo_cfg.logp_chunk_size)
+                              self.logp_chunk_size)
             return jax.jit(lambda p, r, b: fn(p, r, b)[0], **self._jit_options)
 
-        return self._jit("logp", (temperature, self.ppo_cfg.logp_chunk_size), build)
+        return self._jit("logp", (temperature, self.logp_chunk_size), build)
 
     # ------------------------------------------------------------------ data in/out
     def _check_micro_batches(self, micro_batches: Sequence[MicroBatch], keys: Sequence[str]
@@ -280,7 +302,7 @@ class Learner:
         """Token logprobs under the current weights (no gradient), one fp32 [R, L] per
         micro-batch, aligned like ``behav_logp`` (0 on the first token of each segment and
         on padding). Used for prox_logp, and with a reference model for ref_logp."""
-        temperature = self.ppo_cfg.temperature if temperature is None else float(temperature)
+        temperature = self.temperature if temperature is None else float(temperature)
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self._check_micro_batches(micro_batches, LOGP_KEYS)
@@ -309,8 +331,8 @@ class Learner:
         dummy["segment_ids"][:] = 1  # one segment per row, like a packed micro-batch
         with use_mesh(self.mesh):
             prox_from_logp = self._skips_prox_recompute()
-            if not self.trainable or (self.ppo_cfg.use_decoupled_loss and not prox_from_logp):
-                self._logp_fn(self.ppo_cfg.temperature).lower(
+            if not self.trainable or (self.algo.decoupled and not prox_from_logp):
+                self._logp_fn(self.temperature).lower(
                     self.params, self._rest, self._put(dummy, LOGP_KEYS)).compile()
             if not self.trainable:
                 return time.perf_counter() - t0
@@ -340,12 +362,12 @@ class Learner:
         """With the decoupled loss and one minibatch per version, the proximal policy is
         the current params before the only step: prox_logp then comes from the loss's own
         forward pass (as a constant) instead of a separate logprob pass."""
-        return self.ppo_cfg.use_decoupled_loss and self.ppo_cfg.ppo_n_minibatches == 1
+        return self.algo.decoupled and self.algo.ppo_n_minibatches == 1
 
     def _prepare_prox(self, micro_batches: Sequence[MicroBatch]) -> bool:
         """Recomputes missing prox_logp where needed; True when the loss takes prox_logp
         from its own forward pass instead (see ``_skips_prox_recompute``)."""
-        if not self.ppo_cfg.use_decoupled_loss or all(_has(mb, "prox_logp") for mb in micro_batches):
+        if not self.algo.decoupled or all(_has(mb, "prox_logp") for mb in micro_batches):
             return False
         if self._skips_prox_recompute():
             return True
@@ -355,7 +377,7 @@ class Learner:
     def minibatches(self, micro_batches: Sequence[MicroBatch]) -> list[list[MicroBatch]]:
         """Group micro-batches into ``ppo_n_minibatches`` minibatches (one optimizer step
         each): by their ``minibatch_id`` when packed with ``n_minibatches``, else in order."""
-        n = self.ppo_cfg.ppo_n_minibatches
+        n = self.algo.ppo_n_minibatches
         ids = [int(getattr(mb, "minibatch_id", 0)) for mb in micro_batches]
         distinct = sorted(set(ids))
         if len(distinct) == n:
@@ -382,7 +404,6 @@ class Learner:
         t0 = time.perf_counter()
         self._require_trainable("train_step")
         micro_batches = list(micro_batches)
-        ppo = self.ppo_cfg
         self._check_micro_batches(micro_batches, self._train_keys(prox_from_logp=True))
         prox_from_logp = self._prepare_prox(micro_batches)
         keys = self._train_keys(prox_from_logp)
@@ -390,7 +411,7 @@ class Learner:
         version = jnp.asarray(self.version if current_version is None else current_version,
                               jnp.float32)
         metrics = self._optimizer_steps(groups, keys, version, prox_from_logp)
-        metrics["prox_logp_recomputed"] = float(ppo.use_decoupled_loss and not prox_from_logp)
+        metrics["prox_logp_recomputed"] = float(self.algo.decoupled and not prox_from_logp)
         metrics["n_micro_batches"] = float(len(micro_batches))
         metrics["step_time_s"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics["n_tokens"] / max(metrics["step_time_s"], 1e-9)
@@ -404,7 +425,8 @@ class Learner:
     def _optimizer_steps(self, groups: Sequence[Sequence[MicroBatch]], keys: Sequence[str],
                          version: jax.Array, prox_from_logp: bool = False) -> dict[str, float]:
         """One AdamW step per minibatch group, then bump the version; returns the metrics."""
-        lrs = [learning_rate_at(self.optim_cfg, self.step + i) for i in range(len(groups))]
+        with jax.default_device(jax.devices("cpu")[0]):  # host values, for logging only
+            lrs = [float(self._lr_schedule(self.step + i)) for i in range(len(groups))]
         per_step = []
         with use_mesh(self.mesh):
             for group in groups:
@@ -419,9 +441,9 @@ class Learner:
 
     def _train_keys(self, prox_from_logp: bool) -> list[str]:
         keys = list(TRAIN_KEYS)
-        if self.ppo_cfg.use_decoupled_loss and not prox_from_logp:
+        if self.algo.decoupled and not prox_from_logp:
             keys.append("prox_logp")
-        if self.ppo_cfg.kl_coef > 0:
+        if self.algo.kl_coef > 0:
             keys.append("ref_logp")
         return keys
 

@@ -2,46 +2,34 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from areal_jax.learner.config import OptimizerConfig
+from areal_jax.learner.config import OptimConfig
 
 
-def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
     """lr at optimizer step ``count`` (0-based): linear warmup, then constant or cosine.
 
     Warmup reaches ``lr * (count + 1) / warmup_steps``, so the very first step already
     moves the weights; the cosine phase decays from ``lr`` to ``lr * min_lr_ratio`` between
     ``warmup_steps`` and ``total_steps`` and stays there.
     """
-    lr, warmup = cfg.lr, cfg.warmup_steps
-
-    def schedule(count: jax.Array) -> jax.Array:
-        step = jnp.asarray(count, jnp.float32)
-        warm = jnp.minimum(1.0, (step + 1.0) / warmup) if warmup > 0 else 1.0
-        if cfg.schedule == "constant":
-            return lr * warm
-        span = float(cfg.total_steps - warmup)
-        progress = jnp.clip((step - warmup) / span, 0.0, 1.0)
-        cosine = cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
-        return lr * jnp.where(step < warmup, warm, cosine)
-
-    return schedule
-
-
-def learning_rate_at(cfg: OptimizerConfig, step: int) -> float:
-    """The same schedule in plain Python, for logging without a device round trip."""
-    warm = min(1.0, (step + 1.0) / cfg.warmup_steps) if cfg.warmup_steps > 0 else 1.0
-    if cfg.schedule == "constant" or step < cfg.warmup_steps:
-        return cfg.lr * warm
-    progress = min(max((step - cfg.warmup_steps) / float(cfg.total_steps - cfg.warmup_steps), 0.0), 1.0)
-    return cfg.lr * (cfg.min_lr_ratio
-                     + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+    if cfg.schedule == "cosine":
+        if cfg.total_steps is None:
+            raise ValueError("optim.schedule='cosine' needs optim.total_steps (the optimizer "
+                             "steps the learning rate decays over)")
+        main = optax.cosine_decay_schedule(cfg.lr, cfg.total_steps - cfg.warmup_steps,
+                                           alpha=cfg.min_lr_ratio)
+    else:
+        main = optax.constant_schedule(cfg.lr)
+    if cfg.warmup_steps == 0:
+        return main
+    warmup = (optax.constant_schedule(cfg.lr) if cfg.warmup_steps == 1 else  # lr * 1 / 1
+              optax.linear_schedule(cfg.lr / cfg.warmup_steps, cfg.lr, cfg.warmup_steps - 1))
+    return optax.join_schedules([warmup, main], [cfg.warmup_steps])
 
 
 def weight_decay_mask(params: Any) -> Any:
@@ -63,7 +51,7 @@ def _is_value_key(entry: Any) -> bool:
     return str(getattr(entry, "key", getattr(entry, "name", ""))) in ("value", "raw_value")
 
 
-def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     """clip_by_global_norm (if max_grad_norm) -> AdamW(schedule, masked weight decay)."""
     adamw = optax.adamw(
         learning_rate=learning_rate_schedule(cfg),

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from areal_jax.learner.config import PPOConfig
+from areal_jax.learner.config import AlgoConfig
 from areal_jax.learner.token_logp import packed_token_logprobs
 from areal_jax.losses import decoupled_ppo_loss_terms, loss_denominator, token_kl
 
@@ -52,19 +52,21 @@ def make_logp_fn(graphdef: nnx.GraphDef, compute_dtype: Any, temperature: float,
     return logp_fn
 
 
-def make_denominator_fn(ppo: PPOConfig) -> Callable:
+def make_denominator_fn(agg_mode: str) -> Callable:
     """batch -> (loss denominator, loss-token count) of one micro-batch (global arrays)."""
 
     def denominator_fn(batch):
         mask_bt = batch["loss_mask"]
-        denom = loss_denominator(mask_bt, agg_mode=ppo.agg_mode, segment_ids=batch["segment_ids"],
+        denom = loss_denominator(mask_bt, agg_mode=agg_mode, segment_ids=batch["segment_ids"],
                                  max_segments=mask_bt.shape[1])
         return denom, jnp.sum(mask_bt != 0).astype(jnp.float32)
 
     return denominator_fn
 
 
-def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, ppo: PPOConfig,
+def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, algo: AlgoConfig, *,
+                 temperature: float = 1.0, logp_chunk_size: int = 4096,
+                 seq_token_sum_normalizer: float | None = None,
                  prox_from_logp: bool = False) -> Callable:
     """(params, rest, grads, sums, batch, denom, n_loss_tokens, version) -> (grads, sums).
 
@@ -75,13 +77,13 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, ppo: PPOConfig,
     policy is the current params, so prox_logp is this forward pass's own logp, as a
     constant, instead of a separately recomputed ``batch["prox_logp"]``.
     """
-    logp_fn = make_logp_fn(graphdef, compute_dtype, ppo.temperature, ppo.logp_chunk_size)
+    logp_fn = make_logp_fn(graphdef, compute_dtype, temperature, logp_chunk_size)
 
     def loss_fn(params, rest, batch, denom, n_loss_tokens, version):
         logp_bt, entropy_bt = logp_fn(params, rest, batch)
         mask_bt = batch["loss_mask"]
         prox_bt = None  # naive PPO: prox = behav
-        if ppo.use_decoupled_loss:
+        if algo.decoupled:
             prox_bt = jax.lax.stop_gradient(logp_bt) if prox_from_logp else batch["prox_logp"]
         terms = decoupled_ppo_loss_terms(
             logp_bt,
@@ -89,24 +91,24 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, ppo: PPOConfig,
             batch["behav_logp"],
             batch["advantages"],
             mask_bt,
-            eps_clip=ppo.eps_clip,
-            eps_clip_higher=ppo.eps_clip_higher,
-            c_clip=ppo.c_clip,
-            behav_imp_weight_cap=ppo.behav_imp_weight_cap,
+            eps_clip=algo.eps_clip,
+            eps_clip_higher=algo.eps_clip_higher,
+            c_clip=algo.c_clip,
+            behav_imp_weight_cap=algo.behav_imp_weight_cap,
             versions=batch["versions"],
             current_version=version,
-            agg_mode=ppo.agg_mode,
-            seq_token_sum_normalizer=ppo.seq_token_sum_normalizer,
-            ratio_level=ppo.ratio_level,
+            agg_mode=algo.agg_mode,
+            seq_token_sum_normalizer=seq_token_sum_normalizer,
+            ratio_level=algo.resolved_ratio_level,
             segment_ids=batch["segment_ids"],
             max_segments=mask_bt.shape[1],
         )
         loss = terms.loss_sum / jnp.maximum(denom, 1.0)
         kl_ref = jnp.zeros((), jnp.float32)
-        if ppo.kl_coef > 0:
-            kl_bt = token_kl(logp_bt, batch["ref_logp"], ppo.kl_estimator, mask=mask_bt)
+        if algo.kl_coef > 0:
+            kl_bt = token_kl(logp_bt, batch["ref_logp"], algo.kl_estimator, mask=mask_bt)
             kl_ref = jnp.sum(kl_bt) / jnp.maximum(n_loss_tokens, 1.0)
-            loss = loss + ppo.kl_coef * kl_ref
+            loss = loss + algo.kl_coef * kl_ref
         return loss, (terms, logp_bt, entropy_bt, kl_ref)
 
     def grad_fn(params, rest, grads, sums, batch, denom, n_loss_tokens, version):

@@ -6,6 +6,7 @@ arrays, computes in fp32, and works under ``jax.jit`` and ``jax.grad``.
 """
 
 from areal_jax.losses.advantages import (
+    GROUP_MODES,
     gae,
     group_advantages,
     normalize_advantages,
@@ -13,13 +14,14 @@ from areal_jax.losses.advantages import (
     shape_rewards,
 )
 from areal_jax.losses.critic import ppo_value_loss
-from areal_jax.losses.kl import token_kl
+from areal_jax.losses.kl import KL_ESTIMATORS, token_kl
 from areal_jax.losses.logprobs import (
     entropy_from_logits,
     logprobs_from_hidden,
     logprobs_from_logits,
 )
 from areal_jax.losses.ppo import (
+    RATIO_LEVELS,
     PPOLossTerms,
     combine_ppo_terms,
     decoupled_ppo_loss,
@@ -31,6 +33,9 @@ from areal_jax.losses.segments import AGG_MODES, loss_denominator
 
 __all__ = [
     "AGG_MODES",
+    "GROUP_MODES",
+    "KL_ESTIMATORS",
+    "RATIO_LEVELS",
     "PPOLossTerms",
     "combine_ppo_terms",
     "decoupled_ppo_loss",
