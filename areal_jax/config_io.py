@@ -22,11 +22,9 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
+from model_defs import ConfigError  # one class: a bad run-config key or model config.json
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A bad config key or value; the message names the dotted key."""
 
 
 def _type_name(tp: Any) -> str:

@@ -275,6 +275,18 @@ def download(src: str | os.PathLike, local: str | os.PathLike,
     return copied
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host: temporary files and cache slots named
+    after a process that is gone are leftovers of a killed run, safe to delete."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it runs, as another user
+        return True
+    return True
+
+
 def cache_root(cache_dir: str | None = None) -> Path:
     """Where cloud inputs are cached and run files are worked on locally."""
     root = cache_dir or os.environ.get("AREAL_JAX_CACHE_DIR") or DEFAULT_CACHE_DIR

@@ -8,7 +8,7 @@ from model_defs.config import (
     ModelDirNotFoundError,
     UnsupportedArchitectureError,
 )
-from model_defs.hf_io import HF_PARAM_TABLE, CheckpointError, load_hf, save_hf
+from model_defs.hf_io import HF_PARAM_TABLE, CheckpointError, load_hf, parse_dtype, save_hf
 from model_defs.model import REMAT_POLICIES, CausalLM, remat_policy_name
 from model_defs.sharding import (
     LOGICAL_AXIS_RULES,
@@ -37,6 +37,7 @@ __all__ = [
     "logical_to_spec",
     "param_logical_axes",
     "param_shardings",
+    "parse_dtype",
     "remat_policy_name",
     "save_hf",
     "shard",

@@ -20,7 +20,8 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
 class ConfigError(ValueError):
-    """A config.json (or ModelConfig field) that this package cannot use."""
+    """A config value that cannot be used: a model's config.json or ModelConfig field, or a
+    run config key (``areal_jax.config``); the message names the key."""
 
 
 class UnsupportedArchitectureError(ConfigError):

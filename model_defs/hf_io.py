@@ -57,7 +57,9 @@ SINGLE_SAFETENSORS = "model.safetensors"
 
 
 class CheckpointError(ValueError):
-    """A safetensors checkpoint that does not match the config (missing/misshaped tensor)."""
+    """A checkpoint that cannot be found, read or matched to what it should hold: HF
+    safetensors that do not match the config, or an Orbax training checkpoint
+    (``areal_jax.checkpoint``) that does not match its restore target."""
 
 
 # --------------------------------------------------------------------------- transforms
@@ -149,7 +151,7 @@ def load_hf(
     """
     path = Path(path)
     cfg = ModelConfig.from_pretrained_dir(path)
-    jdtype = _parse_dtype(dtype)
+    jdtype = parse_dtype(dtype)
     files = _safetensors_files(path)
 
     abstract = nnx.eval_shape(
@@ -200,16 +202,20 @@ def load_hf(
     return nnx.merge(graphdef, state), cfg
 
 
-def _parse_dtype(dtype: str | Any) -> Any:
-    names = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
-             "bf16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
+          "bf16": jnp.bfloat16}
+
+
+def parse_dtype(dtype: str | Any, what: str = "dtype") -> Any:
+    """A float32 or bfloat16 dtype from its name (``DTYPES``) or a dtype; ValueError naming
+    ``what`` for anything else."""
     if isinstance(dtype, str):
-        if dtype not in names:
-            raise ValueError(f"dtype {dtype!r} is not supported; use 'float32' or 'bfloat16'")
-        return names[dtype]
+        if dtype not in DTYPES:
+            raise ValueError(f"{what}={dtype!r} is not supported; use 'float32' or 'bfloat16'")
+        return jnp.dtype(DTYPES[dtype])
     jd = jnp.dtype(dtype)
     if jd not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"dtype {dtype!r} is not supported; use 'float32' or 'bfloat16'")
+        raise ValueError(f"{what}={dtype!r} is not supported; use 'float32' or 'bfloat16'")
     return jd
 
 
@@ -228,7 +234,7 @@ def save_hf(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    out_dtype = _parse_dtype(dtype) if dtype is not None else None
+    out_dtype = parse_dtype(dtype) if dtype is not None else None
     tensors: dict[str, np.ndarray] = {}
     for hf_key, nnx_path, transform in param_table(cfg):
         if nnx_path not in flat:

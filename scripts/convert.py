@@ -23,13 +23,12 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work
 
 from areal_jax import storage
-from areal_jax.checkpoint.orbax_ckpt import CheckpointError, TrainCheckpointer
+from areal_jax.checkpoint.orbax_ckpt import TrainCheckpointer
 from areal_jax.checkpoint.publish import PublishError, params_to_hf_dir
-from model_defs import CheckpointError as HFCheckpointError
-from model_defs import ConfigError, ModelConfig, load_hf
+from model_defs import CheckpointError, ConfigError, ModelConfig, load_hf
 
-USER_ERRORS = (CheckpointError, PublishError, ConfigError, HFCheckpointError, FileNotFoundError,
-               FileExistsError, NotADirectoryError, storage.StorageError)
+USER_ERRORS = (CheckpointError, PublishError, ConfigError, FileNotFoundError, FileExistsError,
+               NotADirectoryError, storage.StorageError)
 
 
 def _require_empty_out(out: str) -> None:

@@ -31,11 +31,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from model_defs import CheckpointError
+
 PARAMS, OPT_STATE, META = "params", "opt_state", "meta"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be found, read or matched to the requested target."""
 
 
 def _is_url(path: str) -> bool:

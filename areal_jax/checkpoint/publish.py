@@ -30,6 +30,7 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
+from areal_jax import storage
 from areal_jax.checkpoint.orbax_ckpt import require_gcs_support
 from model_defs import CausalLM, ModelConfig, save_hf
 
@@ -171,16 +172,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class WeightPublisher:
     """Writes serving weights to ``weights_dir/v{version}`` and keeps the newest ``keep``."""
 
@@ -307,5 +298,5 @@ class WeightPublisher:
         """Leftovers of a killed publish (their pid no longer runs)."""
         for name in os.listdir(self.weights_dir):
             m = _TMP_DIR.match(name)
-            if m and not _pid_alive(int(m.group(3))):
+            if m and not storage.pid_alive(int(m.group(3))):
                 shutil.rmtree(os.path.join(self.weights_dir, name), ignore_errors=True)

@@ -35,6 +35,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -42,12 +43,7 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.engine.config import EngineConfig
-from areal_jax.engine.model_dir import (
-    ModelPathError,
-    check_model_dir,
-    load_tokenizer,
-    read_eos_token_ids,
-)
+from areal_jax.engine.model_dir import ModelPathError, check_model_dir, read_eos_token_ids
 from areal_jax.engine.request import EngineRequest, SamplingParams
 from areal_jax.engine.runner import ModelRunner, bucket_for
 from areal_jax.engine.weight_check import load_update
@@ -57,6 +53,20 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ_LEN = 2048
 
+
+def _optional_tokenizer(path: Path) -> Any:
+    """The model directory's tokenizer and chat template, or None (responses then have
+    empty text and the OpenAI routes take token ids only)."""
+    from areal_jax.data.tokenizer import load_tokenizer
+
+    if not (path / "tokenizer.json").is_file():
+        return None
+    try:
+        return load_tokenizer(path)
+    except Exception as e:  # noqa: BLE001 - text output is optional
+        logger.warning("could not load the tokenizer of %s (%s); responses will have empty "
+                       "text and the OpenAI routes take token ids only", path, e)
+        return None
 
 class EngineRequestError(ValueError):
     """A request the engine cannot run (bad prompt, duplicate rid); maps to HTTP 400."""
@@ -83,7 +93,7 @@ class GenerationEngine:
         self.model_path = str(path)
         self.max_seq_len = max_seq_len
         self.eos_token_ids = read_eos_token_ids(path, cfg)
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = _optional_tokenizer(path)
         self.runner = ModelRunner(
             model,
             max_slots=config.max_slots,

@@ -1,4 +1,4 @@
-"""Reading what a served checkpoint directory holds besides weights: EOS ids, tokenizer."""
+"""Reading what a served checkpoint directory holds besides weights: EOS ids."""
 
 from __future__ import annotations
 
@@ -51,25 +51,13 @@ def _download_to_slot(url: str) -> Path:
     if root.is_dir():  # slots of processes that are gone
         for other in root.glob("pid*"):
             pid = other.name[3:]
-            if other != slot and pid.isdigit() and not _pid_alive(int(pid)):
+            if other != slot and pid.isdigit() and not storage.pid_alive(int(pid)):
                 shutil.rmtree(other, ignore_errors=True)
     shutil.rmtree(slot, ignore_errors=True)
     if not storage.isdir(url):
         raise storage.StorageError(f"{url} does not exist or is not a directory")
     storage.download(url, slot / storage.name_of(url))
     return slot / storage.name_of(url)
-
-
-def _pid_alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def read_eos_token_ids(path: Path, cfg: ModelConfig) -> tuple[int, ...]:
@@ -90,16 +78,3 @@ def read_eos_token_ids(path: Path, cfg: ModelConfig) -> tuple[int, ...]:
         except (OSError, ValueError, AttributeError):
             logger.warning("ignoring unreadable %s", gen_cfg)
     return tuple(sorted(set(ids)))
-
-
-def load_tokenizer(path: Path) -> Any:
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        return None
-    try:
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(str(tokenizer_file))
-    except Exception as e:  # noqa: BLE001 - text output is optional
-        logger.warning("could not load %s (%s); responses will have empty text", tokenizer_file, e)
-        return None

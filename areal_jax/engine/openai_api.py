@@ -525,16 +525,9 @@ def engine_backend(engine: Any) -> Backend:
 
 def register_engine_routes(app: FastAPI, engine: Any) -> None:
     """Adds the OpenAI routes for the embedded engine to its server app. Text goes through
-    the model directory's tokenizer and chat template (areal_jax.data.tokenizer)."""
-    tok = None
-    if engine.tokenizer is not None:
-        from areal_jax.data.tokenizer import load_tokenizer
-
-        try:
-            tok = load_tokenizer(engine.model_path)
-        except Exception as e:  # noqa: BLE001 - text requests then get a clear 400
-            logger.warning("OpenAI routes: no tokenizer from %s (%s); send token ids",
-                           engine.model_path, e)
+    the model directory's tokenizer and chat template (the engine's, loaded by
+    areal_jax.data.tokenizer); without one, text requests get a clear 400."""
+    tok = engine.tokenizer
     stops = tuple(dict.fromkeys([*(getattr(tok, "stop_token_ids", None) or []),
                                  *engine.eos_token_ids]))
     OpenAIRoutes(engine_backend(engine), tokenizer=tok, vocab_size=engine.vocab_size,

@@ -48,27 +48,20 @@ from areal_jax.parallel.mesh import (
     put_batch,
     replicated,
 )
-from model_defs import CausalLM, ModelConfig, load_hf, param_shardings, remat_policy_name, use_mesh
+from model_defs import (
+    CausalLM,
+    ModelConfig,
+    load_hf,
+    param_shardings,
+    parse_dtype,
+    remat_policy_name,
+    use_mesh,
+)
 
 _JIT_CACHE: dict[tuple, Any] = {}
 MicroBatch = Any  # a PackedBatch or a Mapping[str, np.ndarray] of [R, L] arrays
 LOGP_KEYS = ("input_ids", "positions", "segment_ids")
 TRAIN_KEYS = tuple(PACKED_FIELDS)
-DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
-          "bf16": jnp.bfloat16}
-
-
-def _parse_dtype(dtype: Any, what: str) -> Any:
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"{what}={dtype!r}; expected one of {sorted(DTYPES)}")
-        return jnp.dtype(DTYPES[dtype])
-    jd = jnp.dtype(dtype)
-    if jd not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"{what}={dtype!r}; expected float32 or bfloat16")
-    return jd
-
-
 def _set_compute_dtype(model: nnx.Module, dtype: Any) -> None:
     for _, module in nnx.iter_modules(model):
         if hasattr(module, "dtype"):
@@ -147,7 +140,7 @@ class Learner:
         if remat is not None:
             model.remat = remat_policy_name(remat)
         if compute_dtype is not None:
-            _set_compute_dtype(model, _parse_dtype(compute_dtype, "compute_dtype"))
+            _set_compute_dtype(model, parse_dtype(compute_dtype, "compute_dtype"))
         self.compute_dtype = jnp.dtype(model.dtype)
         self.n_batch_shards = n_batch_shards(self.mesh)
         self.process_local_batches = process_local_batches

@@ -36,6 +36,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from areal_jax.plugins import import_callable
+
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., float] | str
@@ -53,15 +55,7 @@ def resolve_reward_fn(spec: RewardFn) -> Callable[..., Any]:
         raise ValueError(f"reward function {spec!r} must be a callable, a 'module:function' "
                          f"string (e.g. 'areal_jax.rewards.math:math_reward') or one of "
                          f"{sorted(REWARD_FUNCTIONS)}")
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r}: {e}") from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"reward function {spec!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
+    return import_callable(spec, "reward function")
 
 
 DEFAULT_MAX_ABS = 1.0e6  # |reward| above this is a failure (RewardConfig.max_abs)

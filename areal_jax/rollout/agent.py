@@ -34,7 +34,6 @@ If the agent raises or returns no valid reward, or made no call, the group is re
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
 import socket
@@ -47,6 +46,7 @@ from typing import Any
 
 from areal_jax.engine.openai_api import Generated, OpenAIError, OpenAIRoutes
 from areal_jax.engine.request import SamplingParams
+from areal_jax.plugins import import_callable
 from areal_jax.rewards.pool import check_reward_value
 from areal_jax.rollout.types import FINISH_LENGTH, FINISH_STOP
 from areal_jax.rollout.workflows import SamplingConfig, WorkflowContext
@@ -210,15 +210,7 @@ def resolve_agent(agent: AgentFn | str) -> AgentFn:
     if not isinstance(agent, str) or ":" not in agent:
         raise ValueError(f"agent {agent!r} must be a callable or a 'module:function' string "
                          "(e.g. 'areal_jax.rollout.agent_examples:arith_retry_agent')")
-    module_name, _, attr = agent.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"agent {agent!r}: cannot import module {module_name!r}: {e}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"agent {agent!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
+    return import_callable(agent, "agent")
 
 
 class AgenticWorkflow:
