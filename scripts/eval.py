@@ -47,15 +47,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-slots", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reward-workers", type=int, default=2, help="reward worker processes")
+    p.add_argument("--reward-timeout", type=float, default=10.0,
+                   help="seconds per reward call; a call past it scores 0 (reward_failures)")
     p.add_argument("--out", default=None, help="JSON output path")
     args = p.parse_args(argv)
     if args.n_samples < 1:
         p.error("-k must be >= 1")
+    if args.reward_workers < 1 or not args.reward_timeout > 0:
+        p.error("--reward-workers must be >= 1 and --reward-timeout > 0")
 
     from areal_jax import storage
     from areal_jax.data.prompts import read_records
     from areal_jax.data.tokenizer import load_tokenizer
     from areal_jax.rewards import reward_fn_spec
+    from areal_jax.rewards.pool import RewardPool
     from areal_jax.rollout.client import RolloutClient
     from areal_jax.rollout.evaluate import evaluate_prompts
     from areal_jax.rollout.workflows import SamplingConfig
@@ -129,14 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
 
+        pool = RewardPool(args.reward_workers, args.reward_timeout)
+
         async def run() -> dict:
             client = RolloutClient(servers)
             try:
                 return await evaluate_prompts(client, items, tokenizer=tokenizer, reward_fn=reward,
-                                              sampling=sampling, n_samples=args.n_samples,
-                                              seed=args.seed)
+                                              reward_pool=pool, sampling=sampling,
+                                              n_samples=args.n_samples, seed=args.seed)
             finally:
                 await client.aclose()
+                pool.close()
 
         result = asyncio.run(run())
     finally:

@@ -2,8 +2,10 @@
 
 Used by the trainer (periodic eval) and ``scripts/eval.py``. Each prompt is sampled
 ``n_samples`` times with the given sampling params; pass@1 is the mean reward
-(a verifier reward in {0, 1}) over all prompts and samples. A sample whose reward
-function fails or times out counts as 0 and is reported in ``reward_failures``.
+(a verifier reward in {0, 1}) over all prompts and samples. Rewards are scored by a
+``RewardPool``, as in training: each call runs in a worker process under the pool's
+timeout, so a hanging verifier cannot hang an eval. A sample whose reward function
+fails or times out counts as 0 and is reported in ``reward_failures``.
 """
 
 from __future__ import annotations
@@ -19,17 +21,20 @@ from areal_jax.rollout.workflows import SamplingConfig, prompt_token_ids
 
 
 async def evaluate_prompts(client: Any, items: Sequence[dict[str, Any]], *, tokenizer: Any,
-                           reward_fn: Any, sampling: SamplingConfig, n_samples: int = 1,
-                           reward_pool: RewardPool | None = None, answer_key: str = "answer",
-                           seed: int = 0, max_concurrency: int = 256) -> dict[str, float]:
+                           reward_fn: Any, reward_pool: RewardPool, sampling: SamplingConfig,
+                           n_samples: int = 1, answer_key: str = "answer", seed: int = 0,
+                           max_concurrency: int = 256) -> dict[str, float]:
     """Pass@1 over ``items`` (each with a ``prompt`` or ``input_ids`` and an answer)."""
     if not items:
         raise ValueError("evaluate_prompts got no prompts")
+    if not isinstance(reward_pool, RewardPool):
+        raise TypeError(f"evaluate_prompts needs a RewardPool (rewards run under its timeout), "
+                        f"got {type(reward_pool).__name__}")
     if not sampling.stop_token_ids and getattr(tokenizer, "stop_token_ids", None):
         from dataclasses import replace
 
         sampling = replace(sampling, stop_token_ids=tuple(tokenizer.stop_token_ids))
-    fn = resolve_reward_fn(reward_fn)
+    resolve_reward_fn(reward_fn)  # a bad spec fails here, not once per sample
     sem = asyncio.Semaphore(max_concurrency)
     failures = 0
 
@@ -40,13 +45,7 @@ async def evaluate_prompts(client: Any, items: Sequence[dict[str, Any]], *, toke
                                    rid=f"eval-{seed}-{i}-{k}")
             resp = await client.agenerate(req)
         text = tokenizer.decode(resp.output_ids, skip_special_tokens=True)
-        if reward_pool is not None:
-            r = await reward_pool.score(reward_fn, text, item[answer_key])
-        else:
-            try:
-                r = float(fn(text, item[answer_key]))
-            except Exception:  # noqa: BLE001 - a failing verifier scores 0, counted below
-                r = None
+        r = await reward_pool.score(reward_fn, text, item[answer_key])
         if r is None:
             failures += 1
             r = 0.0
