@@ -315,11 +315,11 @@ class Trainer:
     # ------------------------------------------------------------------ eval and metrics
     def evaluate(self, prefix: str = "eval_") -> dict[str, float]:
         from areal_jax.rollout.evaluate import evaluate_prompts
-        from areal_jax.rollout.workflows import SamplingConfig
+        from areal_jax.sampling_params import SamplingParams
 
         self.wait_published()  # evaluate the latest weights
         e, ro = self.cfg.eval, self.rollout
-        sampling = SamplingConfig(max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
+        sampling = SamplingParams(max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
                                   temperature=e.temperature, top_p=1.0)
         out = ro.executor.run_coroutine(evaluate_prompts(
             ro.executor.client, ro.eval_items, tokenizer=ro.tokenizer, reward_fn=ro.reward_fn,

@@ -211,10 +211,11 @@ def _weight_publisher(cfg: TrainConfig, run_dir: str) -> Any:
 
 
 def _workflow(cfg: TrainConfig, tokenizer: Any, reward_fn: str, stack: contextlib.ExitStack) -> Any:
-    from areal_jax.rollout.workflows import RLVRWorkflow, SamplingConfig
+    from areal_jax.rollout.workflows import RLVRWorkflow
+    from areal_jax.sampling_params import SamplingParams
 
     ro = cfg.rollout
-    sampling = SamplingConfig(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
+    sampling = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
                               top_p=ro.top_p, top_k=ro.top_k)
     group_filter = (lambda g: len({t.reward for t in g}) > 1) if cfg.algo.dynamic_filter else None
     if ro.workflow != "agent":

@@ -64,13 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     from areal_jax.rewards.pool import RewardPool
     from areal_jax.rollout.client import RolloutClient
     from areal_jax.rollout.evaluate import evaluate_prompts
-    from areal_jax.rollout.workflows import SamplingConfig
     from areal_jax.run_inputs import (
         TrainerError,
         resolve_dataset,
         resolve_model_path,
         saved_run_config,
     )
+    from areal_jax.sampling_params import SamplingParams
 
     tmp = tempfile.TemporaryDirectory(prefix="areal-eval-")
     try:
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                                      max_seq_len=args.max_seq_len))
         servers = [handles[0].url]
     try:
-        sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+        sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
 
         pool = RewardPool(args.reward_workers, args.reward_timeout)
 

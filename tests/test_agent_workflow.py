@@ -19,11 +19,12 @@ from areal_jax.data.tokenizer import load_tokenizer
 from areal_jax.engine.launch import launch_server
 from areal_jax.rollout.agent import AgenticWorkflow, RecordedCall, assemble_trajectory
 from areal_jax.rollout.client import RolloutClient
-from areal_jax.rollout.workflows import SamplingConfig, WorkflowContext
+from areal_jax.rollout.workflows import WorkflowContext
+from areal_jax.sampling_params import SamplingParams
 from tests.hf_fixtures import arith_chat_model_dir
 
 EOS = 2
-GREEDY = SamplingConfig(max_new_tokens=40, temperature=0.0)
+GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from areal_jax.rollout.client import (
     RolloutRequestError,
 )
 from areal_jax.rollout.types import GenerateRequest
+from areal_jax.sampling_params import SamplingParams
 from model_defs import load_hf
 from tests.hf_fixtures import make_tiny_hf_checkpoint, token_logprob_tolerance
 
@@ -78,11 +79,11 @@ def mixed_requests(n=64):
     for i in range(n):
         prompt = rng.integers(3, 128, size=int(rng.integers(1, 40))).tolist()
         if i % 8 == 7:  # a few seeded sampled requests in the mix
-            reqs.append(GenerateRequest(prompt, max_new_tokens=int(rng.integers(4, 25)),
-                                        temperature=1.0, seed=i, rid=f"r{i}"))
+            reqs.append(GenerateRequest(prompt, SamplingParams(
+                max_new_tokens=int(rng.integers(4, 25)), temperature=1.0, seed=i), rid=f"r{i}"))
         else:
-            reqs.append(GenerateRequest(prompt, max_new_tokens=int(rng.integers(4, 25)),
-                                        temperature=0.0, rid=f"r{i}"))
+            reqs.append(GenerateRequest(prompt, SamplingParams(
+                max_new_tokens=int(rng.integers(4, 25)), temperature=0.0), rid=f"r{i}"))
     return reqs
 
 
@@ -99,10 +100,11 @@ def test_64_concurrent_requests_match_one_at_a_time(servers, ckpt_a):
     assert len(together) == 64
     for req, a, b in zip(reqs, alone, together, strict=True):
         assert b.finish_reason in ("stop", "length")
-        assert 0 < len(b.output_ids) <= req.max_new_tokens
+        assert 0 < len(b.output_ids) <= req.params.max_new_tokens
         assert b.output_ids == a.output_ids, req.rid
         # Another batch composition: the same math in other kernel shapes, so fp32 rounding.
-        tol = token_logprob_tolerance(ckpt_a, req.input_ids + a.output_ids, req.temperature)
+        tol = token_logprob_tolerance(ckpt_a, req.input_ids + a.output_ids,
+                                      req.params.temperature)
         np.testing.assert_allclose(b.output_logprobs, a.output_logprobs, rtol=0, atol=tol)
         assert b.output_versions == [0] * len(b.output_ids)
     assert server_info(servers[0].url)["num_running_reqs"] == 0
@@ -111,7 +113,7 @@ def test_64_concurrent_requests_match_one_at_a_time(servers, ckpt_a):
 def test_bad_request_is_not_retried(servers):
     async def run():
         async with RolloutClient([s.url for s in servers]) as client:
-            await client.agenerate(GenerateRequest([1, 500], max_new_tokens=4))
+            await client.agenerate(GenerateRequest([1, 500], SamplingParams(max_new_tokens=4)))
 
     with pytest.raises(RolloutRequestError, match="outside the vocabulary"):
         asyncio.run(run())
@@ -125,10 +127,11 @@ def test_interrupted_update_stitches_versions(servers, ckpt_a, ckpt_b):
     async def run():
         async with RolloutClient([url]) as client, httpx.AsyncClient(timeout=120) as raw:
             # Compile first, so that the server answers the polls below promptly.
-            await client.agenerate(GenerateRequest([1, 2], max_new_tokens=2))
+            await client.agenerate(GenerateRequest([1, 2], SamplingParams(max_new_tokens=2)))
             before = server_info(url)["generated_tokens"]
             tasks = [asyncio.create_task(client.agenerate(GenerateRequest(
-                p, max_new_tokens=n_new, temperature=temperature, seed=i, ignore_eos=True)))
+                p, SamplingParams(max_new_tokens=n_new, temperature=temperature, seed=i,
+                                  ignore_eos=True))))
                 for i, p in enumerate(prompts)]
             raw_task = asyncio.create_task(raw.post(f"{url}/generate", json={
                 "input_ids": [9, 9, 9], "return_logprob": True,
@@ -172,7 +175,7 @@ def test_no_server_available(tmp_path):
     async def run():
         async with RolloutClient([f"127.0.0.1:{free_port()}"], no_server_timeout=1.0,
                                  health_check_interval=0.2, max_retries=1) as client:
-            await client.agenerate(GenerateRequest([1, 2], max_new_tokens=2))
+            await client.agenerate(GenerateRequest([1, 2], SamplingParams(max_new_tokens=2)))
 
     with pytest.raises((NoServerAvailableError,), match="no rollout server is up|failed"):
         asyncio.run(run())
@@ -188,8 +191,9 @@ def test_failover_when_a_server_dies(servers):
     64 long requests, round-robin: each server gets two waves of its 16 slots, so the
     victim is still busy when it is killed (the engine is fast enough that one wave of
     8 requests can finish between two polls of its status)."""
-    reqs = [GenerateRequest([5 + i, 6, 7], max_new_tokens=500, temperature=1.0, seed=i,
-                            ignore_eos=True) for i in range(64)]
+    reqs = [GenerateRequest([5 + i, 6, 7], SamplingParams(max_new_tokens=500, temperature=1.0,
+                                                          seed=i, ignore_eos=True))
+            for i in range(64)]
     victim, survivor = servers[1], servers[0]
     victim_tokens_before = server_info(victim.url)["generated_tokens"]
 
@@ -208,7 +212,7 @@ def test_failover_when_a_server_dies(servers):
     assert not victim.alive()
     assert states == {survivor.url: True, victim.url: False}
     for req, res in zip(reqs, results, strict=True):
-        assert len(res.output_ids) == req.max_new_tokens and res.finish_reason == "length"
+        assert len(res.output_ids) == req.params.max_new_tokens and res.finish_reason == "length"
     # Half the requests went to the victim; those it had not finished moved to the survivor.
     on_survivor = sum(res.server == survivor.url for res in results)
     assert on_survivor > len(reqs) // 2, on_survivor

@@ -17,6 +17,7 @@ import pytest
 from areal_jax.engine.launch import launch_server, launch_servers
 from areal_jax.rollout.client import RolloutClient
 from areal_jax.rollout.types import GenerateRequest
+from areal_jax.sampling_params import SamplingParams
 from tests.hf_fixtures import make_tiny_hf_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -44,7 +45,8 @@ def test_restarted_server_is_resynced_and_reused(ckpts, tmp_path_factory):
                                      schedule="round_robin") as client:
                 await client.update_weights_from_disk(str(ckpt_b), 3)
                 servers[1].kill()
-                reqs = [GenerateRequest([3, 4, 5 + i], max_new_tokens=8, temperature=0.0)
+                reqs = [GenerateRequest([3, 4, 5 + i],
+                                        SamplingParams(max_new_tokens=8, temperature=0.0))
                         for i in range(4)]
                 first = await asyncio.gather(*(client.agenerate(r) for r in reqs))
                 assert {s.up for s in client.servers} == {True, False}

@@ -30,6 +30,7 @@ from aiohttp import web
 from areal_jax.engine.launch import free_port
 from areal_jax.rollout.client import NoServerAvailableError, RolloutClient
 from areal_jax.rollout.types import GenerateRequest
+from areal_jax.sampling_params import SamplingParams
 
 TICK_S = 0.002
 
@@ -183,7 +184,8 @@ async def run_with_updates(stand_in: StandIn, n_updates: int = 2):
     try:
         async with RolloutClient([url], health_check_interval=0.2) as client:
             tasks = [asyncio.create_task(client.agenerate(
-                GenerateRequest(p, max_new_tokens=MAX_NEW, temperature=1.0))) for p in PROMPTS]
+                GenerateRequest(p, SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0))))
+                for p in PROMPTS]
             for v in range(1, n_updates + 1):
                 target = stand_in.generated + 20
                 while stand_in.generated < target:  # some running, some queued
@@ -246,7 +248,7 @@ def test_reply_without_logprobs_that_is_not_an_abort_is_an_error():
         url = await stand_in.start()
         try:
             async with RolloutClient([url]) as client:
-                await client.agenerate(GenerateRequest([1, 2], max_new_tokens=3))
+                await client.agenerate(GenerateRequest([1, 2], SamplingParams(max_new_tokens=3)))
         finally:
             await stand_in.stop()
 
@@ -291,7 +293,8 @@ def _fleet_op(stand_in: StandIn, **client_kwargs):
                 t0 = time.monotonic()
                 try:
                     await client.update_weights_from_disk("/weights/v", 4)
-                    res = await client.agenerate(GenerateRequest([1, 2], max_new_tokens=4))
+                    res = await client.agenerate(
+                        GenerateRequest([1, 2], SamplingParams(max_new_tokens=4)))
                     outcome = res.output_versions
                 except Exception as e:  # noqa: BLE001 - returned for the asserts
                     outcome = e

@@ -16,6 +16,7 @@ import pytest
 from areal_jax.engine.launch import launch_servers
 from areal_jax.rollout.client import RolloutClient
 from areal_jax.rollout.types import GenerateRequest
+from areal_jax.sampling_params import SamplingParams
 from tests.hf_fixtures import make_tiny_hf_checkpoint
 
 pytestmark = pytest.mark.slow  # two real servers and two 5 s stalls (~2 min on 2 cores)
@@ -55,7 +56,7 @@ def test_a_stalled_server_is_retried_until_it_answers(servers, ckpts):
     (60 s) is longer, so the update and the generation both succeed once it resumes.
     Without retries both failed and the server was dropped."""
     victim = servers[0]
-    req = GenerateRequest([3, 4, 5], max_new_tokens=8, temperature=0.0)
+    req = GenerateRequest([3, 4, 5], SamplingParams(max_new_tokens=8, temperature=0.0))
 
     async def run():
         async with RolloutClient([victim.url], control_timeout=1.0, request_timeout=1.0,
@@ -99,7 +100,7 @@ def test_a_killed_server_is_dropped_at_once(servers, ckpts):
     retry deadline (10 minutes here); the update lands on the survivor and generation
     goes on there."""
     survivor, victim = servers
-    req = GenerateRequest([3, 4, 5], max_new_tokens=8, temperature=0.0)
+    req = GenerateRequest([3, 4, 5], SamplingParams(max_new_tokens=8, temperature=0.0))
 
     async def run():
         async with RolloutClient([s.url for s in servers], retry_deadline_s=600.0,

@@ -13,7 +13,7 @@ from areal_jax.engine.launch import launch_server
 from areal_jax.rewards.pool import RewardPool
 from areal_jax.rollout.client import RolloutClient
 from areal_jax.rollout.evaluate import evaluate_prompts
-from areal_jax.rollout.workflows import SamplingConfig
+from areal_jax.sampling_params import SamplingParams
 from areal_jax.trainer_setup import ASSETS_DIR
 
 MODEL = ASSETS_DIR / "arith_sft"
@@ -42,7 +42,7 @@ def _evaluate(server, reward_fn, pool, n_samples=2):
         try:
             return await evaluate_prompts(
                 client, ITEMS, tokenizer=load_tokenizer(MODEL), reward_fn=reward_fn,
-                reward_pool=pool, sampling=SamplingConfig(max_new_tokens=4), n_samples=n_samples)
+                reward_pool=pool, sampling=SamplingParams(max_new_tokens=4), n_samples=n_samples)
         finally:
             await client.aclose()
 

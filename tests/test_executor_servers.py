@@ -30,7 +30,8 @@ from areal_jax.rewards.builtin import builtin_reward
 from areal_jax.rewards.pool import RewardPool
 from areal_jax.rollout.client import RolloutClient
 from areal_jax.rollout.executor import PromptsExhausted, RolloutExecutor
-from areal_jax.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow, SamplingConfig
+from areal_jax.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow
+from areal_jax.sampling_params import SamplingParams
 
 BUILTIN_REWARD = "areal_jax.rewards.builtin:builtin_reward"
 
@@ -156,7 +157,7 @@ def test_staleness_bound_with_weight_updates_and_interruption(eta, fleet, ckpts,
     reset_fleet(fleet, ckpts[0])
     client = RolloutClient([s.url for s in fleet], request_timeout=120)
     wf = RLVRWorkflow(BUILTIN_REWARD, n_samples=n, tokenizer=tokenizer,
-                      gconfig=SamplingConfig(max_new_tokens=32, ignore_eos=True))
+                      gconfig=SamplingParams(max_new_tokens=32, ignore_eos=True))
     prompts = load_prompt_dataset(train_jsonl, seed=eta, shard_index=0, shard_count=1)
     ex = RolloutExecutor(client, wf, iter(prompts), batch_size=B, max_concurrent=32,
                          max_staleness=eta, reward_pool=reward_pool)
@@ -190,12 +191,13 @@ RESUME_SCRIPT = textwrap.dedent("""
     from areal_jax.rewards.pool import RewardPool
     from areal_jax.rollout.client import RolloutClient
     from areal_jax.rollout.executor import PromptsExhausted, RolloutExecutor
-    from areal_jax.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow, SamplingConfig
+    from areal_jax.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow
+    from areal_jax.sampling_params import SamplingParams
 
     phase, url, ckpt, data, state_path, out_path = sys.argv[1:7]
     client = RolloutClient([url], request_timeout=120)
     wf = RLVRWorkflow("areal_jax.rewards.builtin:builtin_reward", n_samples=2,
-                      tokenizer=load_tokenizer(ckpt), gconfig=SamplingConfig(max_new_tokens=12))
+                      tokenizer=load_tokenizer(ckpt), gconfig=SamplingParams(max_new_tokens=12))
     prompts = iter(load_prompt_dataset(data, seed=11, num_epochs=2, shard_index=0, shard_count=1))
     pool = RewardPool(num_workers=1, timeout_s=30)
     ex = RolloutExecutor(client, wf, prompts, batch_size=3, max_concurrent=8, max_staleness=1,
@@ -274,7 +276,7 @@ def test_rlvr_workflow_sends_n_concurrent_requests_and_scores_them(fleet, ckpts,
     reset_fleet(fleet, ckpts[0])
     spy = SpyClient(RolloutClient([fleet[0].url], request_timeout=120))
     wf = RLVRWorkflow(BUILTIN_REWARD, n_samples=4, tokenizer=tokenizer,
-                      gconfig=SamplingConfig(max_new_tokens=12, temperature=1.0))
+                      gconfig=SamplingParams(max_new_tokens=12, temperature=1.0))
     item = {"prompt_id": "q1", "prompt": "Q:12+5=", "answer": "17"}
     ex = RolloutExecutor(spy, wf, [item], batch_size=1, reward_pool=reward_pool, seed=3)
     with ex:
@@ -283,7 +285,7 @@ def test_rlvr_workflow_sends_n_concurrent_requests_and_scores_them(fleet, ckpts,
     assert len(group) == 4 == len(spy.calls)
     starts, ends = [c[2] for c in spy.calls], [c[3] for c in spy.calls]
     assert max(starts) < min(ends)  # all four were in flight together
-    assert len({c[0].seed for c in spy.calls}) == 4 and len({c[0].rid for c in spy.calls}) == 4
+    assert len({c[0].params.seed for c in spy.calls}) == 4 and len({c[0].rid for c in spy.calls}) == 4
     prompt_ids = tokenizer.encode_prompt(item["prompt"])
     for traj, (req, resp, _, _) in zip(group, sorted(spy.calls, key=lambda c: c[0].rid),
                                        strict=True):
@@ -300,7 +302,7 @@ def test_rlvr_workflow_sends_n_concurrent_requests_and_scores_them(fleet, ckpts,
 
     # a verifier that raises rejects the whole group, counted
     ex = RolloutExecutor(RolloutClient([fleet[0].url]), RLVRWorkflow(
-        always_raises, n_samples=2, tokenizer=tokenizer, gconfig=SamplingConfig(max_new_tokens=4)),
+        always_raises, n_samples=2, tokenizer=tokenizer, gconfig=SamplingParams(max_new_tokens=4)),
         [item, {**item, "prompt_id": "q2"}], batch_size=1, reward_pool=reward_pool)
     with ex:
         with pytest.raises(PromptsExhausted):  # both groups rejected: nothing to train on
@@ -333,7 +335,7 @@ def test_multi_turn_is_token_in_token_out(fleet, ckpts, tokenizer):
     spy = SpyClient(RolloutClient([fleet[0].url], request_timeout=120))
     wf = MultiTurnWorkflow(env_factory, n_samples=2, tokenizer=tokenizer, max_turns=5,
                            max_total_tokens=60,
-                           gconfig=SamplingConfig(max_new_tokens=6, ignore_eos=True))
+                           gconfig=SamplingParams(max_new_tokens=6, ignore_eos=True))
     ex = RolloutExecutor(spy, wf, [{"prompt_id": "m1", "prompt": "Q:3+4="}], batch_size=1)
     with ex:
         (group,) = ex.prepare_batch(timeout=120)
@@ -429,7 +431,7 @@ def test_no_loss_no_duplicates(n_prompts, fleet, tokenizer, tmp_path):
     client = RolloutClient([s.url for s in fleet], request_timeout=120,
                            health_check_interval=0.5, max_retries=5)
     inner = RLVRWorkflow(flaky_reward, n_samples=n_samples, tokenizer=tokenizer, answer_key="spec",
-                         gconfig=SamplingConfig(max_new_tokens=40, ignore_eos=True))
+                         gconfig=SamplingParams(max_new_tokens=40, ignore_eos=True))
     wf = RecordingWorkflow(inner, max_retries=2)
     prompts = load_prompt_dataset(str(data), seed=0, shard_index=0, shard_count=1)
     first_prompts = sorted(flaky)

@@ -214,6 +214,32 @@ def test_kl_penalty_to_reference_logprobs():
     assert second["kl_ref"] > 1e-6 and np.isfinite(second["loss"])
 
 
+def test_learners_with_the_same_graph_and_config_share_compiled_programs():
+    """Programs are jitted once per learner, and jax's own cache (per function, jit options
+    and static arguments) lets a second learner of the same model and config, e.g. a frozen
+    reference policy, reuse the first one's executables: it compiles nothing."""
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: compiles.append(event) if "backend_compile" in event else None)
+    algo = AlgoConfig(ppo_n_minibatches=1, c_clip=3.0)
+    trajs = random_trajectories(5, 4, 12)
+    batches = pack_trajectories(trajs, random_advantages(5, trajs), seq_len=32,
+                                rows_per_micro_batch=2)
+    policy = make_learner(one_device(), algo=algo)
+    policy.compute_logp(batches)
+    policy.train_step(batches)
+    assert compiles  # the listener sees compilations
+    compiles.clear()
+    reference = make_learner(one_device(), algo=algo, trainable=False)
+    reference.compute_logp(batches)
+    second = make_learner(one_device(), algo=algo)
+    second.train_step(batches)
+    assert compiles == []
+    different = make_learner(one_device(), algo=AlgoConfig(ppo_n_minibatches=1, c_clip=4.0))
+    different.train_step(batches)
+    assert compiles  # another loss is another program
+
+
 def test_configs_validate_with_named_errors():
     # The Python API's errors name the run config's keys: it is the same class.
     with pytest.raises(ValueError, match=r"optim.schedule='linear'; expected one of \['constant', 'cosine'\]"):

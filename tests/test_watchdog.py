@@ -14,7 +14,8 @@ from areal_jax.engine.launch import launch_server
 from areal_jax.rewards.pool import RewardPool
 from areal_jax.rollout.client import RolloutClient
 from areal_jax.rollout.executor import NoProgressError, RolloutExecutor
-from areal_jax.rollout.workflows import RLVRWorkflow, SamplingConfig
+from areal_jax.rollout.workflows import RLVRWorkflow
+from areal_jax.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,8 @@ def _executor(server, tokenizer, workflow, pool=None, max_concurrent=4, **limits
 def test_server_refusing_every_request_stops_with_its_message(server_and_tokenizer):
     server, tokenizer = server_and_tokenizer
     wf = RLVRWorkflow("areal_jax.rewards.builtin:builtin_reward", n_samples=2,
-                      gconfig=SamplingConfig(max_new_tokens=8, top_k=0), tokenizer=tokenizer)
+                      gconfig=SamplingParams(max_new_tokens=8, stop_token_ids=(10**6,)),
+                      tokenizer=tokenizer)
     ex = _executor(server, tokenizer, wf, max_attempts_without_progress=6)
     try:
         with pytest.raises(NoProgressError) as info:
@@ -50,14 +52,14 @@ def test_server_refusing_every_request_stops_with_its_message(server_and_tokeniz
     msg = str(info.value)
     assert "\n" not in msg
     assert "attempts in a row ended without an accepted group" in msg
-    assert "RolloutRequestError" in msg and "HTTP 400" in msg and "top_k" in msg, msg
+    assert "RolloutRequestError" in msg and "HTTP 400" in msg and "stop_token_ids" in msg, msg
     assert "watchdog.max_attempts_without_progress=6" in msg
 
 
 def test_workflow_rejecting_everything_is_named(server_and_tokenizer):
     server, tokenizer = server_and_tokenizer
     wf = RLVRWorkflow("areal_jax.rewards.builtin:builtin_reward", n_samples=2,
-                      gconfig=SamplingConfig(max_new_tokens=8), tokenizer=tokenizer,
+                      gconfig=SamplingParams(max_new_tokens=8), tokenizer=tokenizer,
                       group_filter=lambda g: False)
     with RewardPool(num_workers=1, timeout_s=10) as pool:
         ex = _executor(server, tokenizer, wf, pool, max_attempts_without_progress=5)
@@ -72,7 +74,7 @@ def test_workflow_rejecting_everything_is_named(server_and_tokenizer):
 def test_failing_reward_is_named_with_its_exception_type(server_and_tokenizer):
     server, tokenizer = server_and_tokenizer
     wf = RLVRWorkflow("tests._faulty_rewards:always_raises", n_samples=2,
-                      gconfig=SamplingConfig(max_new_tokens=8), tokenizer=tokenizer)
+                      gconfig=SamplingParams(max_new_tokens=8), tokenizer=tokenizer)
     with RewardPool(num_workers=1, timeout_s=10) as pool:
         ex = _executor(server, tokenizer, wf, pool, max_attempts_without_progress=4)
         try:
@@ -109,7 +111,7 @@ def test_progress_resets_the_count(server_and_tokenizer):
         if calls["n"] % 3 == 0:
             raise RuntimeError("transient")
         return await RLVRWorkflow("areal_jax.rewards.builtin:builtin_reward", n_samples=1,
-                                  gconfig=SamplingConfig(max_new_tokens=4),
+                                  gconfig=SamplingParams(max_new_tokens=4),
                                   tokenizer=tokenizer).arun(client, item, ctx)
 
     # one run at a time, so that runs finish in the order the failures were planned

@@ -13,13 +13,14 @@ from areal_jax.rollout.types import GenerateResponse
 from areal_jax.rollout.workflows import (
     MultiTurnWorkflow,
     RLVRWorkflow,
-    SamplingConfig,
     WorkflowContext,
     as_workflow_fn,
     compute_reward,
     prompt_token_ids,
+    sample_request,
     trajectory_from_response,
 )
+from areal_jax.sampling_params import SamplingParams
 
 
 def add_one(x):
@@ -35,20 +36,22 @@ def sleepy(x):
     return x
 
 
-def test_sampling_config_builds_requests_and_validates():
-    cfg = SamplingConfig(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=5,
+def test_sample_request_builds_requests_from_validated_params():
+    cfg = SamplingParams(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=5,
                          stop_token_ids=(2,), ignore_eos=True)
-    req = cfg.request([1, 2], seed=11, rid="g/0", max_new_tokens=3)
-    assert req.input_ids == [1, 2] and req.max_new_tokens == 3 and req.seed == 11
+    req = sample_request(cfg, [1, 2], seed=11, rid="g/0", max_new_tokens=3)
+    assert req.input_ids == [1, 2] and req.params.max_new_tokens == 3 and req.params.seed == 11
+    assert req.rid == "g/0" and cfg.seed is None  # the shared params are not changed
     params = req.sampling_params()
     assert params["temperature"] == 0.5 and params["top_k"] == 5 and params["stop_token_ids"] == [2]
     assert params["ignore_eos"] is True and params["sampling_seed"] == 11
-    with pytest.raises(ValueError, match="max_new_tokens must be > 0"):
-        SamplingConfig(max_new_tokens=0)
+    assert params["skip_special_tokens"] is False  # the client works on token ids
+    with pytest.raises(ValueError, match="max_new_tokens must be an int in"):
+        SamplingParams(max_new_tokens=0)
     with pytest.raises(ValueError, match="top_p must be in"):
-        SamplingConfig(top_p=0.0)
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
-        SamplingConfig(temperature=-1.0)
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature must be 0 .greedy. or in"):
+        SamplingParams(temperature=-1.0)
 
 
 def test_trajectory_from_response_aligns_tokens():
@@ -105,7 +108,7 @@ def test_workflow_constructors_validate():
         stop_token_ids = [2, 7]
 
     assert RLVRWorkflow(add_one, tokenizer=Tok()).gconfig.stop_token_ids == (2, 7)
-    explicit = RLVRWorkflow(add_one, tokenizer=Tok(), gconfig=SamplingConfig(stop_token_ids=(9,)))
+    explicit = RLVRWorkflow(add_one, tokenizer=Tok(), gconfig=SamplingParams(stop_token_ids=(9,)))
     assert explicit.gconfig.stop_token_ids == (9,)
 
 

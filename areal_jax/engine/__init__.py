@@ -18,7 +18,8 @@ from areal_jax.engine.launch import (
     wait_healthy,
 )
 from areal_jax.engine.model_dir import ModelPathError
-from areal_jax.engine.request import EngineRequest, SamplingParams
+from areal_jax.engine.request import EngineRequest
+from areal_jax.sampling_params import SamplingParams
 
 __all__ = [
     "EngineConfig",

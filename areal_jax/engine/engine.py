@@ -44,9 +44,10 @@ from flax import nnx
 
 from areal_jax.engine.config import EngineConfig
 from areal_jax.engine.model_dir import ModelPathError, check_model_dir, read_eos_token_ids
-from areal_jax.engine.request import EngineRequest, SamplingParams
+from areal_jax.engine.request import EngineRequest
 from areal_jax.engine.runner import ModelRunner, bucket_for
 from areal_jax.engine.weight_check import load_update
+from areal_jax.sampling_params import SamplingParams
 from model_defs import load_hf
 
 logger = logging.getLogger(__name__)

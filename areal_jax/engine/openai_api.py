@@ -34,7 +34,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from areal_jax.engine.request import EngineRequest, SamplingParams
+from areal_jax.engine.request import EngineRequest
+from areal_jax.sampling_params import SamplingParams
 
 TokenCallback = Callable[[list[int], list[float]], None]
 # backend(key, input_ids, params, on_tokens) -> Generated. ``key`` is the route's {key} path

@@ -12,12 +12,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from areal_jax.engine.request import (
+from areal_jax.engine.request import EngineRequest
+from areal_jax.sampling_params import (
     INT32_MAX,
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
     SEED_MAX,
-    EngineRequest,
     SamplingParams,
 )
 

@@ -58,7 +58,6 @@ from model_defs import (
     use_mesh,
 )
 
-_JIT_CACHE: dict[tuple, Any] = {}
 MicroBatch = Any  # a PackedBatch or a Mapping[str, np.ndarray] of [R, L] arrays
 LOGP_KEYS = ("input_ids", "positions", "segment_ids")
 TRAIN_KEYS = tuple(PACKED_FIELDS)
@@ -80,6 +79,48 @@ def _get(mb: MicroBatch, key: str, index: int) -> np.ndarray:
 
 def _set(mb: MicroBatch, key: str, value: np.ndarray) -> None:
     mb[key] = value
+
+
+class Program:
+    """A module-level function, jitted once, with its static arguments bound."""
+
+    def __init__(self, fn: Any, static: dict[str, Any], **jit_kwargs: Any):
+        self._jitted = jax.jit(fn, static_argnames=tuple(static), **jit_kwargs)
+        self._static = static
+
+    def __call__(self, *args: Any) -> Any:
+        return self._jitted(*args, **self._static)
+
+    def lower(self, *args: Any) -> Any:
+        return self._jitted.lower(*args, **self._static)
+
+
+def _logp_program(params, rest, batch, *, graphdef, compute_dtype, temperature, chunk_size):
+    return make_logp_fn(graphdef, compute_dtype, temperature, chunk_size)(params, rest, batch)[0]
+
+
+def _denominator_program(batch, *, agg_mode):
+    return make_denominator_fn(agg_mode)(batch)
+
+
+def _grad_program(params, rest, grads, sums, batch, denom, n_loss_tokens, version, *, graphdef,
+                  compute_dtype, algo, temperature, chunk_size, seq_norm, prox_from_logp):
+    fn = make_grad_fn(graphdef, compute_dtype, algo, temperature=temperature,
+                      logp_chunk_size=chunk_size, seq_token_sum_normalizer=seq_norm,
+                      prox_from_logp=prox_from_logp)
+    return fn(params, rest, grads, sums, batch, denom, n_loss_tokens, version)
+
+
+def _apply_program(params, opt_state, grads, *, optim):
+    return make_apply_fn(make_optimizer(optim))(params, opt_state, grads)
+
+
+def _init_opt_program(params, *, optim):
+    return make_optimizer(optim).init(params)
+
+
+def _zeros_program(params):
+    return jax.tree.map(jnp.zeros_like, params)
 
 
 class Learner:
@@ -166,7 +207,8 @@ class Learner:
                 self.tx, lambda _, sharding: sharding, abstract_opt, self.param_shardings,
                 transform_non_params=lambda _: replicated(self.mesh),
                 is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-            self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings,
+            self.opt_state = Program(_init_opt_program, {"optim": optim},
+                                     out_shardings=self.opt_shardings,
                                      **self._jit_options)(self.params)
         self.step = 0  # optimizer steps taken
         self.version = 0  # train_step calls (learner weight version)
@@ -205,44 +247,33 @@ class Learner:
         return jax.tree.unflatten(treedef, [one(x, s) for x, s in zip(leaves, flat_sh, strict=True)])
 
     # ------------------------------------------------------------------ compile
-    def _jit(self, kind: str, key: tuple, build: Any) -> Any:
-        """A jitted function shared by every learner with the same model graph, mesh, dtype,
-        config and XLA options (e.g. a policy and its frozen reference reuse one logprob
-        program instead of compiling it twice)."""
-        full_key = (kind, self._graphdef, self.mesh, str(self.compute_dtype),
-                    tuple(sorted(self._jit_options.get("compiler_options", {}).items())), *key)
-        if full_key not in _JIT_CACHE:
-            _JIT_CACHE[full_key] = build()
-        return _JIT_CACHE[full_key]
-
     def _compile(self) -> None:
-        algo = self.algo
+        """Jits each program once. jax caches traces and executables per (function, jit
+        options, static arguments), so learners with the same model graph, mesh, dtype,
+        config and XLA options (e.g. a policy and its frozen reference) share them."""
         param_sh, rep = self.param_shardings, replicated(self.mesh)
         opts = self._jit_options
-        loss_key = (algo, self.temperature, self.logp_chunk_size, self.seq_token_sum_normalizer)
-        self._denominator = self._jit("denominator", (algo.agg_mode,), lambda: jax.jit(
-            make_denominator_fn(algo.agg_mode), out_shardings=(rep, rep), **opts))
-        self._grads = {prox_from_logp: self._jit("grad", (*loss_key, prox_from_logp), lambda p=prox_from_logp: jax.jit(
-            make_grad_fn(self._graphdef, self.compute_dtype, algo, temperature=self.temperature,
-                         logp_chunk_size=self.logp_chunk_size,
-                         seq_token_sum_normalizer=self.seq_token_sum_normalizer,
-                         prox_from_logp=p),
-            donate_argnums=(2, 3), out_shardings=(param_sh, rep), **opts))
-            for prox_from_logp in (False, True)}
-        self._apply = self._jit("apply", (self.optim,), lambda: jax.jit(
-            make_apply_fn(self.tx), donate_argnums=(0, 1),
-            out_shardings=(param_sh, self.opt_shardings, rep, rep), **opts)
-        ) if self.trainable else None
-        self._zeros = self._jit("zeros", (), lambda: jax.jit(
-            lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=param_sh, **opts))
+        model = {"graphdef": self._graphdef, "compute_dtype": self.compute_dtype}
+        self._denominator = Program(_denominator_program, {"agg_mode": self.algo.agg_mode},
+                                    out_shardings=(rep, rep), **opts)
+        self._grads = {p: Program(_grad_program, {
+            **model, "algo": self.algo, "temperature": self.temperature,
+            "chunk_size": self.logp_chunk_size, "seq_norm": self.seq_token_sum_normalizer,
+            "prox_from_logp": p}, donate_argnums=(2, 3), out_shardings=(param_sh, rep), **opts)
+            for p in (False, True)}
+        self._apply = Program(_apply_program, {"optim": self.optim}, donate_argnums=(0, 1),
+                              out_shardings=(param_sh, self.opt_shardings, rep, rep), **opts
+                              ) if self.trainable else None
+        self._zeros = Program(_zeros_program, {}, out_shardings=param_sh, **opts)
+        self._logp_programs: dict[float, Program] = {}
 
-    def _logp_fn(self, temperature: float) -> Any:
-        def build() -> Any:
-            fn = make_logp_fn(self._graphdef, self.compute_dtype, temperature,
-                              self.logp_chunk_size)
-            return jax.jit(lambda p, r, b: fn(p, r, b)[0], **self._jit_options)
-
-        return self._jit("logp", (temperature, self.logp_chunk_size), build)
+    def _logp_fn(self, temperature: float) -> Program:
+        if temperature not in self._logp_programs:
+            self._logp_programs[temperature] = Program(_logp_program, {
+                "graphdef": self._graphdef, "compute_dtype": self.compute_dtype,
+                "temperature": temperature, "chunk_size": self.logp_chunk_size},
+                **self._jit_options)
+        return self._logp_programs[temperature]
 
     # ------------------------------------------------------------------ data in/out
     def _check_micro_batches(self, micro_batches: Sequence[MicroBatch], keys: Sequence[str]

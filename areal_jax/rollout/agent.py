@@ -45,11 +45,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from areal_jax.engine.openai_api import Generated, OpenAIError, OpenAIRoutes
-from areal_jax.engine.request import SamplingParams
 from areal_jax.plugins import import_callable
 from areal_jax.rewards.pool import check_reward_value
 from areal_jax.rollout.types import FINISH_LENGTH, FINISH_STOP
-from areal_jax.rollout.workflows import SamplingConfig, WorkflowContext
+from areal_jax.rollout.workflows import WorkflowContext, sample_request
+from areal_jax.sampling_params import SamplingParams
 from areal_jax.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class RecordedCall:
 class _Recorder:
     client: Any
     loop: asyncio.AbstractEventLoop
-    gconfig: SamplingConfig
+    gconfig: SamplingParams
     seed: int
     rid: str
     max_turns: int
@@ -175,9 +175,10 @@ class AgentProxy:
                               code="context_length_exceeded")
         stops = list(dict.fromkeys([*rec.gconfig.stop_token_ids, *params.stop_token_ids]))
         gconfig = replace(rec.gconfig, stop_token_ids=tuple(stops))
-        request = gconfig.request(input_ids, seed=rec.seed + turn, rid=f"{rec.rid}.{turn}",
-                                  max_new_tokens=min(params.max_new_tokens,
-                                                     rec.gconfig.max_new_tokens, room))
+        request = sample_request(gconfig, input_ids, seed=rec.seed + turn,
+                                 rid=f"{rec.rid}.{turn}",
+                                 max_new_tokens=min(params.max_new_tokens,
+                                                    rec.gconfig.max_new_tokens, room))
         future = None
         try:
             future = asyncio.run_coroutine_threadsafe(rec.client.agenerate(request), rec.loop)
@@ -223,7 +224,7 @@ class AgenticWorkflow:
     """
 
     def __init__(self, agent: AgentFn | str, *, n_samples: int = 1,
-                 gconfig: SamplingConfig | None = None, tokenizer: Any = None,
+                 gconfig: SamplingParams | None = None, tokenizer: Any = None,
                  max_turns: int = 4, max_total_tokens: int = 1024, vocab_size: int | None = None,
                  reward_max_abs: float | None = None,
                  group_filter: Callable[[list[Trajectory]], bool] | None = None,
@@ -234,7 +235,7 @@ class AgenticWorkflow:
                              f"{max_total_tokens}")
         self.agent = resolve_agent(agent)
         self.n_samples, self.max_turns, self.max_total_tokens = n_samples, max_turns, max_total_tokens
-        self.gconfig = gconfig or SamplingConfig()
+        self.gconfig = gconfig or SamplingParams()
         self.tokenizer = tokenizer
         if tokenizer is not None and not self.gconfig.stop_token_ids:
             self.gconfig = replace(self.gconfig,

@@ -1,7 +1,7 @@
 """Async client for a fleet of SGLang-protocol servers (the embedded engine or real SGLang).
 
     client = RolloutClient(["http://127.0.0.1:30000", "http://127.0.0.1:30001"])
-    resp = await client.agenerate(GenerateRequest(input_ids=[...], max_new_tokens=256))
+    resp = await client.agenerate(GenerateRequest([...], SamplingParams(max_new_tokens=256)))
     await client.pause(); await client.update_weights_from_disk("ckpt/v3", 3)
     await client.continue_()
 
@@ -262,7 +262,7 @@ class RolloutClient:
         attempt = 0
         server: ServerState | None = None
         while True:
-            remaining = req.max_new_tokens - len(out_ids)
+            remaining = req.params.max_new_tokens - len(out_ids)
             if remaining <= 0:
                 finish = FINISH_LENGTH
                 break

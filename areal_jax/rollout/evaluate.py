@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 
 from areal_jax.rewards.pool import RewardPool, resolve_reward_fn
-from areal_jax.rollout.workflows import SamplingConfig, prompt_token_ids
+from areal_jax.rollout.workflows import prompt_token_ids, sample_request
+from areal_jax.sampling_params import SamplingParams
 
 
 async def evaluate_prompts(client: Any, items: Sequence[dict[str, Any]], *, tokenizer: Any,
-                           reward_fn: Any, reward_pool: RewardPool, sampling: SamplingConfig,
+                           reward_fn: Any, reward_pool: RewardPool, sampling: SamplingParams,
                            n_samples: int = 1, answer_key: str = "answer", seed: int = 0,
                            max_concurrency: int = 256) -> dict[str, float]:
     """Pass@1 over ``items`` (each with a ``prompt`` or ``input_ids`` and an answer)."""
@@ -41,8 +42,8 @@ async def evaluate_prompts(client: Any, items: Sequence[dict[str, Any]], *, toke
     async def one(i: int, item: dict[str, Any], k: int) -> tuple[float, int]:
         nonlocal failures
         async with sem:
-            req = sampling.request(prompt_token_ids(item, tokenizer), seed=seed + 1000 * i + k,
-                                   rid=f"eval-{seed}-{i}-{k}")
+            req = sample_request(sampling, prompt_token_ids(item, tokenizer),
+                                 seed=seed + 1000 * i + k, rid=f"eval-{seed}-{i}-{k}")
             resp = await client.agenerate(req)
         text = tokenizer.decode(resp.output_ids, skip_special_tokens=True)
         r = await reward_pool.score(reward_fn, text, item[answer_key])

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_jax.sampling_params import SamplingParams
 from areal_jax.trajectory import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 
 __all__ = ["FINISH_ABORT", "FINISH_LENGTH", "FINISH_STOP", "GenerateRequest", "GenerateResponse"]
@@ -16,30 +17,28 @@ __all__ = ["FINISH_ABORT", "FINISH_LENGTH", "FINISH_STOP", "GenerateRequest", "G
 
 @dataclass
 class GenerateRequest:
-    """One sample: a prompt (token ids) and SGLang sampling params."""
+    """One sample: a prompt (token ids), its sampling params (``params.seed`` is sent as
+    ``sampling_seed``) and an optional request id."""
 
     input_ids: list[int]
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
+    params: SamplingParams = field(default_factory=SamplingParams)
     rid: str | None = None
-    seed: int | None = None  # sent as sampling_params["sampling_seed"]
 
     def sampling_params(self, max_new_tokens: int | None = None) -> dict[str, Any]:
+        """The ``sampling_params`` of /generate; ``max_new_tokens``: what is left of the
+        budget after an interruption. Token ids out, so no special-token skipping."""
+        p = self.params
         params: dict[str, Any] = {
-            "max_new_tokens": self.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "stop_token_ids": list(self.stop_token_ids),
-            "ignore_eos": self.ignore_eos,
+            "max_new_tokens": p.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": p.top_k,
+            "stop_token_ids": list(p.stop_token_ids),
+            "ignore_eos": p.ignore_eos,
             "skip_special_tokens": False,
         }
-        if self.seed is not None:
-            params["sampling_seed"] = int(self.seed)
+        if p.seed is not None:
+            params["sampling_seed"] = int(p.seed)
         return params
 
 

@@ -40,39 +40,22 @@ from areal_jax.rewards.pool import (
     resolve_reward_fn,
 )
 from areal_jax.rollout.types import GenerateRequest, GenerateResponse
+from areal_jax.sampling_params import SamplingParams
 from areal_jax.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Sampling parameters of every request a workflow sends (SGLang names)."""
-
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"SamplingConfig.max_new_tokens must be > 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
-
-    def request(self, input_ids: Sequence[int], *, seed: int | None = None, rid: str | None = None,
-                max_new_tokens: int | None = None) -> GenerateRequest:
-        return GenerateRequest(
-            input_ids=list(input_ids),
-            max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
-            rid=rid, seed=seed,
-        )
+def sample_request(params: SamplingParams, input_ids: Sequence[int], *, seed: int | None = None,
+                   rid: str | None = None, max_new_tokens: int | None = None) -> GenerateRequest:
+    """A request for one sample under ``params``, with its own seed and token budget."""
+    changes: dict[str, Any] = {}
+    if seed is not None:
+        changes["seed"] = seed
+    if max_new_tokens is not None:
+        changes["max_new_tokens"] = max_new_tokens
+    return GenerateRequest(list(input_ids), replace(params, **changes) if changes else params,
+                           rid)
 
 
 @dataclass
@@ -171,7 +154,7 @@ class RLVRWorkflow:
     """
 
     def __init__(self, reward_fn: RewardFn, *, n_samples: int = 1,
-                 gconfig: SamplingConfig | None = None, tokenizer: Any = None,
+                 gconfig: SamplingParams | None = None, tokenizer: Any = None,
                  answer_key: str = "answer", reward_kwargs: dict[str, Any] | None = None,
                  group_filter: Callable[[list[Trajectory]], bool] | None = None) -> None:
         if n_samples < 1:
@@ -182,7 +165,7 @@ class RLVRWorkflow:
             raise TypeError(f"reward_fn must be callable or 'module:function', got {reward_fn!r}")
         self.reward_fn = reward_fn
         self.n_samples = n_samples
-        self.gconfig = gconfig or SamplingConfig()
+        self.gconfig = gconfig or SamplingParams()
         self.tokenizer = tokenizer
         self.answer_key = answer_key
         self.reward_kwargs = dict(reward_kwargs or {})
@@ -199,7 +182,8 @@ class RLVRWorkflow:
             raise KeyError(f"prompt item {item.get('prompt_id', '?')!r} has no {self.answer_key!r} "
                            f"key for the reward; keys: {sorted(item)}")
         prompt_ids = prompt_token_ids(item, tokenizer)
-        requests = [self.gconfig.request(prompt_ids, seed=ctx.seed + i, rid=f"{ctx.group_id}/{i}")
+        requests = [sample_request(self.gconfig, prompt_ids, seed=ctx.seed + i,
+                                   rid=f"{ctx.group_id}/{i}")
                     for i in range(self.n_samples)]
         responses = await asyncio.gather(*(client.agenerate(r) for r in requests))
         texts = [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in responses]
@@ -244,14 +228,14 @@ class MultiTurnWorkflow:
     """
 
     def __init__(self, env_factory: Callable[[dict[str, Any]], Any], *, n_samples: int = 1,
-                 gconfig: SamplingConfig | None = None, tokenizer: Any = None,
+                 gconfig: SamplingParams | None = None, tokenizer: Any = None,
                  max_turns: int = 4, max_total_tokens: int = 1024) -> None:
         if n_samples < 1 or max_turns < 1 or max_total_tokens < 1:
             raise ValueError(f"MultiTurnWorkflow needs n_samples, max_turns, max_total_tokens >= 1, "
                              f"got {n_samples}, {max_turns}, {max_total_tokens}")
         self.env_factory = env_factory
         self.n_samples = n_samples
-        self.gconfig = gconfig or SamplingConfig()
+        self.gconfig = gconfig or SamplingParams()
         self.tokenizer = tokenizer
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
@@ -267,9 +251,9 @@ class MultiTurnWorkflow:
         total_reward, turns, finish, n_interruptions = 0.0, 0, "length", 0
         while turns < self.max_turns and len(ids) < self.max_total_tokens:
             budget = min(self.gconfig.max_new_tokens, self.max_total_tokens - len(ids))
-            resp = await client.agenerate(self.gconfig.request(
-                ids, seed=ctx.seed + 1000 * sample + turns, rid=f"{ctx.group_id}/{sample}.{turns}",
-                max_new_tokens=budget))
+            resp = await client.agenerate(sample_request(
+                self.gconfig, ids, seed=ctx.seed + 1000 * sample + turns,
+                rid=f"{ctx.group_id}/{sample}.{turns}", max_new_tokens=budget))
             turns += 1
             n_interruptions += resp.n_interruptions
             finish = resp.finish_reason
