@@ -132,7 +132,7 @@ def test_second_training_run_compiles_nothing_new(tmp_path):
         assert marks == sorted(marks) and marks[0] > 0, row
         assert row["startup/servers_ready_s"] <= row["startup/setup_s"], row
     # Both processes wrote there: the engine's step functions (wrapped as "traced" in
-    # engine/runner.py) and the learner's gradient function.
+    # engine/runner.py) and the learner's gradient program (learner.py: _grad_program).
     names = {e.rsplit("-", 2)[0] for e in entries[0]}
-    assert {"jit_traced", "jit_grad_fn"} <= names, names
+    assert {"jit_traced", "jit__grad_program"} <= names, names
     assert entries[1] == entries[0], sorted(entries[1] ^ entries[0])
