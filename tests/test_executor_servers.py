@@ -285,12 +285,13 @@ def test_rlvr_workflow_sends_n_concurrent_requests_and_scores_them(fleet, ckpts,
     assert len(group) == 4 == len(spy.calls)
     starts, ends = [c[2] for c in spy.calls], [c[3] for c in spy.calls]
     assert max(starts) < min(ends)  # all four were in flight together
-    assert len({c[0].params.seed for c in spy.calls}) == 4 and len({c[0].rid for c in spy.calls}) == 4
+    assert len({c[0].params.seed for c in spy.calls}) == 4
+    assert len({c[0].rid for c in spy.calls}) == 4
     prompt_ids = tokenizer.encode_prompt(item["prompt"])
     for traj, (req, resp, _, _) in zip(group, sorted(spy.calls, key=lambda c: c[0].rid),
                                        strict=True):
         assert req.input_ids == prompt_ids
-        assert req.stop_token_ids == tokenizer.stop_token_ids
+        assert list(req.params.stop_token_ids) == tokenizer.stop_token_ids
         n_p = len(prompt_ids)
         assert traj.input_ids.tolist() == prompt_ids + resp.output_ids
         assert traj.loss_mask.tolist() == [0] * n_p + [1] * len(resp.output_ids)
