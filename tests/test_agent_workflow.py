@@ -16,12 +16,12 @@ import pytest
 
 from areal_jax.config import ConfigError, load_config
 from areal_jax.data.tokenizer import load_tokenizer
-from areal_jax.engine.launch import launch_server
 from areal_jax.rollout.agent import AgenticWorkflow, RecordedCall, assemble_trajectory
 from areal_jax.rollout.client import RolloutClient
 from areal_jax.rollout.workflows import WorkflowContext
 from areal_jax.sampling_params import SamplingParams
 from tests.hf_fixtures import arith_chat_model_dir
+from tests.server_fixtures import start_server
 
 EOS = 2
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0)
@@ -34,9 +34,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    cache = tmp_path_factory.getbasetemp() / "engine_compilation_cache"
-    with launch_server(model_dir, max_slots=4, max_seq_len=160,
-                       compilation_cache_dir=cache) as handle:
+    with start_server(model_dir, tmp_path_factory, max_slots=4, max_seq_len=160) as handle:
         yield handle
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from areal_jax.engine.launch import free_port, launch_servers
+from areal_jax.engine.launch import free_port
 from areal_jax.rollout.client import (
     NoServerAvailableError,
     RolloutClient,
@@ -22,6 +22,7 @@ from areal_jax.rollout.types import GenerateRequest
 from areal_jax.sampling_params import SamplingParams
 from model_defs import load_hf
 from tests.hf_fixtures import make_tiny_hf_checkpoint, token_logprob_tolerance
+from tests.server_fixtures import start_servers
 
 MAX_SEQ_LEN = 512  # long generations, so pauses and kills land mid-run
 
@@ -38,11 +39,9 @@ def ckpt_b(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(ckpt_a, tmp_path_factory):
-    # Same shapes as tests/test_server.py: a shared compilation cache skips recompiling.
-    cache = tmp_path_factory.getbasetemp() / "engine_compilation_cache"
-    handles = launch_servers(ckpt_a, 2, max_slots=16, max_seq_len=MAX_SEQ_LEN,
-                             allowed_weight_dirs=[tmp_path_factory.getbasetemp()],
-                             compilation_cache_dir=cache)
+    # Same shapes as tests/test_server.py: the shared compilation cache skips recompiling.
+    handles = start_servers(ckpt_a, 2, tmp_path_factory, max_slots=16, max_seq_len=MAX_SEQ_LEN,
+                            allowed_weight_dirs=[tmp_path_factory.getbasetemp()])
     yield handles
     for h in handles:
         h.terminate()

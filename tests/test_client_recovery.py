@@ -14,11 +14,12 @@ import time
 import httpx
 import pytest
 
-from areal_jax.engine.launch import launch_server, launch_servers
+from areal_jax.engine.launch import launch_server
 from areal_jax.rollout.client import RolloutClient
 from areal_jax.rollout.types import GenerateRequest
 from areal_jax.sampling_params import SamplingParams
 from tests.hf_fixtures import make_tiny_hf_checkpoint
+from tests.server_fixtures import shared_cache, start_servers
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +36,9 @@ def info(url):
 
 def test_restarted_server_is_resynced_and_reused(ckpts, tmp_path_factory):
     ckpt_a, ckpt_b = ckpts
-    cache = tmp_path_factory.getbasetemp() / "engine_compilation_cache"
-    servers = launch_servers(ckpt_a, 2, max_slots=8, max_seq_len=128, compilation_cache_dir=cache,
-                             allowed_weight_dirs=[ckpt_b.parent])
+    cache = shared_cache(tmp_path_factory)
+    servers = start_servers(ckpt_a, 2, tmp_path_factory, max_slots=8, max_seq_len=128,
+                            allowed_weight_dirs=[ckpt_b.parent])
     victim_port = int(servers[1].url.rsplit(":", 1)[1])
     try:
         async def run():

@@ -13,11 +13,11 @@ import time
 import httpx
 import pytest
 
-from areal_jax.engine.launch import launch_servers
 from areal_jax.rollout.client import RolloutClient
 from areal_jax.rollout.types import GenerateRequest
 from areal_jax.sampling_params import SamplingParams
 from tests.hf_fixtures import make_tiny_hf_checkpoint
+from tests.server_fixtures import start_servers
 
 pytestmark = pytest.mark.slow  # two real servers and two 5 s stalls (~2 min on 2 cores)
 STALL_S = 5.0
@@ -31,9 +31,8 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(ckpts, tmp_path_factory):
-    cache = tmp_path_factory.getbasetemp() / "engine_compilation_cache"
-    handles = launch_servers(ckpts[0], 2, max_slots=4, max_seq_len=64,
-                             allowed_weight_dirs=[ckpts[0].parent], compilation_cache_dir=cache)
+    handles = start_servers(ckpts[0], 2, tmp_path_factory, max_slots=4, max_seq_len=64,
+                            allowed_weight_dirs=[ckpts[0].parent])
     yield handles
     for h in handles:
         os.killpg(h.pid, signal.SIGCONT) if h.alive() else None

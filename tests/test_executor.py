@@ -76,6 +76,22 @@ def train_loop(executor, n_versions, batch_size, eta, train_s=0.01, on_batch=Non
     return consumed, consume_times
 
 
+def drain(executor, batch_size, version, eta=None):
+    """Takes batches (the last one partial) until the prompts run out, bumping the version
+    after each; checks the staleness bound when ``eta`` is given. Returns the prompt ids."""
+    consumed = []
+    while True:
+        try:
+            groups = executor.prepare_batch(batch_size, timeout=60, allow_partial=True)
+        except PromptsExhausted:
+            return consumed
+        if eta is not None:
+            assert all(version - g[0].start_version <= eta for g in groups)
+        consumed += [g[0].prompt_id for g in groups]
+        version += 1
+        executor.set_version(version)
+
+
 @pytest.mark.parametrize("eta", [0, 1, 2])
 def test_staleness_bound_with_heavy_tailed_runs(eta):
     wf = RandomTimeWorkflow(seed=eta, slow_p=0.15)
@@ -152,17 +168,8 @@ def test_every_prompt_is_accounted_for_once_under_failures_and_rejections():
     n_prompts, B = 300, 5
     ex = RolloutExecutor(None, wf, prompt_items_from_list(items(n_prompts)), batch_size=B,
                          max_concurrent=32, max_staleness=1, max_retries=1)
-    consumed = []
     with ex:
-        v = 0
-        while True:
-            try:
-                groups = ex.prepare_batch(B, timeout=60, allow_partial=True)
-            except PromptsExhausted:
-                break
-            consumed += [g[0].prompt_id for g in groups]
-            v += 1
-            ex.set_version(v)
+        consumed = drain(ex, B, version=0)
         m = ex.metrics()
     rejected = {p for p, _, _, o, _ in wf.runs if o == "reject"}
     failed = {p for p, _, _, o, a in wf.runs if o == "fail" and a == 1}
@@ -191,18 +198,8 @@ def test_state_round_trip_replays_in_flight_and_keeps_accepted(tmp_path):
         items(n_prompts), shuffle=True, seed=1), batch_size=B, max_concurrent=16, max_staleness=2)
     ex2.load_state_dict(json.loads((tmp_path / "state.json").read_text()))
     assert ex2.version == 4
-    rest = []
     with ex2:
-        v = 4
-        while True:
-            try:
-                groups = ex2.prepare_batch(B, timeout=60, allow_partial=True)
-            except PromptsExhausted:
-                break
-            assert all(v - g[0].start_version <= 2 for g in groups)
-            rest += [g[0].prompt_id for g in groups]
-            v += 1
-            ex2.set_version(v)
+        rest = drain(ex2, B, version=4, eta=2)
     both = first + rest
     assert len(both) == len(set(both)) == n_prompts
     assert ex2.metrics()["replayed"] == len(state["in_flight"])

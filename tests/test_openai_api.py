@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from areal_jax.data.tokenizer import load_tokenizer
-from areal_jax.engine.launch import launch_server
 from tests.hf_fixtures import arith_chat_model_dir
+from tests.server_fixtures import start_server
 
 API_KEY = "k"
 MAX_SEQ_LEN = 96
@@ -26,9 +26,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    cache = tmp_path_factory.getbasetemp() / "engine_compilation_cache"
-    with launch_server(model_dir, max_slots=4, max_seq_len=MAX_SEQ_LEN, api_key=API_KEY,
-                       compilation_cache_dir=cache) as handle:
+    with start_server(model_dir, tmp_path_factory, max_slots=4, max_seq_len=MAX_SEQ_LEN,
+                      api_key=API_KEY) as handle:
         yield handle
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from areal_jax.engine.launch import ServerStartError, launch_server
 from tests.hf_fixtures import make_tiny_hf_checkpoint
+from tests.server_fixtures import http_client, start_server
 
 API_KEY = "test-key"
 MAX_SEQ_LEN = 512
@@ -24,18 +25,16 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    # Same shapes as tests/test_client.py: a shared compilation cache skips recompiling.
-    cache = tmp_path_factory.getbasetemp() / "engine_compilation_cache"
-    with launch_server(ckpt, max_slots=16, max_seq_len=MAX_SEQ_LEN, api_key=API_KEY,
-                       allowed_weight_dirs=[tmp_path_factory.getbasetemp()],
-                       compilation_cache_dir=cache) as handle:
+    # Same shapes as tests/test_client.py: the shared compilation cache skips recompiling.
+    with start_server(ckpt, tmp_path_factory, max_slots=16, max_seq_len=MAX_SEQ_LEN,
+                      api_key=API_KEY,
+                      allowed_weight_dirs=[tmp_path_factory.getbasetemp()]) as handle:
         yield handle
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=120.0,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+    with http_client(server.url, API_KEY, timeout=120.0) as client:
         yield client
 
 

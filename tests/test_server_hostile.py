@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from areal_jax.engine.launch import launch_server
 from areal_jax.engine.server import resolve_api_key
 from tests.hf_fixtures import make_tiny_hf_checkpoint
+from tests.server_fixtures import http_client as authed_client
+from tests.server_fixtures import start_server
 
 API_KEY = "hostile-test-key"
 MAX_SEQ_LEN = 64
@@ -61,17 +62,14 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(dirs, tmp_path_factory):
-    cache = tmp_path_factory.getbasetemp() / "engine_compilation_cache"
-    with launch_server(dirs["model"], max_slots=4, max_seq_len=MAX_SEQ_LEN, api_key=API_KEY,
-                       allowed_weight_dirs=[dirs["allowed"]],
-                       compilation_cache_dir=cache) as handle:
+    with start_server(dirs["model"], tmp_path_factory, max_slots=4, max_seq_len=MAX_SEQ_LEN,
+                      api_key=API_KEY, allowed_weight_dirs=[dirs["allowed"]]) as handle:
         yield handle
 
 
 @pytest.fixture(scope="module")
 def http_client(server):
-    with httpx.Client(base_url=server.url, timeout=60.0,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+    with authed_client(server.url, API_KEY) as client:
         yield client
 
 
