@@ -9,7 +9,9 @@ from model_defs.config import (
     UnsupportedArchitectureError,
 )
 from model_defs.hf_io import HF_PARAM_TABLE, CheckpointError, load_hf, parse_dtype, save_hf
+from model_defs.lora import LORA_TARGETS, LoraConfig, add_lora, lora_config, merge_lora
 from model_defs.model import REMAT_POLICIES, CausalLM, remat_policy_name
+from model_defs.peft_io import load_peft_adapter, save_peft_adapter
 from model_defs.sharding import (
     LOGICAL_AXIS_RULES,
     current_mesh,
@@ -26,20 +28,27 @@ __all__ = [
     "ConfigError",
     "HF_PARAM_TABLE",
     "LOGICAL_AXIS_RULES",
+    "LORA_TARGETS",
+    "LoraConfig",
     "ModelConfig",
     "ModelDirNotFoundError",
     "PRESETS",
     "REMAT_POLICIES",
+    "add_lora",
     "SUPPORTED_ARCHITECTURES",
     "UnsupportedArchitectureError",
     "current_mesh",
     "load_hf",
+    "load_peft_adapter",
     "logical_to_spec",
+    "lora_config",
+    "merge_lora",
     "param_logical_axes",
     "param_shardings",
     "parse_dtype",
     "remat_policy_name",
     "save_hf",
+    "save_peft_adapter",
     "shard",
     "use_mesh",
 ]

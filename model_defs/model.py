@@ -5,6 +5,9 @@ H query heads, K kv heads, G query heads per kv head (H = K*G), Dh head dim, F m
 
 Weights keep the HF layout up to a transpose/reshape (``q_proj.kernel_dhk`` is HF
 ``q_proj.weight`` transposed to [D, H, Dh]); see ``hf_io.HF_PARAM_TABLE``.
+
+Attention and MLP hold an optional ``lora`` dict of ``nnx.LoRA`` adapters keyed by the
+PEFT module name (``q_proj`` ... ``down_proj``); ``model_defs.lora.add_lora`` fills it.
 """
 
 from __future__ import annotations
@@ -72,6 +75,15 @@ class RMSNorm(nnx.Module):
         return self.scale[...].astype(self.dtype) * normed
 
 
+def lora_delta(lora: nnx.Dict | None, name: str, x_bti: Array) -> Array | None:
+    """``scale * x @ A @ B`` of the adapter ``name`` ([B, T, in] -> [B, T, out]), or None
+    when that projection has no adapter."""
+    if lora is None or name not in lora:
+        return None
+    adapter = lora[name]
+    return adapter(x_bti) * jnp.asarray(adapter.scale, x_bti.dtype)
+
+
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any,
            std: float = 0.02) -> nnx.Param:
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), logical_axes=axes)
@@ -97,9 +109,14 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         else:
             self.q_norm = self.k_norm = None
+        self.lora: nnx.Dict | None = nnx.data(None)  # adapters: model_defs.lora
 
-    def _project(self, x_btd: Array, kernel: nnx.Param, bias: nnx.Param | None) -> Array:
+    def _project(self, x_btd: Array, kernel: nnx.Param, bias: nnx.Param | None,
+                 name: str) -> Array:
         out_btnh = jnp.einsum("btd,dnh->btnh", x_btd, kernel[...].astype(self.dtype))
+        delta_bto = lora_delta(self.lora, name, x_btd)
+        if delta_bto is not None:
+            out_btnh = out_btnh + delta_bto.reshape(out_btnh.shape)
         if bias is not None:
             out_btnh = out_btnh + bias[...].astype(self.dtype)
         return out_btnh
@@ -109,9 +126,9 @@ class Attention(nnx.Module):
         """Head-major attention inputs of normed hidden states [B, T, D]: queries
         [B, K, G, T, Dh] scaled by Dh**-0.5, keys and values [B, K, T, Dh] (RoPE applied)."""
         b, t, _ = x_btd.shape
-        q_bthd = self._project(x_btd, self.q_kernel_dhk, self.q_bias)
-        k_btkd = self._project(x_btd, self.k_kernel_dkh, self.k_bias)
-        v_btkd = self._project(x_btd, self.v_kernel_dkh, self.v_bias)
+        q_bthd = self._project(x_btd, self.q_kernel_dhk, self.q_bias, "q_proj")
+        k_btkd = self._project(x_btd, self.k_kernel_dkh, self.k_bias, "k_proj")
+        v_btkd = self._project(x_btd, self.v_kernel_dkh, self.v_bias, "v_proj")
         if self.q_norm is not None:
             q_bthd = self.q_norm(q_bthd)
             k_btkd = self.k_norm(k_btkd)
@@ -128,7 +145,9 @@ class Attention(nnx.Module):
         """Output projection of head-major attention outputs, -> [B, T, D]."""
         b, k, g, t, dh = out_bkgtd.shape
         out_bthd = out_bkgtd.transpose(0, 3, 1, 2, 4).reshape(b, t, k * g, dh)
-        return jnp.einsum("bthd,hdD->btD", out_bthd, self.o_kernel_hkd[...].astype(self.dtype))
+        out_btd = jnp.einsum("bthd,hdD->btD", out_bthd, self.o_kernel_hkd[...].astype(self.dtype))
+        delta_btd = lora_delta(self.lora, "o_proj", out_bthd.reshape(b, t, k * g * dh))
+        return out_btd if delta_btd is None else out_btd + delta_btd
 
     def __call__(self, x_btd: Array, cos_sin: tuple[Array, Array],
                  segment_ids_bt: Array | None) -> Array:
@@ -144,12 +163,18 @@ class MLP(nnx.Module):
         self.gate_kernel_df = _param(rngs, (d, f), ("embed", "mlp"), param_dtype)
         self.up_kernel_df = _param(rngs, (d, f), ("embed", "mlp"), param_dtype)
         self.down_kernel_fd = _param(rngs, (f, d), ("mlp", "embed"), param_dtype)
+        self.lora: nnx.Dict | None = nnx.data(None)  # adapters: model_defs.lora
+
+    def _matmul(self, x_bti: Array, kernel: nnx.Param, name: str) -> Array:
+        out_bto = x_bti @ kernel[...].astype(self.dtype)
+        delta_bto = lora_delta(self.lora, name, x_bti)
+        return out_bto if delta_bto is None else out_bto + delta_bto
 
     def __call__(self, x_btd: Array) -> Array:
-        gate_btf = x_btd @ self.gate_kernel_df[...].astype(self.dtype)
-        up_btf = x_btd @ self.up_kernel_df[...].astype(self.dtype)
+        gate_btf = self._matmul(x_btd, self.gate_kernel_df, "gate_proj")
+        up_btf = self._matmul(x_btd, self.up_kernel_df, "up_proj")
         hidden_btf = shard(jax.nn.silu(gate_btf) * up_btf, ("batch", "seq", "mlp"))
-        return hidden_btf @ self.down_kernel_fd[...].astype(self.dtype)
+        return self._matmul(hidden_btf, self.down_kernel_fd, "down_proj")
 
 
 class DecoderLayer(nnx.Module):
