@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from areal_jax.config_io import ConfigError, from_dict, load, to_dict
 from areal_jax.learner.config import AlgoConfig, OptimConfig, check_non_negative, check_positive
@@ -21,6 +21,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EvalConfig",
+    "LoraSection",
     "ModelSection",
     "OptimConfig",
     "RewardConfig",
@@ -36,6 +37,51 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+class LoraSection:
+    """``model.lora``: train LoRA adapters instead of the whole model (absent: full
+    fine-tuning). Adapter scale = alpha / rank, as PEFT's ``lora_alpha / r``."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    # PEFT module names: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # Written to the PEFT adapter_config.json; training needs 0 (see __post_init__).
+    dropout: float = 0.0
+    # Also write each version's adapter alone, in PEFT layout, to weights/v{N}/adapter
+    # (for servers that load adapters); the merged model is always published.
+    publish_adapter: bool = False
+
+    def __post_init__(self) -> None:
+        from model_defs.lora import LORA_TARGETS
+
+        if self.rank <= 0:
+            raise ValueError(f"model.lora.rank must be > 0, got {self.rank}")
+        check_positive("model.lora", alpha=self.alpha)
+        unknown = [m for m in self.target_modules if m not in LORA_TARGETS]
+        if unknown or not self.target_modules:
+            raise ValueError(f"model.lora.target_modules {self.target_modules}: "
+                             f"{'unknown ' + str(unknown) if unknown else 'empty'}; "
+                             f"choose from {list(LORA_TARGETS)}")
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"model.lora.target_modules {self.target_modules} has duplicates")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.dropout > 0:
+            raise ValueError(
+                f"model.lora.dropout={self.dropout} is not supported: the decoupled loss "
+                "compares the policy's logprobs with the behaviour and proximal ones, which "
+                "dropout in the training forward pass would perturb; use 0")
+
+    def spec(self) -> Any:
+        """The ``model_defs.LoraConfig`` the learner attaches."""
+        from model_defs.lora import LoraConfig
+
+        return LoraConfig(rank=self.rank, alpha=self.alpha,
+                          target_modules=tuple(self.target_modules), dropout=self.dropout)
+
+
+@dataclass(frozen=True)
 class ModelSection:
     path: str = ""  # HF directory of the initial policy (config.json + safetensors)
     tokenizer_path: str | None = None  # defaults to model.path
@@ -45,6 +91,7 @@ class ModelSection:
     # Gradient checkpointing per decoder layer: false/"none", true/"full" (keep only each
     # layer's input), "dots" (keep matmul outputs), "dots_no_batch" (keep weight matmuls).
     remat: bool | Literal["none", "full", "dots", "dots_no_batch"] = False
+    lora: LoraSection | None = None  # LoRA adapters (see LoraSection); null: full fine-tuning
 
     def __post_init__(self) -> None:
         if not self.path:

@@ -44,6 +44,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
+        alternatives = [a for a in args if a is not type(None)]
+        if len(alternatives) == 1:  # Optional[X]: X's own error names the bad key
+            return _coerce(value, alternatives[0], key)
         errors = []
         for arg in args:
             if arg is type(None):

@@ -251,10 +251,8 @@ class Trainer:
         """A host copy of the params (with several processes, a gather every process joins);
         process 0 hands it to :class:`WeightSync`, which writes it and updates the servers
         while the learner trains on its next batch."""
-        from areal_jax.checkpoint.publish import host_params
-
         self.wait_published()
-        params = host_params(self.learner.model)
+        params = serving_copy(self.cfg, self.learner.model)
         if self.is_main:
             self.rollout.weights.publish(params, version)
 
@@ -370,6 +368,17 @@ class Trainer:
 
 
 # ----------------------------------------------------------------------------- advantages
+def serving_copy(cfg: TrainConfig, model: Any) -> Any:
+    """A host copy of what a version publishes (``checkpoint.publish.ServingWeights``): the
+    params, LoRA adapters merged, and with ``model.lora.publish_adapter`` the adapter alone.
+    A collective with several processes."""
+    from areal_jax.checkpoint.publish import serving_weights
+
+    lora = cfg.model.lora
+    return serving_weights(model, with_adapter=lora is not None and lora.publish_adapter,
+                           base_model_name_or_path=cfg.model.path, dtype=cfg.model.dtype)
+
+
 def shaped_rewards(cfg: TrainConfig, trajs: list) -> np.ndarray:
     """Rewards after scale/bias/clip and the optional DAPO overlong penalty, [N] fp32."""
     from areal_jax.losses import overlong_penalty, shape_rewards

@@ -30,7 +30,7 @@ from areal_jax.run_inputs import (
     resolve_dataset,
     resolve_model_path,
 )
-from areal_jax.trainer import Progress, RolloutSide, Trainer, group_advantages_for
+from areal_jax.trainer import Progress, RolloutSide, Trainer, group_advantages_for, serving_copy
 
 
 def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitStack) -> Trainer:
@@ -283,7 +283,6 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
     import jax
 
     from areal_jax.checkpoint import TrainCheckpointer
-    from areal_jax.checkpoint.publish import host_params
     from areal_jax.learner import Learner
     from areal_jax.parallel import make_mesh
 
@@ -295,8 +294,9 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
     optim, algo, loss_kw = learner_configs(cfg)
     model_kw = dict(mesh=mesh, compute_dtype=cfg.model.dtype, remat=cfg.model.remat)
     # With several processes each one feeds only the rows its devices hold.
+    lora = cfg.model.lora.spec() if cfg.model.lora is not None else None
     learner = Learner.from_hf(str(model_path), optim, algo, process_local_batches=multi,
-                              **model_kw, **loss_kw)
+                              lora=lora, lora_seed=cfg.seed, **model_kw, **loss_kw)
     ref_learner = None
     if cfg.algo.kl_coef > 0:
         ref_learner = Learner.from_hf(str(model_path), optim, algo, trainable=False,
@@ -331,7 +331,7 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
     return dict(learner=learner, ref_learner=ref_learner, critic=critic,
                 critic_checkpointer=critic_ckpt, checkpointer=checkpointer,
                 progress=Progress.from_meta(meta), mesh=mesh, meta=meta,
-                first_params=host_params(learner.model))
+                first_params=serving_copy(cfg, learner.model))
 
 
 def learner_configs(cfg: TrainConfig) -> tuple[Any, Any, dict[str, Any]]:

@@ -11,7 +11,7 @@ from model_defs.config import (
 from model_defs.hf_io import HF_PARAM_TABLE, CheckpointError, load_hf, parse_dtype, save_hf
 from model_defs.lora import LORA_TARGETS, LoraConfig, add_lora, lora_config, merge_lora
 from model_defs.model import REMAT_POLICIES, CausalLM, remat_policy_name
-from model_defs.peft_io import load_peft_adapter, save_peft_adapter
+from model_defs.peft_io import PeftAdapter, load_peft_adapter, peft_adapter, save_peft_adapter
 from model_defs.sharding import (
     LOGICAL_AXIS_RULES,
     current_mesh,
@@ -33,6 +33,7 @@ __all__ = [
     "ModelConfig",
     "ModelDirNotFoundError",
     "PRESETS",
+    "PeftAdapter",
     "REMAT_POLICIES",
     "add_lora",
     "SUPPORTED_ARCHITECTURES",
@@ -46,6 +47,7 @@ __all__ = [
     "param_logical_axes",
     "param_shardings",
     "parse_dtype",
+    "peft_adapter",
     "remat_policy_name",
     "save_hf",
     "save_peft_adapter",

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
@@ -69,32 +71,47 @@ def peft_adapter_config(lora: LoraConfig, base_model_name_or_path: str | None = 
     }
 
 
-def save_peft_adapter(model: CausalLM, path: str | os.PathLike,
-                      base_model_name_or_path: str | None = None,
-                      dtype: str | None = None) -> Path:
-    """Writes the model's adapters as a PEFT adapter directory; returns it.
+@dataclass(frozen=True)
+class PeftAdapter:
+    """A host copy of a model's adapters: PEFT tensor key -> [r, in] / [out, r] array."""
 
-    ``dtype`` (e.g. "bfloat16") casts the saved tensors; default: the adapters' dtype.
-    With several JAX processes every process must call this (sharded arrays are gathered).
-    """
+    lora: LoraConfig
+    tensors: dict[str, np.ndarray]
+    base_model_name_or_path: str | None = None
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Writes ``adapter_config.json`` + ``adapter_model.safetensors`` into ``path``."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(self.tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (path / ADAPTER_CONFIG).write_text(json.dumps(
+            peft_adapter_config(self.lora, self.base_model_name_or_path), indent=2))
+        return path
+
+
+def peft_adapter(model: CausalLM, base_model_name_or_path: str | None = None,
+                 dtype: str | None = None) -> PeftAdapter:
+    """The model's adapters as a :class:`PeftAdapter` on the host. ``dtype`` (e.g.
+    "bfloat16") casts the tensors; default: the adapters' dtype. With several JAX
+    processes every process must call this (sharded arrays are gathered)."""
     lora = lora_config(model)
     if lora is None:
-        raise ValueError("save_peft_adapter: the model has no LoRA adapters (add_lora)")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+        raise ValueError("the model has no LoRA adapters (see model_defs.add_lora)")
     tensors: dict[str, np.ndarray] = {}
     for i, name, adapter in lora_adapters(model):
         a_ir, b_ro = _host(adapter.lora_a.get_value()), _host(adapter.lora_b.get_value())
         if dtype is not None:
-            import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
-
-            a_ir, b_ro = a_ir.astype(dtype), b_ro.astype(dtype)
+            a_ir, b_ro = a_ir.astype(jnp.dtype(dtype)), b_ro.astype(jnp.dtype(dtype))
         tensors[peft_key(i, name, "A")] = np.ascontiguousarray(a_ir.T)
         tensors[peft_key(i, name, "B")] = np.ascontiguousarray(b_ro.T)
-    save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (path / ADAPTER_CONFIG).write_text(
-        json.dumps(peft_adapter_config(lora, base_model_name_or_path), indent=2))
-    return path
+    return PeftAdapter(lora, tensors, base_model_name_or_path)
+
+
+def save_peft_adapter(model: CausalLM, path: str | os.PathLike,
+                      base_model_name_or_path: str | None = None,
+                      dtype: str | None = None) -> Path:
+    """Writes the model's adapters as a PEFT adapter directory; returns it."""
+    return peft_adapter(model, base_model_name_or_path, dtype).save(path)
 
 
 def read_peft_config(path: str | os.PathLike) -> LoraConfig:
@@ -169,5 +186,5 @@ def load_peft_adapter(model: CausalLM, path: str | os.PathLike) -> CausalLM:
                 if tuple(tensor.shape) != want:
                     raise CheckpointError(f"{weights}: tensor {key} has shape "
                                           f"{list(tensor.shape)}, expected {list(want)}")
-                var.set_value(jax.numpy.asarray(tensor.T, var.get_value().dtype))
+                var.set_value(jnp.asarray(tensor.T, var.get_value().dtype))
     return model

@@ -2,6 +2,7 @@
 
     python -m areal_jax.bench memory [--seq 2048,4096,8192 --layers 2 --hidden 256]
                                       [--learner-preset qwen2.5-0.5b --learner-seq 1024]
+                                      [--lora-rank 16]
 
 Compile only (nothing is run, so it works for shapes that would not fit): the learner's
 real gradient program (``learner.steps.make_grad_fn``: packed rows, chunked logprobs,
@@ -16,7 +17,10 @@ does not depend on how the row is split into segments):
 The summary then gives the learner's memory per parameter for --learner-preset with
 micro-batches of --learner-rows x --learner-seq tokens: fp32 master params (4 B) + AdamW
 moments (8 B) + the gradient accumulator (4 B) = 16 B/param held between steps, plus the
-larger of the gradient and optimizer programs' compiled temporaries.
+larger of the gradient and optimizer programs' compiled temporaries. With ``--lora-rank R``
+the same figures follow for LoRA (rank R on every projection): the frozen base in the
+compute dtype, and fp32 adapters + their AdamW moments + gradient accumulator, per
+parameter of the whole model (base + adapters), side by side with full fine-tuning.
 """
 
 from __future__ import annotations
@@ -41,21 +45,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ModelConfig preset for bytes/param ('' to skip)")
     parser.add_argument("--learner-seq", type=int, default=1024, help="tokens per packed row")
     parser.add_argument("--learner-rows", type=int, default=1, help="rows per micro-batch")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="also report LoRA of this rank on every projection (0: skip)")
     parser.add_argument("--mesh", default="",
                         help="learner mesh, e.g. fsdp=2 (CPU: that many XLA host devices); "
                              "figures are then per device")
 
 
-def _abstract_model(cfg: Any, dtype: str, remat: Any) -> tuple[Any, Any, Any, int]:
+def _abstract_model(cfg: Any, dtype: str, remat: Any, lora_rank: int = 0
+                    ) -> tuple[Any, Any, Any, int]:
+    """(graphdef, trainable params, the rest, trainable count), as the learner splits them:
+    with LoRA the trainable part is the adapters and the rest holds the frozen base in the
+    compute dtype."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from model_defs import CausalLM
+    from model_defs import CausalLM, LoraConfig, add_lora
 
-    model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(dtype),
-                                            param_dtype=jnp.float32, remat=remat))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    def build() -> Any:
+        model = CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(dtype),
+                         param_dtype=jnp.float32, remat=remat)
+        if lora_rank:
+            add_lora(model, LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank),
+                     rngs=nnx.Rngs(1))
+        return model
+
+    trainable = nnx.LoRAParam if lora_rank else nnx.Param
+    graphdef, params, rest = nnx.split(nnx.eval_shape(build), trainable, ...)
+    if lora_rank:
+        rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), rest)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     return graphdef, params, rest, n_params
 
@@ -83,7 +102,7 @@ def _on_mesh(tree: Any, shardings: Any) -> Any:
 
 
 def grad_memory(cfg: Any, dtype: str, remat: Any, t: int, rows: int = 1,
-                 mesh: Any = None) -> tuple[Any, int]:
+                 mesh: Any = None, lora_rank: int = 0) -> tuple[Any, int]:
     import contextlib
 
     import jax
@@ -94,10 +113,11 @@ def grad_memory(cfg: Any, dtype: str, remat: Any, t: int, rows: int = 1,
     from areal_jax.parallel.mesh import batch_sharding
     from model_defs import param_shardings, use_mesh
 
-    graphdef, params, rest, n_params = _abstract_model(cfg, dtype, remat)
+    graphdef, params, rest, n_params = _abstract_model(cfg, dtype, remat, lora_rank)
     batch = _abstract_batch(t, rows)
     if mesh is not None:  # the learner's placement: params by their logical axes, rows split
         params = _on_mesh(params, param_shardings(params, mesh))
+        rest = _on_mesh(rest, param_shardings(rest, mesh))
         batch = _on_mesh(batch, {k: batch_sharding(mesh) for k in batch})
     grad_fn = make_grad_fn(graphdef, jnp.dtype(dtype), AlgoConfig())
     sums = jax.eval_shape(zero_sums)
@@ -109,7 +129,7 @@ def grad_memory(cfg: Any, dtype: str, remat: Any, t: int, rows: int = 1,
     return compiled.memory_analysis(), n_params
 
 
-def _apply_memory(cfg: Any, mesh: Any = None) -> Any:
+def _apply_memory(cfg: Any, mesh: Any = None, lora_rank: int = 0) -> Any:
     import jax
 
     from areal_jax.learner.config import OptimConfig
@@ -117,7 +137,7 @@ def _apply_memory(cfg: Any, mesh: Any = None) -> Any:
     from areal_jax.learner.steps import make_apply_fn
     from model_defs import param_shardings
 
-    _, params, _, _ = _abstract_model(cfg, "float32", False)
+    _, params, _, _ = _abstract_model(cfg, "float32", False, lora_rank)
     tx = make_optimizer(OptimConfig())
     opt_state = jax.eval_shape(tx.init, params)
     if mesh is not None:
@@ -126,6 +146,30 @@ def _apply_memory(cfg: Any, mesh: Any = None) -> Any:
     compiled = jax.jit(make_apply_fn(tx), donate_argnums=(0, 1)).lower(
         params, opt_state, params).compile()
     return compiled.memory_analysis(), opt_state
+
+
+def _learner_bytes(cfg: Any, args: argparse.Namespace, remat: Any, mesh: Any, shards: int,
+                   lora_rank: int) -> dict[str, Any]:
+    """Bytes per parameter of the whole model (base + adapters) the learner holds between
+    steps and at its compiled peak, per device. Held: the trainable params (fp32), their
+    AdamW state and gradient accumulator (fp32), and under LoRA the frozen base in the
+    compute dtype."""
+    import jax
+
+    grad_mem, n_trainable = grad_memory(cfg, args.dtype, remat, args.learner_seq,
+                                         args.learner_rows, mesh, lora_rank)
+    apply_mem, opt_state = _apply_memory(cfg, mesh, lora_rank)
+    opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state))
+    _, _, rest, _ = _abstract_model(cfg, args.dtype, False, lora_rank)
+    frozen = [x for x in jax.tree.leaves(rest)] if lora_rank else []
+    frozen_bytes = sum(x.size * x.dtype.itemsize for x in frozen)
+    n_params = n_trainable + sum(x.size for x in frozen)
+    held = (4 * n_trainable + opt_bytes + 4 * n_trainable + frozen_bytes) / shards
+    peak = held + max(grad_mem.temp_size_in_bytes, apply_mem.temp_size_in_bytes)
+    return {"n_params": n_params, "n_trainable": n_trainable,
+            "held": round(held / n_params, 2), "peak": round(peak / n_params, 2),
+            "grad_temp_mib": _mib(grad_mem.temp_size_in_bytes),
+            "apply_temp_mib": _mib(apply_mem.temp_size_in_bytes)}
 
 
 def _mib(n: float) -> float:
@@ -183,23 +227,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             mesh = make_mesh(args.mesh)
             shards = mesh.shape.get("fsdp", 1) * mesh.shape.get("tensor", 1)
         lcfg = ModelConfig.preset(args.learner_preset)
-        grad_mem, n_params = grad_memory(lcfg, args.dtype, remat, args.learner_seq,
-                                          args.learner_rows, mesh)
-        apply_mem, opt_state = _apply_memory(lcfg, mesh)
-        opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state))
-        # params, AdamW state, grad accumulator, per device (split over fsdp x tensor)
-        held = (4 * n_params + opt_bytes + 4 * n_params) / shards
-        peak = held + max(grad_mem.temp_size_in_bytes, apply_mem.temp_size_in_bytes)
+        full = _learner_bytes(lcfg, args, remat, mesh, shards, lora_rank=0)
+        n_params = full["n_params"]
         summary.update({
             "learner model": f"{args.learner_preset} ({n_params / 1e6:.0f}M params), "
                              f"{args.learner_rows} x {args.learner_seq} tokens, {args.dtype}, "
                              f"remat {args.remat}",
             "learner mesh": args.mesh or "one device",
-            "learner held bytes/param per device (params+AdamW+grads)": round(held / n_params, 2),
-            "learner grad-program temp MiB": _mib(grad_mem.temp_size_in_bytes),
-            "learner apply-program temp MiB": _mib(apply_mem.temp_size_in_bytes),
-            "learner compiled peak bytes/param per device": round(peak / n_params, 2),
+            "learner held bytes/param per device (params+AdamW+grads)": full["held"],
+            "learner grad-program temp MiB": full["grad_temp_mib"],
+            "learner apply-program temp MiB": full["apply_temp_mib"],
+            "learner compiled peak bytes/param per device": full["peak"],
         })
+        if args.lora_rank:
+            lora = _learner_bytes(lcfg, args, remat, mesh, shards, lora_rank=args.lora_rank)
+            r = args.lora_rank
+            summary.update({
+                f"LoRA r={r}: trainable params": f"{lora['n_trainable'] / 1e6:.2f}M "
+                f"({100 * lora['n_trainable'] / n_params:.2f}% of the base)",
+                f"LoRA r={r}: held bytes/param per device (base+adapters+AdamW+grads)":
+                    lora["held"],
+                f"LoRA r={r}: grad-program temp MiB": lora["grad_temp_mib"],
+                f"LoRA r={r}: compiled peak bytes/param per device": lora["peak"],
+                f"full / LoRA r={r} held bytes": round(full["held"] / lora["held"], 2),
+                f"full / LoRA r={r} compiled peak": round(full["peak"] / lora["peak"], 2),
+            })
     return {"title": "learner forward+backward compiled temp memory (memory_analysis)",
             "columns": ["T", "attention", "temp MiB", "x prev T"], "rows": rows,
             "summary": summary}

@@ -13,6 +13,9 @@ Only the newest ``keep`` versions stay on disk, plus any a caller pinned.
 
 ``params_to_hf_dir`` is the one conversion from learner params to an HF directory; the
 publisher and ``scripts/convert.py orbax-to-hf`` both use it.
+
+A LoRA model is published merged (W + scale * A @ B, a plain HF model any server loads);
+``publish(..., adapter=)`` also writes the adapter alone, in PEFT layout, to ``v{N}/adapter``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +36,10 @@ from flax import nnx
 
 from areal_jax import storage
 from areal_jax.checkpoint.orbax_ckpt import require_gcs_support
-from model_defs import CausalLM, ModelConfig, save_hf
+from model_defs import CausalLM, ModelConfig, PeftAdapter, merge_lora, peft_adapter, save_hf
 
 COMMIT_MARKER = "COMMIT"
+ADAPTER_SUBDIR = "adapter"  # v{N}/adapter: the LoRA adapter alone (PEFT layout), if published
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
@@ -75,13 +80,35 @@ def host_params(model: Any) -> Any:
     """A host (numpy) copy of a model's state, as its pure dict: what :meth:`WeightPublisher.
     publish` needs, safe to write from another thread while the learner trains on.
 
-    ``model``: a ``CausalLM``, an ``nnx.State`` or a pure dict. With several JAX processes
-    this is a collective (arrays are all-gathered): every process must call it.
+    ``model``: a ``CausalLM`` (with LoRA adapters: merged into its kernels), an
+    ``nnx.State`` or a pure dict. With several JAX processes this is a collective (arrays
+    are all-gathered): every process must call it.
     """
+    if isinstance(model, CausalLM):
+        model = merge_lora(model)
     if isinstance(model, nnx.Module):
         model = nnx.state(model)
     pure = model.to_pure_dict() if isinstance(model, nnx.State) else model
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), _gather_to_host(pure))
+
+
+@dataclass(frozen=True)
+class ServingWeights:
+    """A host copy of what one version publishes: ``params`` (see :func:`host_params`) and,
+    for a LoRA model, optionally its ``adapter`` alone (written to ``v{N}/adapter``)."""
+
+    params: Any
+    adapter: PeftAdapter | None = None
+
+
+def serving_weights(model: CausalLM, *, with_adapter: bool = False,
+                    base_model_name_or_path: str | None = None,
+                    dtype: str | None = None) -> ServingWeights:
+    """:func:`host_params` of ``model`` (adapters merged) and, with ``with_adapter``, its
+    adapter in PEFT layout (``dtype`` casts it). A collective with several processes."""
+    adapter = (peft_adapter(model, base_model_name_or_path, dtype=dtype) if with_adapter
+               else None)
+    return ServingWeights(host_params(model), adapter)
 
 
 def params_to_model(params: Any, model_cfg: ModelConfig | Mapping[str, Any]) -> CausalLM:
@@ -91,7 +118,7 @@ def params_to_model(params: Any, model_cfg: ModelConfig | Mapping[str, Any]) -> 
     (no copy), their dtype becomes the model's param dtype.
     """
     if isinstance(params, CausalLM):
-        return params
+        return merge_lora(params)
     cfg = _as_model_config(model_cfg)
     pure = params.to_pure_dict() if isinstance(params, nnx.State) else params
     if not isinstance(pure, Mapping):
@@ -225,13 +252,18 @@ class WeightPublisher:
 
     # ---------------------------------------------------------------- publish
     def publish(self, model: Any, model_cfg: ModelConfig | Mapping[str, Any], version: int,
-                tokenizer_dir: str | os.PathLike | None = None) -> str:
+                tokenizer_dir: str | os.PathLike | None = None,
+                adapter: PeftAdapter | None = None) -> str:
         """Writes version ``version`` (replacing an existing one) and returns its path.
 
-        ``model``: a ``CausalLM``, an ``nnx.State`` of its params, or that state's pure
-        dict. With several JAX processes every process must call this (params are
+        ``model``: a ``CausalLM`` (LoRA adapters merged), an ``nnx.State`` of its params,
+        that state's pure dict, or :class:`ServingWeights` (its adapter is written too).
+        ``adapter`` (``model_defs.peft_adapter``): also written to ``v{N}/adapter`` in PEFT
+        layout. With several JAX processes every process must call this (params are
         gathered); process 0 writes.
         """
+        if isinstance(model, ServingWeights):
+            model, adapter = model.params, adapter or model.adapter
         if not isinstance(version, int | np.integer) or version < 0:
             raise ValueError(f"weight version must be an int >= 0, got {version!r}")
         version = int(version)
@@ -241,20 +273,27 @@ class WeightPublisher:
                                     else model)
         if jax.process_index() == 0:
             if self.use_rename:
-                self._publish_by_rename(model, cfg, version, tokenizer_dir)
+                self._publish_by_rename(model, cfg, version, tokenizer_dir, adapter)
             else:
-                self._publish_with_marker(model, cfg, version, tokenizer_dir)
+                self._publish_with_marker(model, cfg, version, tokenizer_dir, adapter)
             self._garbage_collect(just_written=version)
         return os.fspath(self._root / f"v{version}")
 
+    def _write(self, model: Any, cfg: ModelConfig, out: Path,
+               tokenizer_dir: str | os.PathLike | None, adapter: PeftAdapter | None) -> None:
+        params_to_hf_dir(model, cfg, out, dtype=self.dtype, tokenizer_dir=tokenizer_dir)
+        if adapter is not None:
+            adapter.save(out / ADAPTER_SUBDIR)
+
     def _publish_by_rename(self, model: Any, cfg: ModelConfig, version: int,
-                           tokenizer_dir: str | os.PathLike | None) -> None:
+                           tokenizer_dir: str | os.PathLike | None,
+                           adapter: PeftAdapter | None = None) -> None:
         root = Path(self.weights_dir)
         tmp = root / f".v{version}.tmp-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
         try:
-            params_to_hf_dir(model, cfg, tmp, dtype=self.dtype, tokenizer_dir=tokenizer_dir)
+            self._write(model, cfg, tmp, tokenizer_dir, adapter)
             (tmp / COMMIT_MARKER).write_text(f"{version}\n")
             _fsync_tree(tmp)
             final = root / f"v{version}"
@@ -271,17 +310,21 @@ class WeightPublisher:
                 shutil.rmtree(tmp, ignore_errors=True)
 
     def _publish_with_marker(self, model: Any, cfg: ModelConfig, version: int,
-                             tokenizer_dir: str | os.PathLike | None) -> None:
+                             tokenizer_dir: str | os.PathLike | None,
+                             adapter: PeftAdapter | None = None) -> None:
         final = self._root / f"v{version}"
         if final.exists():
             if (final / COMMIT_MARKER).exists():
                 (final / COMMIT_MARKER).unlink()  # invisible first, then replaced
             final.rmtree()
         with tempfile.TemporaryDirectory(prefix=f"areal-weights-v{version}-") as local:
-            params_to_hf_dir(model, cfg, local, dtype=self.dtype, tokenizer_dir=tokenizer_dir)
+            self._write(model, cfg, Path(local), tokenizer_dir, adapter)
             final.mkdir(parents=True, exist_ok=True)
-            for name in sorted(os.listdir(local)):
-                (final / name).write_bytes(Path(local, name).read_bytes())
+            for src in sorted(Path(local).rglob("*")):
+                if src.is_file():
+                    dst = final / src.relative_to(local)
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    dst.write_bytes(src.read_bytes())
         (final / COMMIT_MARKER).write_text(f"{version}\n")
 
     # ------------------------------------------------------------ housekeeping

@@ -50,8 +50,11 @@ from areal_jax.parallel.mesh import (
 )
 from model_defs import (
     CausalLM,
+    LoraConfig,
     ModelConfig,
+    add_lora,
     load_hf,
+    lora_config,
     param_shardings,
     parse_dtype,
     remat_policy_name,
@@ -150,6 +153,11 @@ class Learner:
         ``{"xla_backend_optimization_level": 0}`` to compile faster on CPU in tests.
       trainable: False for a frozen model that only computes logprobs (a reference
         policy): no optimizer state is allocated and ``train_step`` raises.
+
+    A model with LoRA adapters (``model_defs.add_lora``) trains only them: ``params`` and
+    the optimizer state hold the ``nnx.LoRAParam`` adapters alone, and the frozen base
+    weights sit with the rest of the state, sharded like params (and stored in the compute
+    dtype, since they need no fp32 master copy).
       process_local_batches: with several processes, each passes micro-batches holding only
         the rows of its own devices (``local_batch_rows``; e.g. its own trajectories packed
         with ``n_shards`` = its local share of data x fsdp) instead of the same global
@@ -191,12 +199,16 @@ class Learner:
                                   .values()}) if process_local_batches else self.n_batch_shards)
         self._jit_options = {"compiler_options": compiler_options} if compiler_options else {}
 
-        self._graphdef, params, self._rest = nnx.split(model, nnx.Param, ...)
-        structure = jax.tree.structure(params)
-        self.param_shardings = jax.tree.unflatten(
-            structure, jax.tree.leaves(param_shardings(params, self.mesh)))
+        self.lora = lora_config(model)
+        # What the optimizer differentiates and updates: the adapters only under LoRA.
+        self.trainable_filter = nnx.LoRAParam if self.lora is not None else nnx.Param
+        self._graphdef, params, rest = nnx.split(model, self.trainable_filter, ...)
+        self.param_shardings = self._shardings(params)
         self.params = self._place(params, self.param_shardings)
-        self._rest = self._place(self._rest, replicated(self.mesh))
+        if self.lora is not None:  # the frozen base: no master copy, keep the compute dtype
+            rest = jax.tree.map(lambda x: x.astype(self.compute_dtype)
+                                if jnp.issubdtype(x.dtype, jnp.floating) else x, rest)
+        self._rest = self._place(rest, self._shardings(rest))
         self.trainable = trainable
         self.tx = make_optimizer(optim)
         self._lr_schedule = learning_rate_schedule(optim)
@@ -217,13 +229,22 @@ class Learner:
     @classmethod
     def from_hf(cls, path: str, optim: OptimConfig, algo: AlgoConfig, *,
                 mesh: Mesh | None = None, compute_dtype: Any = "float32", remat: bool | str = False,
-                **kwargs: Any) -> Learner:
+                lora: LoraConfig | None = None, lora_seed: int = 0, **kwargs: Any) -> Learner:
         """Loads an HF checkpoint as fp32 master weights, placed directly on the mesh;
+        with ``lora``, fresh adapters (B = 0, A from ``lora_seed``) are the trainable part.
         ``kwargs`` as for the constructor."""
         mesh = make_mesh("data=-1") if mesh is None else mesh
         model, cfg = load_hf(path, dtype="float32", mesh=mesh)
+        if lora is not None:
+            add_lora(model, lora, rngs=nnx.Rngs(lora_seed))
         return cls(model, cfg, optim, algo, mesh=mesh, compute_dtype=compute_dtype, remat=remat,
                    **kwargs)
+
+    def _shardings(self, state: Any) -> Any:
+        """NamedShardings from the variables' logical axes (replicated where they have none),
+        with ``state``'s own tree structure."""
+        return jax.tree.unflatten(jax.tree.structure(state),
+                                  jax.tree.leaves(param_shardings(state, self.mesh)))
 
     @staticmethod
     def _place(tree: Any, shardings: Any) -> Any:

@@ -41,10 +41,12 @@ def cast_params(params: Any, compute_dtype: Any) -> Any:
 
 def make_logp_fn(graphdef: nnx.GraphDef, compute_dtype: Any, temperature: float,
                  chunk_size: int) -> Callable:
-    """(params, rest, batch) -> (logp_bt, entropy_bt), no gradient."""
+    """(params, rest, batch) -> (logp_bt, entropy_bt), no gradient. ``rest`` holds the
+    frozen weights (LoRA's base), cast to the compute dtype like ``params``."""
 
     def logp_fn(params, rest, batch):
-        model = nnx.merge(graphdef, cast_params(params, compute_dtype), rest)
+        model = nnx.merge(graphdef, cast_params(params, compute_dtype),
+                          cast_params(rest, compute_dtype))
         return packed_token_logprobs(model, batch["input_ids"], batch["positions"],
                                      batch["segment_ids"], temperature=temperature,
                                      chunk_size=chunk_size)
