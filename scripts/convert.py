@@ -2,13 +2,17 @@
 
     python scripts/convert.py hf-to-orbax --hf HF_DIR --out CKPT_DIR [--dtype float32]
     python scripts/convert.py orbax-to-hf --ckpt CKPT_DIR [--step N] --out HF_DIR \\
-        [--tokenizer TOKENIZER_DIR] [--dtype bfloat16] [--config-from HF_DIR]
+        [--tokenizer TOKENIZER_DIR] [--dtype bfloat16] [--config-from HF_DIR] \\
+        [--base HF_DIR] [--adapter-out PEFT_DIR]
 
 ``hf-to-orbax`` writes checkpoint step 0 holding the params only (no optimizer state:
 a run started from it creates a fresh one), with ``meta.model_config`` set to the HF
 config. ``orbax-to-hf`` rebuilds the model from ``meta.model_config`` (or from the
 config.json in ``--config-from`` for checkpoints that lack it) and writes config.json +
 safetensors through the same function the trainer uses to publish serving weights.
+A LoRA run's checkpoint holds only the adapters: they are attached to the base model
+(the run's ``model.path``, or ``--base``) and written merged; ``--adapter-out`` also
+writes them alone in PEFT layout.
 Both directions run on the host CPU. Every path (HF_DIR, CKPT_DIR, TOKENIZER_DIR, the
 ``--out`` of either direction) may be local or gs:// (see README, "Cloud runs").
 """
@@ -25,7 +29,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work
 from areal_jax import storage
 from areal_jax.checkpoint.orbax_ckpt import TrainCheckpointer
 from areal_jax.checkpoint.publish import PublishError, params_to_hf_dir
-from model_defs import CheckpointError, ConfigError, ModelConfig, load_hf
+from model_defs import (
+    CausalLM,
+    CheckpointError,
+    ConfigError,
+    ModelConfig,
+    add_lora,
+    load_hf,
+    save_peft_adapter,
+)
 
 USER_ERRORS = (CheckpointError, PublishError, ConfigError, FileNotFoundError, FileExistsError,
                NotADirectoryError, storage.StorageError)
@@ -58,9 +70,38 @@ def hf_to_orbax(hf_dir: str, out: str, dtype: str = "float32") -> int:
     return 0
 
 
+def _lora_model(meta: dict, params: dict, where: str, base: str | None
+                ) -> tuple[CausalLM, str] | None:
+    """For a LoRA run's checkpoint (adapters only): (the base model with the checkpoint's
+    adapters attached, the base's path); None for a full fine-tuning checkpoint."""
+    model_section = (meta.get("run_config") or {}).get("model") or {}
+    if not model_section.get("lora"):
+        return None
+    from flax import nnx
+
+    from areal_jax.config import LoraSection
+    from areal_jax.run_inputs import TrainerError, resolve_model_path
+
+    base = base or model_section.get("path")
+    try:
+        base_dir = resolve_model_path(base, key="--base")
+    except TrainerError as e:
+        raise CheckpointError(f"{where} is a LoRA checkpoint (adapters only): {e}") from None
+    model, _ = load_hf(base_dir)
+    add_lora(model, LoraSection(**model_section["lora"]).spec(), rngs=nnx.Rngs(0))
+    adapters = nnx.state(model, nnx.LoRAParam)
+    try:
+        nnx.replace_by_pure_dict(adapters, params)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{where}: the adapters do not fit {base}: {e}") from None
+    nnx.update(model, adapters)
+    return model, base
+
+
 def orbax_to_hf(ckpt_dir: str, out: str, step: int | None = None,
                 tokenizer_dir: str | None = None, dtype: str | None = None,
-                config_from: str | None = None) -> int:
+                config_from: str | None = None, base: str | None = None,
+                adapter_out: str | None = None) -> int:
     """Writes checkpoint ``step`` (default: latest) of ``ckpt_dir`` as an HF dir ``out``."""
     _require_empty_out(out)
     if storage.is_url(ckpt_dir):
@@ -81,6 +122,13 @@ def orbax_to_hf(ckpt_dir: str, out: str, step: int | None = None,
             raise CheckpointError(f"{where}: meta has no model_config; pass --config-from "
                                   f"with an HF dir whose config.json describes this model")
         params, _, _ = ckpt.restore(step, params_only=True)  # never the optimizer state
+    lora = _lora_model(meta, params, where, base)
+    if lora is not None:
+        params = lora[0]  # written merged
+        if adapter_out is not None:
+            save_peft_adapter(lora[0], adapter_out, base_model_name_or_path=lora[1])
+    elif adapter_out is not None:
+        raise CheckpointError(f"{where}: --adapter-out, but the run did not train LoRA")
     if not storage.is_url(out):
         params_to_hf_dir(params, model_cfg, out, dtype=dtype, tokenizer_dir=tokenizer_dir)
         return 0
@@ -107,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cast the saved tensors (default: as stored)")
     p.add_argument("--config-from", default=None,
                    help="HF dir whose config.json to use when the checkpoint has no model_config")
+    p.add_argument("--base", default=None,
+                   help="LoRA checkpoints: the base model (default: the run's model.path)")
+    p.add_argument("--adapter-out", default=None,
+                   help="LoRA checkpoints: also write the adapter alone (PEFT layout) here")
     return parser
 
 
@@ -117,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             rc = hf_to_orbax(args.hf, args.out, args.dtype)
         else:
             rc = orbax_to_hf(args.ckpt, args.out, args.step, args.tokenizer, args.dtype,
-                             args.config_from)
+                             args.config_from, args.base, args.adapter_out)
     except USER_ERRORS as e:
         print(f"convert.py {args.cmd}: error: {e}", file=sys.stderr)
         return 2

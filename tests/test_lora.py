@@ -253,3 +253,31 @@ def test_merged_publish_serves_the_adapter_model(tmp_path):
     reference = peft_model(base_dir, f"{path}/{ADAPTER_SUBDIR}")  # the adapter alone
     np.testing.assert_allclose(hf_logits(reference, IDS), want, rtol=0,
                                atol=logit_tolerance(reference, IDS))
+
+
+def test_convert_writes_a_lora_checkpoint_merged_and_as_a_peft_adapter(tmp_path):
+    import importlib.util
+
+    from areal_jax.config import LoraSection, to_dict
+
+    spec = importlib.util.spec_from_file_location("convert_script", "scripts/convert.py")
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+
+    base_dir = make_tiny_hf_checkpoint(tmp_path, arch="qwen2", tie=True)
+    model, model_cfg = load_hf(base_dir)
+    section = LoraSection(rank=2, alpha=4.0, target_modules=["k_proj", "gate_proj"])
+    randomize_b(add_lora(model, section.spec(), rngs=nnx.Rngs(4)), seed=2)
+    want = np.asarray(jit_logits(model, IDS))
+    meta = {"step": 1, "version": 1, "model_config": model_cfg.to_hf_dict(),
+            "run_config": {"model": {"path": str(base_dir), "lora": to_dict(section)}}}
+    with TrainCheckpointer(tmp_path / "ckpt", async_save=False) as ckpt:  # as the trainer does
+        ckpt.save(1, nnx.state(model, nnx.LoRAParam), None, meta)
+
+    convert.orbax_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"),
+                        adapter_out=str(tmp_path / "peft"))
+    got = np.asarray(jit_logits(load_hf(tmp_path / "hf")[0], IDS))
+    np.testing.assert_allclose(got, want, rtol=0, atol=logit_tolerance(tmp_path / "hf", IDS))
+    reference = peft_model(base_dir, tmp_path / "peft")
+    np.testing.assert_allclose(hf_logits(reference, IDS), want, rtol=0,
+                               atol=logit_tolerance(reference, IDS))
