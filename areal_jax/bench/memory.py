@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             r = args.lora_rank
             summary.update({
                 f"LoRA r={r}: trainable params": f"{lora['n_trainable'] / 1e6:.2f}M "
-                f"({100 * lora['n_trainable'] / n_params:.2f}% of the base)",
+                f"({100 * lora['n_trainable'] / lora['n_params']:.2f}% of all)",
                 f"LoRA r={r}: held bytes/param per device (base+adapters+AdamW+grads)":
                     lora["held"],
                 f"LoRA r={r}: grad-program temp MiB": lora["grad_temp_mib"],

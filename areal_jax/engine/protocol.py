@@ -34,7 +34,7 @@ _GENERATE_UNSUPPORTED = {
     "input_embeds": "input_embeds is not supported; send input_ids",
     "image_data": "image_data is not supported (text-only models)",
     "audio_data": "audio_data is not supported (text-only models)",
-    "lora_path": "LoRA adapters are not supported",
+    "lora_path": "LoRA adapters are not supported (LoRA runs publish merged weights)",
 }
 # Sampling params we accept, and SGLang ones accepted only at their no-op default.
 _SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
