@@ -281,3 +281,38 @@ def test_convert_writes_a_lora_checkpoint_merged_and_as_a_peft_adapter(tmp_path)
     reference = peft_model(base_dir, tmp_path / "peft")
     np.testing.assert_allclose(hf_logits(reference, IDS), want, rtol=0,
                                atol=logit_tolerance(reference, IDS))
+
+
+@pytest.mark.slow
+def test_lora_run_publishes_merged_weights_and_adapters_and_resumes(tmp_path):
+    from safetensors.numpy import load_file
+    from test_trainer import _rows, _run
+
+    from areal_jax.trainer_setup import ASSETS_DIR
+
+    run_dir = tmp_path / "run"
+    lora = ["model.lora.rank=4", "model.lora.publish_adapter=true", "optim.lr=1e-3"]
+    res = _run([f"run_dir={run_dir}", "train.total_versions=2", "checkpoint.every_versions=1",
+                *lora])
+    assert res.returncode == 0, res.stderr[-4000:]
+    weights = run_dir / "weights"
+    base = load_file(str(ASSETS_DIR / "arith_sft" / "model.safetensors"))
+    v0 = load_file(str(weights / "v0" / "model.safetensors"))
+    v2 = load_file(str(weights / "v2" / "model.safetensors"))
+    for key in base:  # v0: the base (B = 0); v2: only adapted kernels moved
+        np.testing.assert_array_equal(v0[key], base[key])
+        moved = not np.array_equal(v2[key], base[key])
+        assert moved == key.endswith("proj.weight"), key
+    adapter = weights / "v2" / ADAPTER_SUBDIR
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
+    base_model, _ = load_hf(ASSETS_DIR / "arith_sft")
+    served = np.asarray(jit_logits(load_hf(weights / "v2")[0], IDS % 32))
+    with_adapter = np.asarray(jit_logits(load_peft_adapter(base_model, adapter), IDS % 32))
+    np.testing.assert_allclose(served, with_adapter, rtol=0,
+                               atol=logit_tolerance(weights / "v2", IDS % 32))
+
+    res = _run([f"run_dir={run_dir}", "train.total_versions=3", "checkpoint.every_versions=1",
+                *lora, "--resume"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "resumed from" in res.stdout + res.stderr
+    assert [r["version"] for r in _rows(run_dir)][-1] == 3
