@@ -14,7 +14,7 @@ from hf_fixtures import hf_logits, jit_logits, logit_tolerance, make_tiny_hf_che
 from areal_jax.checkpoint import TrainCheckpointer
 from areal_jax.checkpoint.publish import ADAPTER_SUBDIR, WeightPublisher, host_params
 from areal_jax.config import ConfigError, load_config
-from areal_jax.learner import Learner, OptimizerConfig, PPOConfig
+from areal_jax.learner import AlgoConfig, Learner, OptimConfig
 from areal_jax.parallel import make_mesh
 from model_defs import (
     CheckpointError,
@@ -161,8 +161,8 @@ def test_model_lora_config_errors_name_the_key():
 def _lora_learner(mesh, seed=0):
     model = add_lora(init_model(TINY, seed), LoraConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(1))
     randomize_b(model, seed=1, std=0.02)
-    return Learner(model, TINY, OptimizerConfig(lr=1e-3, weight_decay=0.01, eps=1e-6),
-                   PPOConfig(ppo_n_minibatches=2), mesh=mesh, compiler_options=FAST_COMPILE)
+    return Learner(model, TINY, OptimConfig(lr=1e-3, weight_decay=0.01, eps=1e-6),
+                   AlgoConfig(ppo_n_minibatches=2), mesh=mesh, compiler_options=FAST_COMPILE)
 
 
 def _train(learner, batches):
@@ -222,7 +222,7 @@ def test_only_adapters_train_and_hold_optimizer_state_and_resume_from_orbax(tmp_
 
 def test_bf16_lora_keeps_fp32_adapters_and_a_bf16_frozen_base():
     model = add_lora(init_model(TINY), LoraConfig(rank=2), rngs=nnx.Rngs(0))
-    learner = Learner(model, TINY, OptimizerConfig(), PPOConfig(),
+    learner = Learner(model, TINY, OptimConfig(), AlgoConfig(),
                       mesh=make_mesh("data=1", jax.devices()[:1]),
                       compute_dtype="bfloat16", compiler_options=FAST_COMPILE)
     assert {x.dtype for x in jax.tree.leaves(learner.params)} == {jnp.dtype(jnp.float32)}
@@ -288,7 +288,7 @@ def test_lora_run_publishes_merged_weights_and_adapters_and_resumes(tmp_path):
     from safetensors.numpy import load_file
     from test_trainer import _rows, _run
 
-    from areal_jax.trainer_setup import ASSETS_DIR
+    from areal_jax.run_inputs import ASSETS_DIR
 
     run_dir = tmp_path / "run"
     lora = ["model.lora.rank=4", "model.lora.publish_adapter=true", "optim.lr=1e-3"]
