@@ -367,7 +367,6 @@ class Trainer:
         return row
 
 
-# ----------------------------------------------------------------------------- advantages
 def serving_copy(cfg: TrainConfig, model: Any) -> Any:
     """A host copy of what a version publishes (``checkpoint.publish.ServingWeights``): the
     params, LoRA adapters merged, and with ``model.lora.publish_adapter`` the adapter alone.
@@ -379,6 +378,7 @@ def serving_copy(cfg: TrainConfig, model: Any) -> Any:
                            base_model_name_or_path=cfg.model.path, dtype=cfg.model.dtype)
 
 
+# ----------------------------------------------------------------------------- advantages
 def shaped_rewards(cfg: TrainConfig, trajs: list) -> np.ndarray:
     """Rewards after scale/bias/clip and the optional DAPO overlong penalty, [N] fp32."""
     from areal_jax.losses import overlong_penalty, shape_rewards

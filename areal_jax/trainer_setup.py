@@ -293,8 +293,8 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
         raise TrainerError(str(e)) from None
     optim, algo, loss_kw = learner_configs(cfg)
     model_kw = dict(mesh=mesh, compute_dtype=cfg.model.dtype, remat=cfg.model.remat)
-    # With several processes each one feeds only the rows its devices hold.
     lora = cfg.model.lora.spec() if cfg.model.lora is not None else None
+    # With several processes each one feeds only the rows its devices hold.
     learner = Learner.from_hf(str(model_path), optim, algo, process_local_batches=multi,
                               lora=lora, lora_seed=cfg.seed, **model_kw, **loss_kw)
     ref_learner = None

@@ -153,16 +153,16 @@ class Learner:
         ``{"xla_backend_optimization_level": 0}`` to compile faster on CPU in tests.
       trainable: False for a frozen model that only computes logprobs (a reference
         policy): no optimizer state is allocated and ``train_step`` raises.
-
-    A model with LoRA adapters (``model_defs.add_lora``) trains only them: ``params`` and
-    the optimizer state hold the ``nnx.LoRAParam`` adapters alone, and the frozen base
-    weights sit with the rest of the state, sharded like params (and stored in the compute
-    dtype, since they need no fp32 master copy).
       process_local_batches: with several processes, each passes micro-batches holding only
         the rows of its own devices (``local_batch_rows``; e.g. its own trajectories packed
         with ``n_shards`` = its local share of data x fsdp) instead of the same global
         micro-batches everywhere; ``compute_logp`` then returns local rows too. Every process
         must pass the same number of micro-batches of the same shape.
+
+    A model with LoRA adapters (``model_defs.add_lora``) trains only them: ``params`` and
+    the optimizer state hold the ``nnx.LoRAParam`` adapters alone, and the frozen base
+    weights sit with the rest of the state, sharded like params (and stored in the compute
+    dtype, since they need no fp32 master copy).
     """
 
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim: OptimConfig,
