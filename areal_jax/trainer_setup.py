@@ -10,7 +10,6 @@ executor, weight sync and metrics writer.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,15 @@ from areal_jax.trainer import Progress, RolloutSide, Trainer, group_advantages_f
 def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitStack) -> Trainer:
     """Everything a run needs, in dependency order; registers shutdown on ``stack``."""
     t_process = process_start_time()
+    if cfg.rollout.learner_cpu_cores:
+        # Before JAX starts its CPU backend: XLA sizes its thread pools to these cores, and
+        # every thread of the process stays on them (cpu_affinity.py).
+        from areal_jax.cpu_affinity import pin_process_to_cpus
+
+        try:
+            pin_process_to_cpus(cfg.rollout.learner_cpu_cores)
+        except ValueError as e:
+            raise TrainerError(f"rollout.learner_cpu_cores: {e}") from None
     # Several processes (JAX multi-controller): join before anything touches JAX devices.
     # A one-process run skips this; with nothing set, srun / TPU pod / mpirun jobs are
     # detected by JAX itself (distributed.auto_detect).
@@ -91,9 +99,6 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
         check_prompt_lengths(cfg, tokenizer, train_path)
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise TrainerError(f"data.train: {e}") from None
-    if cfg.rollout.learner_cpu_cores:
-        with contextlib.suppress(AttributeError, OSError):
-            os.sched_setaffinity(0, set(cfg.rollout.learner_cpu_cores))
     storage.write_text(local_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     run_files.sync()
     publisher = _weight_publisher(cfg, run_dir)

@@ -69,6 +69,7 @@ def test_config_errors_name_the_key():
         ("rollout.servers=[http://127.0.0.1:9]", "unreachable"),
         ("train.seq_len=50", "train.seq_len (50) is shorter than the longest prompt"),
         ("reward.fn=no_such_module_xyz:fn", "reward.fn 'no_such_module_xyz:fn'"),
+        ("rollout.learner_cpu_cores=[4096]", "rollout.learner_cpu_cores: cannot pin to CPU"),
     ],
 )
 def test_cli_fails_early_with_a_clear_message(tmp_path, override, message):

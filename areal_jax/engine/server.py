@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import areal_jax
+from areal_jax.cpu_affinity import pin_process_to_cpus
 from areal_jax.engine.config import SUPPORTED_DTYPES, EngineConfig, request_cpu_devices
 from areal_jax.engine.engine import (
     EngineRequestError,
@@ -380,9 +381,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
 def _apply_process_settings(cpu_affinity: str | None, parent_pid: int | None) -> None:
     if cpu_affinity:
         try:
-            cpus = {int(c) for c in cpu_affinity.split(",") if c.strip()}
-            os.sched_setaffinity(0, cpus)
-        except (ValueError, OSError) as e:
+            pin_process_to_cpus(int(c) for c in cpu_affinity.split(",") if c.strip())
+        except ValueError as e:
             raise ValueError(f"--cpu-affinity {cpu_affinity!r}: {e}") from None
     if parent_pid is not None:
         if os.getppid() != parent_pid:
