@@ -123,19 +123,27 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
         if learner_side["ref_learner"] is not None:
             learner_side["ref_learner"].precompile(rows, seq_len)
     startup["learner_compiled_s"] = time.time() - t_process
-    if handles:
-        _wait_for_servers(cfg, handles)
-        startup["servers_ready_s"] = time.time() - t_process
 
-    # Rollout side (process 0): reward pool, workflow, prompts, executor, weight sync.
+    # Rollout side (process 0): reward pool, workflow, metrics files, prompts, executor,
+    # built while the servers may still be compiling (the metrics writer's TensorBoard
+    # import alone, which pulls in torch, takes seconds); then the executor starts.
+    from areal_jax.data.trajectories import ProcessRowsDataset, TrajectoryBatchDataset
+    from areal_jax.metrics import MetricsWriter
+    from areal_jax.parallel import n_batch_shards
     from areal_jax.rewards.pool import RewardPool
 
     reward_pool = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s,
                              max_abs=cfg.reward.max_abs)
     stack.callback(reward_pool.close)
     workflow = _workflow(cfg, tokenizer, reward_fn, stack)
+    writer = MetricsWriter(local_dir, cfg.train.total_versions, start_version, cfg.progress_bar,
+                           resumed=bool(meta))
+    stack.callback(writer.close)
     executor, eval_items = _executor(cfg, workflow, tokenizer, reward_pool, train_path, eval_path,
                                      list(cfg.rollout.servers) or [h.url for h in handles], meta)
+    if handles:
+        _wait_for_servers(cfg, handles)
+        startup["servers_ready_s"] = time.time() - t_process
     executor.set_version(start_version)
     executor.start()
     stack.callback(executor.stop, 30.0, True)
@@ -153,18 +161,10 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
             raise TrainerError(f"rollout.servers cannot load this run's weights v{start_version} "
                                f"(do they serve the same model as model.path?): {e}") from None
 
-    from areal_jax.metrics import MetricsWriter
-
-    writer = MetricsWriter(local_dir, cfg.train.total_versions, start_version, cfg.progress_bar,
-                           resumed=bool(meta))
-    stack.callback(writer.close)
     run_files.start()
 
     # The trajectory pipeline: the B oldest groups -> advantages -> packed micro-batches
     # (over the global batch shards), then, with several processes, each process's rows.
-    from areal_jax.data.trajectories import ProcessRowsDataset, TrajectoryBatchDataset
-    from areal_jax.parallel import n_batch_shards
-
     stream = TrajectoryBatchDataset(
         executor, seq_len=cfg.train.seq_len, rows_per_micro_batch=cfg.train.rows_per_micro_batch,
         batch_size=cfg.train.batch_size, n_shards=n_batch_shards(mesh),
