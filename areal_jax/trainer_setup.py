@@ -102,6 +102,14 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     storage.write_text(local_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     run_files.sync()
     publisher = _weight_publisher(cfg, run_dir)
+    startup: dict[str, float] = {}
+    # A fresh run's first weights are the model's own checkpoint (with its tokenizer): the
+    # embedded servers start from it now, while the learner loads and compiles.
+    handles, fresh = [], not (has_ckpt and resume is not False)
+    if not cfg.rollout.servers and fresh and tokenizer_dir == model_path:
+        handles = _launch_servers(cfg, str(model_path), 0, local_dir, stack, xla_cache_dir,
+                                  publisher.weights_dir)
+        startup["servers_launched_s"] = time.time() - t_process
 
     # Learner on its mesh (spanning every process's devices), checkpoint restored.
     learner_side = _build_learner_side(cfg, resume, stack, model_path, ckpt_dir, has_ckpt)
@@ -110,13 +118,15 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     start_version = progress.start_version
 
     # Serving weights for the current version (every process joined the gather in
-    # _build_learner_side; process 0 writes them), then the servers.
+    # _build_learner_side; process 0 writes them), then the servers if not started yet.
     first = publisher.publish(learner_side.pop("first_params"), learner.model_cfg, start_version,
                               tokenizer_dir=tokenizer_dir)
-    handles = [] if cfg.rollout.servers else _launch_servers(cfg, first, start_version,
-                                                             local_dir, stack, xla_cache_dir)
+    if not cfg.rollout.servers and not handles:
+        handles = _launch_servers(cfg, first, start_version, local_dir, stack, xla_cache_dir,
+                                  publisher.weights_dir)
+        startup["servers_launched_s"] = time.time() - t_process
     # The learner compiles its train step while the servers compile their shapes.
-    startup = {"learner_loaded_s": time.time() - t_process}
+    startup["learner_loaded_s"] = time.time() - t_process
     if not multi:  # (process-local micro-batches have another shape per process)
         rows, seq_len = cfg.train.rows_per_micro_batch, cfg.train.seq_len
         learner.precompile(rows, seq_len)
@@ -404,9 +414,11 @@ def _wait_for_servers(cfg: TrainConfig, handles: list) -> None:
 
 
 def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,
-                    stack: contextlib.ExitStack, cache_dir: str | None) -> list:
-    """Starts the embedded servers without waiting for them (the caller waits with
-    ``_wait_for_servers`` once the learner has compiled); returns their handles."""
+                    stack: contextlib.ExitStack, cache_dir: str | None,
+                    publish_dir: str) -> list:
+    """Starts the embedded servers on ``weights`` without waiting for them (the caller
+    waits with ``_wait_for_servers`` once the learner has compiled); later versions come
+    from ``publish_dir``. Returns their handles."""
     from areal_jax.engine.launch import ServerStartError, launch_servers
 
     ro = cfg.rollout
@@ -424,7 +436,7 @@ def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,
                               max_slots=ro.max_slots, max_seq_len=ro.max_seq_len,
                               dtype=cfg.model.dtype, jax_platforms=platform, env=device_env,
                               cpu_affinity=ro.server_cpu_cores, api_key=ro.api_key,
-                              allowed_weight_dirs=[storage.parent_of(weights)],  # later versions
+                              allowed_weight_dirs=[publish_dir],  # later versions
                               warmup=True,  # compile every shape now, not mid-run
                               compilation_cache_dir=cache_dir,
                               extra_args=["--weight-version", str(version)])

@@ -131,6 +131,8 @@ def test_second_training_run_compiles_nothing_new(tmp_path):
                                                "setup_s", "first_batch_s", "first_step_s")]
         assert marks == sorted(marks) and marks[0] > 0, row
         assert row["startup/servers_ready_s"] <= row["startup/setup_s"], row
+        # A fresh run starts its servers on the model's checkpoint before loading the learner.
+        assert row["startup/servers_launched_s"] <= row["startup/learner_loaded_s"], row
     # Both processes wrote there: the engine's step functions (wrapped as "traced" in
     # engine/runner.py) and the learner's gradient program (learner.py: _grad_program).
     names = {e.rsplit("-", 2)[0] for e in entries[0]}
