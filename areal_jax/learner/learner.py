@@ -391,17 +391,19 @@ class Learner:
             self._zeros.lower(self.params).compile()
             grads = self._zeros(self.params)
             version = jnp.asarray(0, jnp.float32)
-            # The first micro-batch's call gets fresh zero sums, the later ones the previous
-            # call's (committed) outputs: both are compiled.
-            grad_fn.lower(self.params, self._rest, grads, zero_sums(), batch, denom, n_loss,
-                          version).compile()
-            grads, sums = grad_fn(self.params, self._rest, grads, zero_sums(), batch, denom,
-                                  n_loss, version)
-            grad_fn.lower(self.params, self._rest, grads, sums, batch, denom, n_loss,
-                          version).compile()
+            # One program for every micro-batch's call: the first one's zero sums are placed
+            # like the later calls' (the previous call's outputs).
+            grad_fn.lower(self.params, self._rest, grads, self._zero_sums(), batch, denom,
+                          n_loss, version).compile()
             self._apply.lower(self.params, self.opt_state, grads).compile()
-            del grads, sums
+            del grads
         return time.perf_counter() - t0
+
+    def _zero_sums(self) -> dict[str, jax.Array]:
+        """Zero statistic sums, placed like the gradient program's output sums: the first
+        micro-batch's call then runs the same compiled program as the later ones (unplaced
+        zeros made jax trace, lower and load a second one)."""
+        return jax.device_put(zero_sums(), replicated(self.mesh))
 
     def _skips_prox_recompute(self) -> bool:
         """With the decoupled loss and one minibatch per version, the proximal policy is
@@ -501,7 +503,7 @@ class Learner:
         for b in batches:
             d, n = self._denominator(b)
             denom, n_loss = denom + d, n_loss + n
-        grads, sums = self._zeros(self.params), zero_sums()
+        grads, sums = self._zeros(self.params), self._zero_sums()
         for b in batches:
             grads, sums = self._grads[prox_from_logp](self.params, self._rest, grads, sums, b,
                                                       denom, n_loss, version)
