@@ -43,7 +43,8 @@ class MetricsWriter:
                              dynamic_ncols=True, file=sys.stderr)
 
     def log(self, row: dict[str, Any]) -> dict[str, Any]:
-        row = {k: (float(v) if isinstance(v, np.floating | np.integer) else v) for k, v in row.items()}
+        row = {k: (float(v) if isinstance(v, np.floating | np.integer) else v)
+               for k, v in row.items()}
         row["time"] = time.time()
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
@@ -60,8 +61,9 @@ class MetricsWriter:
                 self._bar.update(step - self._bar.n)
             self._bar.set_postfix_str(text)
             if "eval_accuracy" in row:
+                reward = f", reward {row['reward_mean']:.3f}" if "reward_mean" in row else ""
                 self._bar.write(f"version {step}: eval accuracy {row['eval_accuracy']:.3f}"
-                                + (f", reward {row['reward_mean']:.3f}" if "reward_mean" in row else ""))
+                                + reward)
         elif text:
             print(f"version {step}: {text}", flush=True)
         return row

@@ -27,14 +27,16 @@ def resolve_model_path(spec: str, cache_dir: str | None = None, key: str = "mode
     if spec.startswith("builtin:"):
         path = ASSETS_DIR / spec.split(":", 1)[1]
         if not path.is_dir():
-            known = sorted(p.name for p in ASSETS_DIR.iterdir() if p.is_dir()) if ASSETS_DIR.is_dir() else []
+            known = (sorted(p.name for p in ASSETS_DIR.iterdir() if p.is_dir())
+                     if ASSETS_DIR.is_dir() else [])
             raise TrainerError(f"{key} {spec!r}: no packaged model of that name; known: {known}")
         return path
     try:
         if storage.is_url(spec):
             url = storage.check_location(spec, key, must_exist=True)
             if not storage.isfile(storage.join(url, "config.json")):
-                raise TrainerError(f"{key} {spec} has no config.json (expected an HF model directory)")
+                raise TrainerError(
+                    f"{key} {spec} has no config.json (expected an HF model directory)")
             path = storage.local_copy(url, cache_dir, kind="models")
         else:
             path = Path(storage.normalize(spec))
@@ -177,7 +179,8 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool | None) -> tuple[str, str, bo
         raise TrainerError(f"--resume given but {ckpt_dir} holds no checkpoint")
     if resume is False and has_ckpt:
         raise TrainerError(f"run_dir {run_dir} already holds checkpoints in {ckpt_dir}; "
-                           "use --resume (or drop --no-resume) to continue it, or pick a new run_dir")
+                           "use --resume (or drop --no-resume) to continue it, "
+                           "or pick a new run_dir")
     return run_dir, ckpt_dir, has_ckpt
 
 

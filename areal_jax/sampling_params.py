@@ -45,8 +45,11 @@ class SamplingParams:
                              f"{MAX_TEMPERATURE}], got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or not (self.top_k == -1 or 1 <= self.top_k <= INT32_MAX):
-            raise ValueError(f"top_k must be -1 (disabled) or in [1, {INT32_MAX}], got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not (
+            self.top_k == -1 or 1 <= self.top_k <= INT32_MAX
+        ):
+            raise ValueError(
+                f"top_k must be -1 (disabled) or in [1, {INT32_MAX}], got {self.top_k!r}")
         if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be in [0, {SEED_MAX}], got {self.seed!r}")
 

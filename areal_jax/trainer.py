@@ -233,7 +233,8 @@ class Trainer:
         limit = cfg.watchdog.max_nonfinite_versions
         if limit and self._nonfinite >= limit:
             rewards = [t.reward for t in batch.trajectories]  # process 0 has the trajectories
-            seen = f"; rewards this batch: min {min(rewards):g}, max {max(rewards):g}" if rewards else ""
+            seen = (f"; rewards this batch: min {min(rewards):g}, max {max(rewards):g}"
+                    if rewards else "")
             raise RunStopped(
                 f"the training loss was not finite for {self._nonfinite} versions in a row "
                 f"(versions {version + 2 - self._nonfinite}-{version + 1}{seen}): the learner "
@@ -317,8 +318,9 @@ class Trainer:
 
         self.wait_published()  # evaluate the latest weights
         e, ro = self.cfg.eval, self.rollout
-        sampling = SamplingParams(max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
-                                  temperature=e.temperature, top_p=1.0)
+        sampling = SamplingParams(
+            max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
+            temperature=e.temperature, top_p=1.0)
         out = ro.executor.run_coroutine(evaluate_prompts(
             ro.executor.client, ro.eval_items, tokenizer=ro.tokenizer, reward_fn=ro.reward_fn,
             sampling=sampling, n_samples=e.n_samples, reward_pool=ro.reward_pool,

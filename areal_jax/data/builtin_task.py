@@ -48,7 +48,8 @@ class ArithmeticTaskConfig:
     def __post_init__(self) -> None:
         if not 2 <= self.min_operands <= self.max_operands:
             raise ValueError(
-                f"need 2 <= min_operands <= max_operands, got {self.min_operands}, {self.max_operands}"
+                "need 2 <= min_operands <= max_operands, "
+                f"got {self.min_operands}, {self.max_operands}"
             )
         if self.max_operand < 1 or self.max_value < self.max_operand:
             raise ValueError("need 1 <= max_operand <= max_value")
@@ -84,7 +85,9 @@ def make_problem(rng: random.Random, cfg: ArithmeticTaskConfig) -> dict:
     }
 
 
-def make_split(split: str, n: int | None = None, cfg: ArithmeticTaskConfig | None = None) -> list[dict]:
+def make_split(
+    split: str, n: int | None = None, cfg: ArithmeticTaskConfig | None = None
+) -> list[dict]:
     """Deterministic ``train`` (default 20000) or ``eval`` (default 256) problems.
 
     Eval questions are drawn first from their own seed; train questions skip any
@@ -157,7 +160,8 @@ def save_tokenizer(out_dir: str | Path) -> Path:
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (out_dir / "special_tokens_map.json").write_text(
-        json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": PAD}, indent=2)
+        json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": PAD},
+                   indent=2)
     )
     return out_dir
 

@@ -1,9 +1,9 @@
 """Prompt datasets as grain pipelines: local or ``gs://`` JSONL/JSON/Parquet files.
 
     ds = load_prompt_dataset("train.jsonl", prompt_key="question", seed=1, num_epochs=2)
-    it = iter(ds)                 # a grain DatasetIterator
-    item = next(it)               # {"prompt_id": "17", "prompt": ..., "answer": ..., "epoch": 0, ...}
-    state = it.get_state()        # JSON-serialisable; it.set_state(state) resumes exactly there
+    it = iter(ds)           # a grain DatasetIterator
+    item = next(it)         # {"prompt_id": "17", "prompt": ..., "answer": ..., "epoch": 0, ...}
+    state = it.get_state()  # JSON-serialisable; it.set_state(state) resumes exactly there
 
 Every item is the original row plus five normalised keys:
 

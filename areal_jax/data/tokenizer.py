@@ -112,7 +112,8 @@ class ChatTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Renders a message list to text, as transformers' ``apply_chat_template(tokenize=False)``."""
+        """Renders a message list to text, as transformers'
+        ``apply_chat_template(tokenize=False)``."""
         if self._template is None:
             lines = [f"{m['role']}: {m['content']}\n" for m in messages]
             return "".join(lines) + ("assistant: " if add_generation_prompt else "")
@@ -161,7 +162,8 @@ def _eos_ids_from_model_config(folder: Path) -> list[int]:
 
 
 def load_tokenizer(path: str | Path) -> ChatTokenizer:
-    """Loads ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``) from a folder.
+    """Loads ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``) from a
+    folder.
 
     The model's ``generation_config.json``/``config.json`` ``eos_token_id`` entries are added to
     ``stop_token_ids``.

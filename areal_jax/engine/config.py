@@ -64,7 +64,8 @@ class EngineConfig:
         if self.max_seq_len is not None and (
             not isinstance(self.max_seq_len, int) or self.max_seq_len < 2
         ):
-            raise ValueError(f"EngineConfig.max_seq_len must be an int >= 2, got {self.max_seq_len!r}")
+            raise ValueError(
+                f"EngineConfig.max_seq_len must be an int >= 2, got {self.max_seq_len!r}")
         for key in ("dtype", "cache_dtype"):
             value = getattr(self, key)
             if value is not None and value not in SUPPORTED_DTYPES:

@@ -112,7 +112,8 @@ class GenerationEngine:
         self._waiting: deque[EngineRequest] = deque()  # guarded by _lock
         # (fn, future) run on the engine thread between steps; guarded by _lock.
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
-        self._dead = False  # set (under _lock) once the step loop has ended; nothing is queued after
+        # set (under _lock) once the step loop has ended; nothing is queued after
+        self._dead = False
         self._inflight: dict[str, EngineRequest] = {}  # rid -> request, guarded by _lock
         self._slots: list[EngineRequest | None] = [None] * config.max_slots  # engine thread
         # The decode call in flight: (device tokens [k, B], device logprobs [k, B], the
@@ -163,7 +164,8 @@ class GenerationEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise EngineRequestError(
-                f"input_ids contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+                f"input_ids contains token id {bad[0]} outside the vocabulary "
+                f"[0, {self.vocab_size})"
             )
         if len(ids) >= self.max_seq_len:
             raise EngineRequestError(
@@ -176,7 +178,8 @@ class GenerationEngine:
                             seed=seed % 2**32)
         with self._lock:
             if self._dead:
-                raise EngineStoppedError(f"engine is not running: {self.fatal_error or 'shut down'}")
+                raise EngineStoppedError(
+                    f"engine is not running: {self.fatal_error or 'shut down'}")
             if rid in self._inflight:
                 raise EngineRequestError(f"rid {rid!r} is already in flight; rids must be unique")
             self._inflight[rid] = req
@@ -341,7 +344,8 @@ class GenerationEngine:
         fut: Future = Future()
         with self._lock:
             if self._dead or not self._thread.is_alive():
-                raise EngineStoppedError(f"engine is not running: {self.fatal_error or 'shut down'}")
+                raise EngineStoppedError(
+                    f"engine is not running: {self.fatal_error or 'shut down'}")
             self._commands.append((fn, fut))
             self._lock.notify_all()
         return fut.result(timeout)
@@ -396,7 +400,8 @@ class GenerationEngine:
             self.weight_version = version
         done.set_result({
             "success": True,
-            "message": f"Succeeded to update model weights. Weight version is {self.weight_version}.",
+            "message": "Succeeded to update model weights. "
+                       f"Weight version is {self.weight_version}.",
             "num_paused_requests": aborted,
         })
 
@@ -418,8 +423,9 @@ class GenerationEngine:
         for bucket, group in sorted(by_bucket.items()):
             for start in range(0, len(group), rows_per_call):
                 chunk = group[start : start + rows_per_call]
-                rows = [{"input_ids": r.input_ids, "slot": slot, "temperature": r.params.temperature,
-                         "top_p": r.params.top_p, "top_k": r.params.top_k, "seed": r.seed}
+                rows = [{"input_ids": r.input_ids, "slot": slot,
+                         "temperature": r.params.temperature, "top_p": r.params.top_p,
+                         "top_k": r.params.top_k, "seed": r.seed}
                         for slot, r in chunk]
                 try:
                     tokens, logprobs = self.runner.prefill(
@@ -499,7 +505,9 @@ class GenerationEngine:
         self._slots[slot] = None
         self._release(req, reason)
 
-    def _release(self, req: EngineRequest, reason: dict[str, Any], error: str | None = None) -> None:
+    def _release(
+        self, req: EngineRequest, reason: dict[str, Any], error: str | None = None
+    ) -> None:
         with self._lock:
             self._inflight.pop(req.rid, None)
         self.stats["finished_requests"] += 1

@@ -15,8 +15,9 @@ Bad requests get a 4xx with OpenAI's error body
 string in a list, or token ids), ``messages`` (string or text-part content),
 ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stream``
 (+ ``stream_options.include_usage``), ``ignore_eos`` (SGLang's extension), ``logprobs``
-(the sampled token's logprob; ``top_logprobs`` only 0), ``n`` = 1. Stop strings, penalties, ``echo``, ``best_of``,
-``logit_bias`` and tool definitions are refused with a 400 naming the field.
+(the sampled token's logprob; ``top_logprobs`` only 0), ``n`` = 1. Stop strings, penalties,
+``echo``, ``best_of``, ``logit_bias`` and tool definitions are refused with a 400 naming the
+field.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class OpenAIError(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  kind: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
-        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+        self.message, self.param, self.status = message, param, status
+        self.kind, self.code = kind, code
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.kind,
@@ -453,7 +455,8 @@ class OpenAIRoutes:
             tail = decoder.add([], final=True)
             yield chunk(tail, [], [], offset, _finish(gen.finish_reason))
             if parsed.include_usage:
-                usage = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                usage = {"id": rid,
+                         "object": "chat.completion.chunk" if chat else "text_completion",
                          "created": created, "model": parsed.model, "choices": [],
                          "usage": _usage(len(parsed.input_ids), len(gen.output_ids))}
                 yield f"data: {json.dumps(usage)}\n\n"

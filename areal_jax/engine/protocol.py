@@ -30,7 +30,8 @@ class ProtocolError(ValueError):
 _GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid", "stream",
                     "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}
 _GENERATE_UNSUPPORTED = {
-    "text": "text prompts are not supported by this server; tokenize on the client and send input_ids",
+    "text": "text prompts are not supported by this server; "
+            "tokenize on the client and send input_ids",
     "input_embeds": "input_embeds is not supported; send input_ids",
     "image_data": "image_data is not supported (text-only models)",
     "audio_data": "audio_data is not supported (text-only models)",
@@ -128,7 +129,8 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
         if key in sp and sp[key] not in (default, None) and not (key == "stop" and sp[key] == []):
             hint = "; use stop_token_ids" if key == "stop" else ""
             raise ProtocolError(
-                f"{where}{key}={sp[key]!r} is not supported by this server (only {default!r}){hint}")
+                f"{where}{key}={sp[key]!r} is not supported by this server "
+                f"(only {default!r}){hint}")
     _reject_unknown(sp, _SAMPLING_FIELDS | set(_SAMPLING_NOOP_DEFAULTS), where)
 
     max_new = sp.get("max_new_tokens")
@@ -286,7 +288,8 @@ def parse_update_weights_from_disk(body: dict[str, Any]) -> tuple[str, str | Non
     _get_bool(body, "flush_cache", True, where)
     load_format = body.get("load_format")
     if load_format not in (None, "auto", "safetensors"):
-        raise ProtocolError(f"{where}load_format={load_format!r} is not supported (safetensors only)")
+        raise ProtocolError(
+            f"{where}load_format={load_format!r} is not supported (safetensors only)")
     return model_path, version, abort_all
 
 

@@ -137,7 +137,8 @@ class ModelRunner:
         row = P("slots")
         layers = range(self.cfg.num_hidden_layers)
         cache_spec = SlotCache(k=tuple(row for _ in layers), v=tuple(row for _ in layers))
-        slot_specs = dict.fromkeys(("token", "position", "temperature", "top_p", "top_k", "seed"), row)
+        slot_specs = dict.fromkeys(
+            ("token", "position", "temperature", "top_p", "top_k", "seed"), row)
 
         def prefill_local(state, cache, slots, prompt_pt, prompt_len_p, slot_p, *rest):
             local = slot_p - jax.lax.axis_index("slots") * local_slots

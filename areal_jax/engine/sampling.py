@@ -39,7 +39,9 @@ def first_argmax(x_bv: jax.Array, max_b1: jax.Array | None = None) -> jax.Array:
     return jnp.minimum(jnp.min(index_bv, axis=-1), vocab - 1)
 
 
-def _truncate_top_k_top_p(scaled_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array) -> jax.Array:
+def _truncate_top_k_top_p(
+    scaled_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array
+) -> jax.Array:
     """Sets logits outside each row's top-k / top-p set to -inf. top_k <= 0 disables top-k."""
     vocab = scaled_bv.shape[-1]
     sorted_desc_bv = -jnp.sort(-scaled_bv, axis=-1)
@@ -54,7 +56,9 @@ def _truncate_top_k_top_p(scaled_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax
     return jnp.where(scaled_bv >= threshold_b[:, None], scaled_bv, -jnp.inf)
 
 
-def _inverse_cdf_sample(masked_bv: jax.Array, seed_b: jax.Array, position_b: jax.Array) -> jax.Array:
+def _inverse_cdf_sample(
+    masked_bv: jax.Array, seed_b: jax.Array, position_b: jax.Array
+) -> jax.Array:
     """One uniform per row; exact categorical sampling from softmax(masked_bv)."""
 
     def uniform(seed, position):
@@ -107,6 +111,7 @@ def sample_tokens(
     chosen_b = jnp.take_along_axis(scaled_bv, token_b[:, None], axis=-1)[:, 0]
     scaled_max_b1 = max_b1 / safe_temperature_b[:, None]
     scaled_max_b1 = jnp.where(jnp.isfinite(scaled_max_b1), scaled_max_b1, 0.0)
-    logsumexp_b = jnp.log(jnp.sum(jnp.exp(scaled_bv - scaled_max_b1), axis=-1)) + scaled_max_b1[:, 0]
+    logsumexp_b = (jnp.log(jnp.sum(jnp.exp(scaled_bv - scaled_max_b1), axis=-1))
+                   + scaled_max_b1[:, 0])
     logprob_b = chosen_b - logsumexp_b
     return token_b, logprob_b

@@ -7,11 +7,12 @@ Routes: /generate, /pause_generation, /continue_generation, /update_weights_from
 /update_weight_version, /abort_request, /flush_cache, /health, /health_generate,
 /get_model_info, /get_server_info; OpenAI-compatible /v1/completions, /v1/chat/completions
 and /v1/models (areal_jax.engine.openai_api, errors in OpenAI's shape). Malformed requests
-get HTTP 400 ``{"error": message}`` (413 for a body over ``--max-body-bytes``); a 500 means a bug of ours, and even then the
-keep-alive connection stays open. With an API key (``AREAL_JAX_API_KEY``,
-``--api-key-file`` or ``--api-key``) every route needs ``Authorization: Bearer KEY``
-(else 401). Weights load only from ``--allowed-weight-dir`` directories (default: the
-served model's own directory); any other path is a 403 that does not say whether it exists.
+get HTTP 400 ``{"error": message}`` (413 for a body over ``--max-body-bytes``); a 500 means a
+bug of ours, and even then the keep-alive connection stays open. With an API key
+(``AREAL_JAX_API_KEY``, ``--api-key-file`` or ``--api-key``) every route needs
+``Authorization: Bearer KEY`` (else 401). Weights load only from ``--allowed-weight-dir``
+directories (default: the served model's own directory); any other path is a 403 that does not
+say whether it exists.
 """
 
 from __future__ import annotations

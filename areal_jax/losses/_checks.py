@@ -26,7 +26,8 @@ def as_array(fn: str, name: str, x: Any) -> jax.Array:
     try:
         return jnp.asarray(x)
     except (TypeError, ValueError) as e:
-        raise TypeError(f"{fn}: {name} is not convertible to an array ({type(x).__name__}): {e}") from None
+        raise TypeError(
+            f"{fn}: {name} is not convertible to an array ({type(x).__name__}): {e}") from None
 
 
 def float_input(fn: str, name: str, x: Any) -> jax.Array:
@@ -89,7 +90,8 @@ def in_range(fn: str, name: str, value: Any, lo: float, hi: float, *, allow_none
     number = _real_scalar(value)
     ok = number is not None
     if ok:
-        ok = (number > lo if lo_open else number >= lo) and (number < hi if hi_open else number <= hi)
+        ok = ((number > lo if lo_open else number >= lo)
+              and (number < hi if hi_open else number <= hi))
     if not ok:
         left = "(" if lo_open else "["
         right = ")" if hi_open else "]"
@@ -112,7 +114,8 @@ def _real_scalar(value: Any) -> float | None:
     elif isinstance(value, np.ndarray | jax.Array) and value.ndim == 0 and not isinstance(
         value, jax.core.Tracer
     ):
-        if not (jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)):
+        if not (jnp.issubdtype(value.dtype, jnp.integer)
+                or jnp.issubdtype(value.dtype, jnp.floating)):
             return None
         number = float(value)
     else:

@@ -55,7 +55,8 @@ def group_advantages(
             GRPO. A group of one has std 0.
         eps: added to the std.
         mode: shortcut that sets both flags: "grpo" (mean, std), "rloo" (leave-one-out
-            mean, no std), "drgrpo" (mean only), "gspo" (as grpo). Overrides the two flags when given.
+            mean, no std), "drgrpo" (mean only), "gspo" (as grpo). Overrides the two flags
+            when given.
 
     Returns:
         fp32 [N] advantages.
@@ -66,7 +67,8 @@ def group_advantages(
         mean_leave_one_out, std_normalize = GROUP_MODES[mode]
     rewards_n = _numeric_input(fn, "rewards", rewards)
     _checks.ndim(fn, "rewards", rewards_n, 1, "[N], ordered group by group")
-    if isinstance(group_size, bool) or not isinstance(group_size, int | np.integer) or group_size < 1:
+    if (isinstance(group_size, bool) or not isinstance(group_size, int | np.integer)
+            or group_size < 1):
         raise ValueError(f"{fn}: group_size={group_size!r}; expected an int >= 1")
     group_size = int(group_size)
     n = rewards_n.shape[0]
@@ -89,7 +91,8 @@ def group_advantages(
     adv_gk = rewards_gk - baseline_gk
     if std_normalize:
         if group_size > 1:
-            var_g1 = jnp.sum((rewards_gk - group_mean_g1) ** 2, axis=1, keepdims=True) / (group_size - 1)
+            sq_dev_g1 = jnp.sum((rewards_gk - group_mean_g1) ** 2, axis=1, keepdims=True)
+            var_g1 = sq_dev_g1 / (group_size - 1)
             std_g1 = jnp.sqrt(var_g1)
         else:
             std_g1 = jnp.zeros_like(group_mean_g1)

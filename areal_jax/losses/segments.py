@@ -76,7 +76,8 @@ def sequence_layout(
                 "as a static int (the most sequences packed into one row)"
             )
         max_segments = max(int(np.max(np.asarray(seg_bt))) if seg_bt.size else 0, 1)
-    if isinstance(max_segments, bool) or not isinstance(max_segments, int | np.integer) or max_segments < 1:
+    if (isinstance(max_segments, bool) or not isinstance(max_segments, int | np.integer)
+            or max_segments < 1):
         raise ValueError(f"{fn}: max_segments={max_segments!r}; expected a static int >= 1")
     max_segments = int(max_segments)
     if concrete and seg_bt.size:

@@ -145,7 +145,8 @@ class JobGuard:
         import threading
 
         if peer_timeout_s <= interval_s:
-            raise ValueError(f"peer_timeout_s ({peer_timeout_s}) must exceed interval_s ({interval_s})")
+            raise ValueError(
+                f"peer_timeout_s ({peer_timeout_s}) must exceed interval_s ({interval_s})")
         self.process_id, self.num_processes = jax.process_index(), jax.process_count()
         self.peer_timeout_s, self.interval_s = peer_timeout_s, interval_s
         self._client = _kv_client()
@@ -164,8 +165,8 @@ class JobGuard:
     def fail(self, message: str, exit_code: int = 1) -> NoReturn:
         """Tells every process that this one failed with ``message``, then exits."""
         with contextlib.suppress(Exception):
-            self._client.key_value_set(f"{_KV_PREFIX}/guard/failed/{self.process_id}", message[:4000],
-                                       allow_overwrite=True)
+            self._client.key_value_set(f"{_KV_PREFIX}/guard/failed/{self.process_id}",
+                                       message[:4000], allow_overwrite=True)
         self._exit(exit_code, None)
 
     def done(self) -> None:

@@ -47,7 +47,8 @@ def parse_mesh_spec(spec: str | Mapping[str, int], n_devices: int | None = None)
             if not part:
                 raise MeshSpecError(f"mesh spec {text!r} has an empty entry; {_SPEC_HELP}")
             if part.count("=") != 1:
-                raise MeshSpecError(f"mesh spec {text!r}: entry {part!r} is not axis=size; {_SPEC_HELP}")
+                raise MeshSpecError(
+                    f"mesh spec {text!r}: entry {part!r} is not axis=size; {_SPEC_HELP}")
             name, value = (s.strip() for s in part.split("="))
             items.append((name, value))
 
@@ -150,8 +151,9 @@ def process_batch_rows(mesh: Mesh, global_rows: int) -> dict[int, slice]:
     for pid, rows in sorted(spans.items()):
         lo, hi = min(rows), max(rows) + 1
         if len(rows) != hi - lo:
-            raise ValueError(f"process {pid}'s batch rows are not contiguous in the mesh; build the "
-                             "mesh with make_mesh so each process owns one block of (data, fsdp) shards")
+            raise ValueError(
+                f"process {pid}'s batch rows are not contiguous in the mesh; build the mesh "
+                "with make_mesh so each process owns one block of (data, fsdp) shards")
         out[pid] = slice(lo, hi)
     return out
 

@@ -17,7 +17,8 @@ REWARD_FUNCTIONS: dict[str, str] = {
 
 
 def reward_fn_spec(name: str) -> str:
-    """``"math"`` -> ``"areal_jax.rewards.math:math_reward"``; a "module:function" passes through."""
+    """``"math"`` -> ``"areal_jax.rewards.math:math_reward"``; a "module:function" passes
+    through."""
     if name in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[name]
     if ":" in name:

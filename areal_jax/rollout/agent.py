@@ -234,7 +234,8 @@ class AgenticWorkflow:
                              f"max_total_tokens >= 2; got {n_samples}, {max_turns}, "
                              f"{max_total_tokens}")
         self.agent = resolve_agent(agent)
-        self.n_samples, self.max_turns, self.max_total_tokens = n_samples, max_turns, max_total_tokens
+        self.n_samples, self.max_turns = n_samples, max_turns
+        self.max_total_tokens = max_total_tokens
         self.gconfig = gconfig or SamplingParams()
         self.tokenizer = tokenizer
         if tokenizer is not None and not self.gconfig.stop_token_ids:

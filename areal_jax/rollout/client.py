@@ -302,13 +302,15 @@ class RolloutClient:
             out_versions += [version] * len(tokens)
             kind = _finish_type(finish_reason)
             if kind == FINISH_ABORT:
-                status = finish_reason.get("status_code") if isinstance(finish_reason, dict) else None
+                status = (finish_reason.get("status_code")
+                          if isinstance(finish_reason, dict) else None)
                 if isinstance(status, int) and 400 <= status < 500:
                     raise RolloutRequestError(
                         f"{server.url} aborted request {base_rid}: {finish_reason.get('message')}")
                 n_interruptions += 1
                 if n_interruptions > self.max_interruptions:
-                    raise RolloutError(f"request {base_rid} was interrupted {n_interruptions} times")
+                    raise RolloutError(
+                        f"request {base_rid} was interrupted {n_interruptions} times")
                 continue  # resubmit to the same server (its cache holds the prefix)
             if kind in (FINISH_STOP, FINISH_LENGTH):
                 finish = kind
@@ -466,7 +468,8 @@ class RolloutClient:
                     server.last_error = f"/health answered {r.status_code}"
                     return
                 if self._latest_weights is not None:
-                    info = (await self._http.get(f"{server.url}/get_server_info", timeout=10.0)).json()
+                    info = (await self._http.get(f"{server.url}/get_server_info",
+                                                 timeout=10.0)).json()
                     path, version = self._latest_weights
                     if str(info.get("weight_version")) != str(version):
                         r = await self._post(server, "/update_weights_from_disk",

@@ -129,7 +129,8 @@ def trajectory_from_response(resp: GenerateResponse, reward: float, **fields: An
     n_prompt, n_out = len(resp.input_ids), len(resp.output_ids)
     if len(resp.output_logprobs) != n_out or len(resp.output_versions) != n_out:
         raise ValueError(f"response {resp.rid}: {n_out} output ids but "
-                         f"{len(resp.output_logprobs)} logprobs, {len(resp.output_versions)} versions")
+                         f"{len(resp.output_logprobs)} logprobs, "
+                         f"{len(resp.output_versions)} versions")
     info = {"n_interruptions": resp.n_interruptions, "server": resp.server,
             "latency_s": resp.latency_s, **fields.pop("info", {})}
     return Trajectory(
@@ -231,8 +232,8 @@ class MultiTurnWorkflow:
                  gconfig: SamplingParams | None = None, tokenizer: Any = None,
                  max_turns: int = 4, max_total_tokens: int = 1024) -> None:
         if n_samples < 1 or max_turns < 1 or max_total_tokens < 1:
-            raise ValueError(f"MultiTurnWorkflow needs n_samples, max_turns, max_total_tokens >= 1, "
-                             f"got {n_samples}, {max_turns}, {max_total_tokens}")
+            raise ValueError("MultiTurnWorkflow needs n_samples, max_turns, max_total_tokens "
+                             f">= 1, got {n_samples}, {max_turns}, {max_total_tokens}")
         self.env_factory = env_factory
         self.n_samples = n_samples
         self.gconfig = gconfig or SamplingParams()
