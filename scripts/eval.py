@@ -2,7 +2,8 @@
 
     python scripts/eval.py --model runs/tiny_demo/weights/v40 --data builtin:eval -k 4
     python scripts/eval.py --ckpt runs/tiny_demo/checkpoints [--step 40] --data builtin:eval
-    python scripts/eval.py --model DIR --server http://127.0.0.1:30000 ...   # an already-running server
+    # with an already-running server:
+    python scripts/eval.py --model DIR --server http://127.0.0.1:30000 ...
 
 ``--model`` is an HF directory (e.g. a published ``weights/v{N}``); ``--ckpt`` is an
 Orbax checkpoint dir written by the trainer (converted to HF in a temp dir first).
@@ -26,7 +27,8 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="HF model directory (or builtin:NAME)")
     src.add_argument("--ckpt", help="Orbax checkpoint directory written by the trainer")
@@ -34,8 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer dir (default: the model dir; with --ckpt, the run's tokenizer)")
     p.add_argument("--data", required=True, help="JSONL/Parquet path or builtin:eval")
-    p.add_argument("--prompt-key", default=None, help="default: the run's data.prompt_key, else question")
-    p.add_argument("--answer-key", default=None, help="default: the run's data.answer_key, else answer")
+    p.add_argument("--prompt-key", default=None,
+                   help="default: the run's data.prompt_key, else question")
+    p.add_argument("--answer-key", default=None,
+                   help="default: the run's data.answer_key, else answer")
     p.add_argument("--reward", default=None,
                    help="builtin | math | code | module:function (default: the run's reward.fn, "
                         "else builtin)")
@@ -93,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                                              key="the run's model.tokenizer_path")
             else:
                 raise TrainerError(f"--ckpt {args.ckpt}: no saved run config (checkpoint meta or "
-                                   "config.yaml in the run dir) names its tokenizer; pass --tokenizer")
+                                   "config.yaml in the run dir) names its tokenizer; "
+                                   "pass --tokenizer")
             params_to_hf_dir(params, meta["model_config"], model_dir, tokenizer_dir=tok_src)
         else:
             model_dir = resolve_model_path(args.model, key="--model")

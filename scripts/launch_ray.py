@@ -122,8 +122,10 @@ class ProcessRunner:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or auto)")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--address", default=None,
+                   help="Ray cluster address (default: RAY_ADDRESS or auto)")
     p.add_argument("--config", required=True, help="YAML run config (the same path on every node)")
     p.add_argument("--mesh", default=None, help="learner mesh over all trainers' devices")
     p.add_argument("--trainers", type=int, default=1, help="trainer processes (one per host)")
@@ -131,16 +133,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Ray resource each trainer takes one unit of")
     p.add_argument("--servers", type=int, default=1, help="rollout servers to start (0: use "
                    "rollout.servers from the config)")
-    p.add_argument("--server-resource", default="rollout", help="Ray resource each server takes one unit of")
+    p.add_argument("--server-resource", default="rollout",
+                   help="Ray resource each server takes one unit of")
     p.add_argument("--server-cmd", default=None,
-                   help="server command line with {model} {host} {port} (default: the embedded engine)")
+                   help="server command line with {model} {host} {port} "
+                        "(default: the embedded engine)")
     p.add_argument("--server-args", default="", help="extra arguments for the embedded engine")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment for trainers and servers (repeatable)")
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment for servers only (repeatable)")
     p.add_argument("--startup-timeout-s", type=float, default=300.0, help="servers' start-up limit")
-    p.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL delay at teardown")
+    p.add_argument("--grace-s", type=float, default=10.0,
+                   help="SIGTERM -> SIGKILL delay at teardown")
     p.add_argument("--pid-file", default=None,
                    help="write the started processes as JSON [{role, host, pid}] here")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, passed to train.py")
@@ -237,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
     if "://" not in args.config:  # every process resolves paths the same way
         args.config = os.path.abspath(args.config)
     try:
-        cfg = load_config(args.config, list(args.overrides) + ([f"mesh={args.mesh}"] if args.mesh else []))
+        mesh_override = [f"mesh={args.mesh}"] if args.mesh else []
+        cfg = load_config(args.config, list(args.overrides) + mesh_override)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -275,7 +281,8 @@ def run(args: argparse.Namespace) -> int:
             if args.server_cmd:
                 cmd = shlex.split(args.server_cmd.format(model=model, host=ip, port=port))
             else:
-                cmd = [sys.executable, SERVE, "--model-path", model, "--host", ip, "--port", str(port),
+                cmd = [sys.executable, SERVE, "--model-path", model,
+                       "--host", ip, "--port", str(port),
                        "--max-slots", str(cfg.rollout.max_slots),
                        "--max-seq-len", str(cfg.rollout.max_seq_len),
                        "--allowed-weight-dir", publish_dir,  # the run's serving weights

@@ -60,7 +60,9 @@ def demo_model_config() -> ModelConfig:
     )
 
 
-def noisy_solution(item: dict, rng: np.random.Generator, answer_noise: float, max_value: int) -> str:
+def noisy_solution(
+    item: dict, rng: np.random.Generator, answer_noise: float, max_value: int
+) -> str:
     """The solution, with its final answer replaced by a random wrong one w.p. answer_noise."""
     solution = item["solution"]
     if rng.random() >= answer_noise:
@@ -129,11 +131,13 @@ def sample_completions(model: CausalLM, prompts: list[str], max_new: int, temper
 
 def accuracy(model, items, temperature, key, max_new=48) -> float:
     outs = sample_completions(model, [it["question"] for it in items], max_new, temperature, key)
-    return float(np.mean([builtin_reward(o, it["answer"]) for o, it in zip(outs, items, strict=False)]))
+    return float(np.mean([builtin_reward(o, it["answer"])
+                          for o, it in zip(outs, items, strict=False)]))
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="areal_jax/data/assets/arith_sft")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch-size", type=int, default=64)
@@ -147,8 +151,8 @@ def main() -> int:
 
     cfg = demo_model_config()
     model = CausalLM(cfg, rngs=nnx.Rngs(args.seed))
-    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, 50, args.steps, args.lr * 0.1),
-                     weight_decay=0.01)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, 50, args.steps, args.lr * 0.1)
+    tx = optax.adamw(schedule, weight_decay=0.01)
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     train = bt.make_split("train")
     evals = bt.make_split("eval")[: args.eval_prompts]
@@ -186,7 +190,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     save_hf(model, cfg, out)
     bt.save_tokenizer(out)
-    (out / "sft_log.json").write_text(json.dumps({"args": vars(args), "history": history}, indent=2))
+    (out / "sft_log.json").write_text(
+        json.dumps({"args": vars(args), "history": history}, indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -186,7 +186,8 @@ def _plot_local(run_dir: Path, out_dir: Path | None, log: Any) -> list[Path]:
     xlabel, x = _x_axis(rows)
     written: list[Path] = []
 
-    def headline(name: str, title: str, keys: list[str], axis: tuple[str, list[float]] | None = None):
+    def headline(name: str, title: str, keys: list[str],
+                 axis: tuple[str, list[float]] | None = None):
         label, xs = axis or (xlabel, x)
         if keys:
             written.append(_line_plot(out / name, title, label, xs, rows, keys))

@@ -22,9 +22,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML run config (see configs/)")
-    p.add_argument("--mesh", default=None, help="learner mesh, e.g. data=1,fsdp=2,tensor=1 (overrides mesh=)")
+    p.add_argument("--mesh", default=None,
+                   help="learner mesh, e.g. data=1,fsdp=2,tensor=1 (overrides mesh=)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", dest="resume", action="store_true", default=None,
                    help="resume from the latest checkpoint in the run dir (error if there is none)")
