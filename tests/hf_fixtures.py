@@ -82,7 +82,8 @@ def make_tiny_hf_checkpoint(
     model = make_hf_model(arch, tie=tie, seed=seed, **overrides)
     name = f"{arch}-{'tied' if tie else 'untied'}-s{seed}"
     if overrides:
-        name += "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()) if not isinstance(v, dict))
+        name += "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items())
+                               if not isinstance(v, dict))
     out = Path(tmp_path) / name
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out, safe_serialization=True, **kwargs)

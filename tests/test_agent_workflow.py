@@ -85,7 +85,8 @@ def test_completions_agent_masks_model_tokens_only(server, tok):
     o2 = tok.encode(r2.choices[0].text)
     assert r1.choices[0].finish_reason == "stop"  # so the <eos> it ended with is the model's
     between = tok.encode(tool)
-    want_ids = p + o1 + [EOS] + between + o2 + ([EOS] if r2.choices[0].finish_reason == "stop" else [])
+    want_ids = (p + o1 + [EOS] + between + o2
+                + ([EOS] if r2.choices[0].finish_reason == "stop" else []))
     assert traj.input_ids.tolist() == want_ids
     n_o2 = len(want_ids) - len(p) - len(o1) - 1 - len(between)
     want_mask = [0] * len(p) + [1] * (len(o1) + 1) + [0] * len(between) + [1] * n_o2
@@ -93,9 +94,11 @@ def test_completions_agent_masks_model_tokens_only(server, tok):
     # The logprobs the agent saw are the trajectory's behaviour logprobs (the API hides the
     # stop token, the trajectory keeps it).
     lp = traj.behav_logp
-    np.testing.assert_array_equal(lp[len(p):len(p) + len(o1)], r1.choices[0].logprobs.token_logprobs)
+    np.testing.assert_array_equal(lp[len(p):len(p) + len(o1)],
+                                  r1.choices[0].logprobs.token_logprobs)
     start2 = len(p) + len(o1) + 1 + len(between)
-    np.testing.assert_array_equal(lp[start2:start2 + len(o2)], r2.choices[0].logprobs.token_logprobs)
+    np.testing.assert_array_equal(lp[start2:start2 + len(o2)],
+                                  r2.choices[0].logprobs.token_logprobs)
     assert np.all(lp[np.array(want_mask) == 0] == 0.0) and np.all(lp[np.array(want_mask) == 1] < 0)
     assert traj.versions.tolist() == [0 if m else -1 for m in want_mask]
     assert traj.reward == 0.5 and traj.info["turns"] == 2
@@ -184,8 +187,9 @@ def test_assemble_trajectory_keeps_only_calls_inside_the_final_sequence():
 
 def test_agent_workflow_from_config(tmp_path):
     base = ["model.path=builtin:arith_sft", "rollout.workflow=agent"]
-    cfg = load_config(None, base + ["rollout.agent=areal_jax.rollout.agent_examples:arith_retry_agent",
-                                    "rollout.max_turns=2"])
+    cfg = load_config(None, base + [
+        "rollout.agent=areal_jax.rollout.agent_examples:arith_retry_agent",
+        "rollout.max_turns=2"])
     assert cfg.rollout.workflow == "agent" and cfg.rollout.max_turns == 2
     with pytest.raises(ConfigError, match="rollout.workflow='agent' needs rollout.agent"):
         load_config(None, base)

@@ -109,7 +109,8 @@ class StandIn:
         req.done.set()
 
     def _abort_queued(self, req: _Req) -> None:
-        meta = {"id": req.rid, "finish_reason": {"type": "abort", "message": "Abort before prefill"},
+        meta = {"id": req.rid,
+                "finish_reason": {"type": "abort", "message": "Abort before prefill"},
                 "prompt_tokens": 0, "completion_tokens": 0}
         reply = {"text": "", "meta_info": meta}
         if self.shape in ("0.5.4", "2026"):

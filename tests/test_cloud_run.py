@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
 ASSETS = REPO / "areal_jax" / "data" / "assets" / "arith_sft"
 BUCKET = "gs://test-bucket"
-TRAIN = [sys.executable, str(SCRIPTS / "train.py"), "--config", str(REPO / "configs" / "tiny_demo.yaml")]
+TRAIN = [sys.executable, str(SCRIPTS / "train.py"), "--config",
+         str(REPO / "configs" / "tiny_demo.yaml")]
 SMALL = [  # as tests/test_trainer.py: 4 prompts x 4 samples per version
     "train.batch_size=4", "rollout.n_samples=4", "rollout.max_new_tokens=40",
     "rollout.max_slots=16", "train.rows_per_micro_batch=8", "data.max_eval_prompts=8",
@@ -58,7 +59,8 @@ def test_bad_cloud_paths_fail_up_front(gcs, tmp_path):  # noqa: F811
     cases = [
         (["run_dir=gs://no-such-bucket/run"],
          "error: run_dir gs://no-such-bucket/run: bucket gs://no-such-bucket does not exist"),
-        (["run_dir=s3://bucket/run"], "error: run_dir s3://bucket/run: unsupported URL scheme 's3'"),
+        (["run_dir=s3://bucket/run"],
+         "error: run_dir s3://bucket/run: unsupported URL scheme 's3'"),
         ([f"run_dir={tmp_path}/run", "model.path=gs://test-bucket/no-model"],
          "error: model.path gs://test-bucket/no-model does not exist"),
         ([f"run_dir={tmp_path}/run", "data.train=gs://test-bucket/none.jsonl"],

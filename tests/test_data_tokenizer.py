@@ -65,7 +65,8 @@ def test_chat_template_matches_transformers(tmp_path, messages):
 def test_special_tokens_and_stop_ids(tmp_path):
     folder, reference = make_hf_tokenizer_dir(tmp_path, QWEN_STYLE_TEMPLATE)
     tok = load_tokenizer(folder)
-    assert tok.eos_token_id == reference.eos_token_id == reference.convert_tokens_to_ids("<|im_end|>")
+    im_end_id = reference.convert_tokens_to_ids("<|im_end|>")
+    assert tok.eos_token_id == reference.eos_token_id == im_end_id
     assert tok.pad_token_id == reference.pad_token_id
     assert tok.stop_token_ids[0] == tok.eos_token_id
     assert set(tok.stop_token_ids) == {tok.eos_token_id, 1}  # + generation_config eos ids
@@ -104,7 +105,8 @@ def test_template_errors_and_sandbox(tmp_path):
     import jinja2
 
     with pytest.raises(jinja2.exceptions.TemplateError, match="one message only"):
-        tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+        tok.apply_chat_template([{"role": "user", "content": "a"},
+                                 {"role": "user", "content": "b"}])
     with pytest.raises(jinja2.exceptions.SecurityError):
         tok.apply_chat_template([{"role": "user", "content": "a"}])
 

@@ -95,8 +95,9 @@ def test_first_argmax_and_greedy_logprob_match_the_reference_ops():
     x[5, 17] = 0.0
     temps = np.array([0.0, 0.5, 1.0, 2.0] * 4, np.float32)
     token_b, logprob_b = sample_tokens(
-        jnp.asarray(x), jnp.asarray(temps), jnp.ones(16), jnp.full(16, -1), jnp.arange(16, dtype=jnp.uint32),
-        jnp.zeros(16, jnp.int32), jnp.bool_(False), jnp.bool_(True))
+        jnp.asarray(x), jnp.asarray(temps), jnp.ones(16), jnp.full(16, -1),
+        jnp.arange(16, dtype=jnp.uint32), jnp.zeros(16, jnp.int32), jnp.bool_(False),
+        jnp.bool_(True))
     scaled = x / np.where(temps > 0, temps, 1.0)[:, None]
     ref = jax.nn.log_softmax(jnp.asarray(scaled), -1)[np.arange(16), np.asarray(token_b)]
     # Two fp32 logsumexps over 300 terms of size <= 1 (after the max is taken out), then

@@ -21,9 +21,9 @@ psutil = pytest.importorskip("psutil")
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = [
-    "train.batch_size=4", "rollout.n_samples=4", "rollout.max_new_tokens=24", "rollout.max_slots=16",
-    "rollout.max_seq_len=96", "train.rows_per_micro_batch=8", "eval.every_versions=0",
-    "eval.at_start=false", "eval.at_end=false", "progress_bar=false",
+    "train.batch_size=4", "rollout.n_samples=4", "rollout.max_new_tokens=24",
+    "rollout.max_slots=16", "rollout.max_seq_len=96", "train.rows_per_micro_batch=8",
+    "eval.every_versions=0", "eval.at_start=false", "eval.at_end=false", "progress_bar=false",
     "rollout.server_cpu_cores=null", "rollout.learner_cpu_cores=null",
 ]
 
@@ -55,7 +55,8 @@ def cluster():
     cmd = ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
            "--num-cpus=2", '--resources={"trainer": 2, "rollout": 1}', "--include-dashboard=false",
            f"--temp-dir={temp_dir}", "--disable-usage-stats",
-           f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+           f"--dashboard-agent-listen-port={free_port()}",
+           f"--dashboard-agent-grpc-port={free_port()}",
            f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
            f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
            f"--ray-client-server-port={free_port()}", f"--dashboard-port={free_port()}"]
@@ -86,7 +87,8 @@ def cluster():
 
 def launcher(address: str, env: dict, run_dir: Path, pid_file: Path, versions: int) -> list[str]:
     return [sys.executable, str(REPO / "scripts" / "launch_ray.py"), "--address", address,
-            "--config", str(REPO / "configs" / "tiny_demo.yaml"), "--trainers", "2", "--servers", "1",
+            "--config", str(REPO / "configs" / "tiny_demo.yaml"),
+            "--trainers", "2", "--servers", "1",
             "--mesh", "fsdp=2", "--env", "XLA_FLAGS=--xla_force_host_platform_device_count=1",
             "--env", "JAX_PLATFORMS=cpu", "--grace-s", "5", "--pid-file", str(pid_file),
             f"run_dir={run_dir}", f"train.total_versions={versions}",
@@ -95,7 +97,9 @@ def launcher(address: str, env: dict, run_dir: Path, pid_file: Path, versions: i
 
 def rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def alive(pids: list[int]) -> list[int]:
@@ -147,4 +151,5 @@ def test_killing_a_trainer_ends_the_ray_job_nonzero(cluster, tmp_path):
     assert proc.returncode != 0, out[-4000:]
     assert "trainer1 ended with status -9" in out
     time.sleep(1)
-    assert not alive(list(started.values()) + descendants), "processes left after the launcher exited"
+    assert not alive(list(started.values()) + descendants), (
+        "processes left after the launcher exited")

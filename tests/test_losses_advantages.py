@@ -71,7 +71,8 @@ def test_group_advantages_default_is_grpo_and_jits():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(rewards=np.zeros(7), group_size=2), r"7 rewards do not split into groups of group_size=2"),
+    (dict(rewards=np.zeros(7), group_size=2),
+     r"7 rewards do not split into groups of group_size=2"),
     (dict(rewards=np.zeros(4), group_size=0), r"group_size=0"),
     (dict(rewards=np.zeros((2, 2)), group_size=2), r"rewards has shape \(2, 2\)"),
     (dict(rewards=np.zeros(4), group_size=1, mean_leave_one_out=True), r"needs group_size >= 2"),
@@ -129,13 +130,14 @@ def test_gae_with_terminal_reward_and_lambda_one_is_reward_to_go_minus_value():
 
 
 def test_gae_errors():
-    with pytest.raises(ValueError, match=r"gae: values has shape \(2, 3\) but rewards has shape \(2, 4\)"):
+    with pytest.raises(ValueError,
+                       match=r"gae: values has shape \(2, 3\) but rewards has shape \(2, 4\)"):
         gae(np.zeros((2, 4)), np.zeros((2, 3)), np.ones((2, 4)), 0.9, 0.9)
     with pytest.raises(ValueError, match=r"gae: lam=1.5"):
         gae(np.zeros((2, 4)), np.zeros((2, 4)), np.ones((2, 4)), 0.9, 1.5)
 
 
-# ----------------------------------------------------------------------------- normalisation, shaping
+# --------------------------------------------------------------------------- normalisation, shaping
 
 
 @pytest.mark.parametrize("center, unbiased", [(True, False), (False, False), (True, True)])
@@ -240,8 +242,10 @@ def test_value_loss_matches_reference(clip):
     values = (old + rng.normal(0, 0.4, (3, 7))).astype(np.float32)
     returns = rng.normal(size=(3, 7)).astype(np.float32)
     mask = rng.random((3, 7)) < 0.7
-    loss, stats = jax.jit(lambda v: ppo_value_loss(v, old, returns, mask, value_eps_clip=clip))(values)
-    ref_loss, ref_clip_frac = reference_value_loss(values.astype(np.float64), old, returns, mask, clip)
+    loss, stats = jax.jit(
+        lambda v: ppo_value_loss(v, old, returns, mask, value_eps_clip=clip))(values)
+    ref_loss, ref_clip_frac = reference_value_loss(
+        values.astype(np.float64), old, returns, mask, clip)
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
     np.testing.assert_allclose(float(stats["value_clip_frac"]), ref_clip_frac, rtol=1e-6)
     if clip is not None:
@@ -256,5 +260,6 @@ def test_value_loss_fully_masked_and_errors():
     zeros = np.zeros((2, 3), np.float32)
     loss, stats = ppo_value_loss(zeros + 5, zeros, zeros, zeros)
     assert float(loss) == 0.0 and all(float(v) == 0.0 for v in stats.values())
-    with pytest.raises(ValueError, match=r"returns has shape \(2, 2\) but values has shape \(2, 3\)"):
+    with pytest.raises(ValueError,
+                       match=r"returns has shape \(2, 2\) but values has shape \(2, 3\)"):
         ppo_value_loss(zeros, zeros, np.zeros((2, 2)), zeros)

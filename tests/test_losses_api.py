@@ -88,7 +88,8 @@ TRANSFORM_CASES = {
     "decoupled_ppo_loss_terms": lambda x: L.decoupled_ppo_loss_terms(
         x, c("prox", x), c("behav", x), c("adv", x), _MASK, agg_mode="seq-mean-token-sum",
         seq_token_sum_normalizer=8.0).loss_sum,
-    "group_advantages": lambda x: (L.group_advantages(x.reshape(-1), 4) * c("adv", x).reshape(-1)).sum(),
+    "group_advantages": lambda x: (
+        L.group_advantages(x.reshape(-1), 4) * c("adv", x).reshape(-1)).sum(),
     "gae": lambda x: L.gae(x, c("adv", x), _MASK, 0.99, 0.95)[0].sum(),
     "normalize_advantages": lambda x: (L.normalize_advantages(x, _MASK) * c("adv", x)).sum(),
     "shape_rewards": lambda x: L.shape_rewards(x, scale=2.0, bias=0.5, clip=1.5).sum(),

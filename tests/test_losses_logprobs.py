@@ -123,7 +123,8 @@ def test_logprobs_from_hidden_bf16_inputs():
     h16, w16 = jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
     @jax.jit
     def forward_and_grads(h, w_):
-        (logp, entropy), vjp = jax.vjp(lambda a, b: logprobs_from_hidden(a, b, labels, 1.0, 8), h, w_)
+        (logp, entropy), vjp = jax.vjp(
+            lambda a, b: logprobs_from_hidden(a, b, labels, 1.0, 8), h, w_)
         return logp, entropy, vjp((jnp.ones_like(logp), jnp.ones_like(entropy)))
 
     logp, entropy, (g_h, g_w) = forward_and_grads(h16, w16)
@@ -200,12 +201,17 @@ def test_chunked_logits_version_holds_no_second_fp32_copy():
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda h, w, lab: logprobs_from_hidden(h, w[:5], lab), r"hidden has shape \(2, 5, 16\) and w_dv has shape \(5, 37\)"),
-    (lambda h, w, lab: logprobs_from_hidden(h, w, lab[:, :3]), r"labels has shape \(2, 3\); expected \(2, 5\)"),
-    (lambda h, w, lab: logprobs_from_hidden(h, w, lab.astype(np.float32)), r"labels has dtype float32"),
-    (lambda h, w, lab: logprobs_from_logits(h @ w, lab, temperature=0.0), r"temperature=0.0; expected a number > 0"),
+    (lambda h, w, lab: logprobs_from_hidden(h, w[:5], lab),
+     r"hidden has shape \(2, 5, 16\) and w_dv has shape \(5, 37\)"),
+    (lambda h, w, lab: logprobs_from_hidden(h, w, lab[:, :3]),
+     r"labels has shape \(2, 3\); expected \(2, 5\)"),
+    (lambda h, w, lab: logprobs_from_hidden(h, w, lab.astype(np.float32)),
+     r"labels has dtype float32"),
+    (lambda h, w, lab: logprobs_from_logits(h @ w, lab, temperature=0.0),
+     r"temperature=0.0; expected a number > 0"),
     (lambda h, w, lab: logprobs_from_logits(h @ w, lab, chunk_size=0), r"chunk_size=0"),
-    (lambda h, w, lab: entropy_from_logits((h @ w).astype(np.int32)), r"entropy_from_logits: logits has dtype int32"),
+    (lambda h, w, lab: entropy_from_logits((h @ w).astype(np.int32)),
+     r"entropy_from_logits: logits has dtype int32"),
 ])
 def test_bad_input_gets_a_specific_error(call, match):
     hidden, w, labels = random_case(seed=5)

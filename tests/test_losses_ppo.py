@@ -319,7 +319,8 @@ def test_staleness_definition():
     inp = make_inputs(seed=16)
     _, stats = call(inp, HPARAMS[0], versions=inp["versions"], current_version=9)
     valid = inp["mask"] != 0
-    assert float(stats["staleness_mean"]) == pytest.approx(9 - inp["versions"][valid].mean(), rel=1e-6)
+    assert float(stats["staleness_mean"]) == pytest.approx(
+        9 - inp["versions"][valid].mean(), rel=1e-6)
     assert float(stats["staleness_max"]) == 9 - inp["versions"][valid].min()
 
 
@@ -386,7 +387,8 @@ def test_loss_denominator_counts():
 def test_jit_and_grad_with_bf16_inputs_compute_in_fp32(agg_mode):
     inp = make_inputs(seed=18)
     seg = packed_segments()
-    bf16 = {k: jnp.asarray(v, jnp.bfloat16) for k, v in inp.items() if k in ("logp", "prox", "behav", "adv")}
+    bf16 = {k: jnp.asarray(v, jnp.bfloat16) for k, v in inp.items()
+            if k in ("logp", "prox", "behav", "adv")}
     kw = dict(eps_clip=0.2, eps_clip_higher=0.28, c_clip=2.0, behav_imp_weight_cap=1.6,
               agg_mode=agg_mode, ratio_level="sequence", segment_ids=seg, max_segments=3,
               seq_token_sum_normalizer=SEQ_NORM if agg_mode == "seq-mean-token-sum" else None)
@@ -422,16 +424,20 @@ def test_jit_and_grad_with_bf16_inputs_compute_in_fp32(agg_mode):
         (dict(prox=np.zeros((B, T + 1), np.float32)), r"prox_logp has shape \(4, 13\) but logp"),
         (dict(mask=np.ones((B,), np.int32)), r"loss_mask has shape \(4,\)"),
         (dict(logp=np.zeros((B, T), np.int32)), r"logp has dtype int32"),
-        (dict(logp=np.zeros((B, T, 2), np.float32)), r"logp has shape \(4, 12, 2\); expected 2 dims"),
+        (dict(logp=np.zeros((B, T, 2), np.float32)),
+         r"logp has shape \(4, 12, 2\); expected 2 dims"),
         (dict(kw=dict(agg_mode="seq-mean")), r"agg_mode='seq-mean'; expected one of"),
         (dict(kw=dict(ratio_level="seq")), r"ratio_level='seq'"),
         (dict(kw=dict(c_clip=1.0)), r"c_clip=1.0; expected a number in \(1.0, inf\]"),
         (dict(kw=dict(eps_clip=-0.1)), r"eps_clip=-0.1"),
         (dict(kw=dict(behav_imp_weight_cap=0)), r"behav_imp_weight_cap=0; expected a number > 0"),
         (dict(kw=dict(agg_mode="seq-mean-token-sum")), r"needs seq_token_sum_normalizer"),
-        (dict(kw=dict(seq_token_sum_normalizer=4.0)), r"only used with agg_mode='seq-mean-token-sum'"),
-        (dict(kw=dict(versions=np.zeros((B, T), np.int32))), r"versions given without current_version"),
-        (dict(kw=dict(versions=np.zeros((B, T), np.float32), current_version=1)), r"versions has dtype float32"),
+        (dict(kw=dict(seq_token_sum_normalizer=4.0)),
+         r"only used with agg_mode='seq-mean-token-sum'"),
+        (dict(kw=dict(versions=np.zeros((B, T), np.int32))),
+         r"versions given without current_version"),
+        (dict(kw=dict(versions=np.zeros((B, T), np.float32), current_version=1)),
+         r"versions has dtype float32"),
         (dict(kw=dict(agg_mode="seq-mean-token-mean", segment_ids=np.full((B, T), 4),
                       max_segments=3)), r"segment_ids range over \[4, 4\].*max_segments=3"),
         (dict(kw=dict(normalizer=-1.0)), r"normalizer=-1.0"),

@@ -127,7 +127,8 @@ def test_bad_dtype(checkpoint):
 
 
 @pytest.mark.parametrize("changes,match", [
-    ({"num_key_value_heads": 3}, "num_attention_heads=4 must be a multiple of num_key_value_heads=3"),
+    ({"num_key_value_heads": 3},
+     "num_attention_heads=4 must be a multiple of num_key_value_heads=3"),
     ({"hidden_size": 0}, "hidden_size must be a positive int, got 0"),
     ({"architecture": "GPT2LMHeadModel"}, "architecture 'GPT2LMHeadModel' is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling type 'yarn'"),

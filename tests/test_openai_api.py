@@ -184,7 +184,8 @@ def test_a_weight_update_mid_request_is_invisible_to_the_client(server, client):
             info = httpx.get(f"{server.url}/get_server_info", headers=headers, timeout=60.0).json()
             if info.get("num_running_reqs", 0) > 0:
                 break
-        httpx.post(f"{server.url}/pause_generation", json={"mode": "abort"}, headers=headers, timeout=60.0)
+        httpx.post(f"{server.url}/pause_generation", json={"mode": "abort"},
+                   headers=headers, timeout=60.0)
         httpx.post(f"{server.url}/update_weight_version", json={"new_version": "1"},
                    headers=headers, timeout=60.0)
         httpx.post(f"{server.url}/continue_generation", headers=headers, timeout=60.0)

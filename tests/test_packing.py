@@ -95,7 +95,8 @@ def test_minibatches_and_padding_only_mode():
     for b in batches:
         assert b.minibatch_loss_tokens == per_mb[b.minibatch_id]
     assert sum(per_mb.values()) == sum(t.num_generated for t in trajs)
-    padded = pack_trajectories(trajs, None, seq_len=32, rows_per_micro_batch=1, max_segments_per_row=1)
+    padded = pack_trajectories(trajs, None, seq_len=32, rows_per_micro_batch=1,
+                               max_segments_per_row=1)
     assert len(padded) == len(trajs) and all(b.segment_ids.max() == 1 for b in padded)
 
 
@@ -119,7 +120,9 @@ def test_packing_errors_name_the_problem():
     long = make_traj(rng, 10, 30)
     with pytest.raises(ValueError, match=r"trajectory 1 has 40 tokens, longer than seq_len=32"):
         pack_trajectories([make_traj(rng, 2, 2), long], None, seq_len=32, rows_per_micro_batch=1)
-    with pytest.raises(ValueError, match=r"rows_per_micro_batch=3 must be a positive multiple of n_shards=2"):
+    with pytest.raises(
+            ValueError,
+            match=r"rows_per_micro_batch=3 must be a positive multiple of n_shards=2"):
         pack_trajectories([long], None, seq_len=64, rows_per_micro_batch=3, n_shards=2)
     with pytest.raises(ValueError, match=r"advantages\[0\] has shape \(3,\)"):
         pack_trajectories([long], [np.ones(3)], seq_len=64, rows_per_micro_batch=1)

@@ -18,7 +18,8 @@ from areal_jax.parallel import (
 def test_parse_mesh_spec_sizes_and_rest():
     assert parse_mesh_spec("data=2,fsdp=4,tensor=1") == {"data": 2, "fsdp": 4, "tensor": 1}
     assert parse_mesh_spec("fsdp=8") == {"data": 1, "fsdp": 8, "tensor": 1}
-    assert parse_mesh_spec(" data = 2 , fsdp = -1 ", n_devices=8) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert parse_mesh_spec(" data = 2 , fsdp = -1 ", n_devices=8) == {
+        "data": 2, "fsdp": 4, "tensor": 1}
     assert parse_mesh_spec("tensor=2,data=-1", n_devices=8) == {"data": 4, "fsdp": 1, "tensor": 2}
     assert parse_mesh_spec({"fsdp": 4, "tensor": 2}, n_devices=8)["fsdp"] == 4
     assert parse_mesh_spec("data=-1")["data"] == jax.device_count()
@@ -73,7 +74,8 @@ def test_initialize_distributed_single_process_and_errors(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     assert initialize_distributed() is False  # nothing configured: single process, no-op
     assert initialize_distributed(num_processes=1) is False
-    with pytest.raises(ValueError, match=r"missing: coordinator_address \(JAX_COORDINATOR_ADDRESS\)"):
+    with pytest.raises(ValueError,
+                       match=r"missing: coordinator_address \(JAX_COORDINATOR_ADDRESS\)"):
         initialize_distributed(num_processes=2, process_id=0)
     monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
     with pytest.raises(ValueError, match="JAX_NUM_PROCESSES='two' is not an integer"):

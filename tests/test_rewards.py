@@ -64,7 +64,8 @@ def test_code_reward_asserts_and_io():
                                  {"input": "5", "output": "11\nok"}]) == 0.0
     assert code_reward(io_prog, [{"input": "3", "output": "6\nok"},
                                  {"input": "5", "output": "11\nok"}], partial_credit=True) == 0.5
-    assert run_tests(extract_code(ADD_OK), ["assert add(1, 1) == 2", "assert add(1, 1) == 3"]) == (1, 2)
+    assert run_tests(extract_code(ADD_OK),
+                     ["assert add(1, 1) == 2", "assert add(1, 1) == 3"]) == (1, 2)
 
 
 def test_code_sandbox_limits(tmp_path):

@@ -70,7 +70,8 @@ def test_fail_fast_on_a_missing_bucket_or_object(gcs):  # noqa: F811
     with pytest.raises(StorageError, match=r"^run_dir gs://no-such-bucket/run: bucket "
                                            r"gs://no-such-bucket does not exist$"):
         storage.check_location("gs://no-such-bucket/run", "run_dir", write=True)
-    with pytest.raises(StorageError, match=r"data.train gs://test-bucket/nope.jsonl does not exist"):
+    with pytest.raises(StorageError,
+                       match=r"data.train gs://test-bucket/nope.jsonl does not exist"):
         storage.check_location("gs://test-bucket/nope.jsonl", "data.train", must_exist=True)
     assert storage.check_location("gs://test-bucket/run/", "run_dir", write=True) \
         == "gs://test-bucket/run"

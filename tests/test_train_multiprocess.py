@@ -23,10 +23,10 @@ REPO = Path(__file__).resolve().parent.parent
 TRAIN = [sys.executable, str(REPO / "scripts" / "train.py"), "--config",
          str(REPO / "configs" / "tiny_demo.yaml")]
 SMALL = [
-    "train.batch_size=4", "rollout.n_samples=4", "rollout.max_new_tokens=24", "rollout.max_slots=16",
-    "train.rows_per_micro_batch=8", "eval.every_versions=0", "eval.at_start=false",
-    "eval.at_end=false", "progress_bar=false", "rollout.server_cpu_cores=null",
-    "rollout.learner_cpu_cores=null",
+    "train.batch_size=4", "rollout.n_samples=4", "rollout.max_new_tokens=24",
+    "rollout.max_slots=16", "train.rows_per_micro_batch=8", "eval.every_versions=0",
+    "eval.at_start=false", "eval.at_end=false", "progress_bar=false",
+    "rollout.server_cpu_cores=null", "rollout.learner_cpu_cores=null",
 ]
 
 
@@ -69,7 +69,9 @@ def log(logs: Path, pid: int) -> str:
 
 def rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def hf_tensors(path: Path) -> dict[str, np.ndarray]:

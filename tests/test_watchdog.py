@@ -32,10 +32,13 @@ def _prompts(n: int = 1000):
         yield {"prompt_id": f"p{i}", "prompt": f"{i % 7}+{i % 5}=", "answer": str(i % 7 + i % 5)}
 
 
-def _executor(server, tokenizer, workflow, pool=None, max_concurrent=4, **limits) -> RolloutExecutor:
+def _executor(
+    server, tokenizer, workflow, pool=None, max_concurrent=4, **limits
+) -> RolloutExecutor:
     client = RolloutClient([server.url], request_timeout=60)
-    return RolloutExecutor(client, workflow, _prompts(), batch_size=2, max_concurrent=max_concurrent,
-                           max_staleness=None, tokenizer=tokenizer, reward_pool=pool, **limits)
+    return RolloutExecutor(client, workflow, _prompts(), batch_size=2,
+                           max_concurrent=max_concurrent, max_staleness=None,
+                           tokenizer=tokenizer, reward_pool=pool, **limits)
 
 
 def test_server_refusing_every_request_stops_with_its_message(server_and_tokenizer):

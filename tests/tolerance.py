@@ -2,8 +2,8 @@
 
 Two evaluations of the same math (another kernel, instruction set, sharding, packing or
 library) differ by rounding alone. Each float sum of n terms is within γ·Σ|x_i| of the exact
-value, with γ = λ·√n·u (Higham's probabilistic bound; u = eps/2 the unit roundoff; λ = 4 holds
-for all but ~1e-6 of sums), so two evaluations differ by at most twice that. A network is a
+value, with γ = λ·√n·u (Higham's probabilistic bound; u = eps/2 the unit roundoff; λ = 4
+holds for all but ~1e-6 of sums), so two evaluations differ by at most twice that. A network is a
 chain of such sums: its output's error is bounded by the same form with n the total length of
 the reductions along the longest path (each layer's RMS norm resets the scale, so rounding
 errors add across layers rather than multiply), and Σ|x_i| the magnitude of the terms that make
