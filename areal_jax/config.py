@@ -137,7 +137,8 @@ ENGINE_PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    servers: list[str] = field(default_factory=list)  # external servers (e.g. SGLang); empty: launch embedded
+    # External servers (e.g. SGLang); empty: launch embedded ones.
+    servers: list[str] = field(default_factory=list)
     num_servers: int = 1  # embedded servers to launch when `servers` is empty
     server_cpu_cores: list[int] | None = None  # CPU cores pinned to the embedded servers
     learner_cpu_cores: list[int] | None = None  # CPU cores pinned to the learner process
@@ -199,17 +200,20 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{key} must be null or a non-empty list of core ids "
                                  f">= 0, got {cores}")
         if not self.temperature > 0:
-            raise ValueError(f"rollout.temperature must be > 0 for RL sampling, got {self.temperature}")
+            raise ValueError("rollout.temperature must be > 0 for RL sampling, "
+                             f"got {self.temperature}")
         if not self.request_retry_deadline_s >= 0:
             raise ValueError(f"rollout.request_retry_deadline_s must be >= 0, got "
                              f"{self.request_retry_deadline_s}")
         if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError(f"rollout.max_staleness must be >= 0 or null, got {self.max_staleness}")
+            raise ValueError("rollout.max_staleness must be >= 0 or null, "
+                             f"got {self.max_staleness}")
         if self.top_p > 1:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         for s in self.servers:
             if not s.startswith(("http://", "https://")):
-                raise ValueError(f"rollout.servers entry {s!r} must be a URL like http://127.0.0.1:30000")
+                raise ValueError(f"rollout.servers entry {s!r} must be a URL like "
+                                 "http://127.0.0.1:30000")
 
 
 @dataclass(frozen=True)
@@ -279,9 +283,10 @@ class WatchdogConfig:
     shutdown_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        check_non_negative("watchdog", max_attempts_without_progress=self.max_attempts_without_progress,
-                      max_seconds_without_progress=self.max_seconds_without_progress,
-                      max_nonfinite_versions=self.max_nonfinite_versions)
+        check_non_negative("watchdog",
+                           max_attempts_without_progress=self.max_attempts_without_progress,
+                           max_seconds_without_progress=self.max_seconds_without_progress,
+                           max_nonfinite_versions=self.max_nonfinite_versions)
         check_positive("watchdog", shutdown_timeout_s=self.shutdown_timeout_s)
 
 
@@ -290,7 +295,8 @@ class StorageConfig:
     """Local side of a run whose paths are ``gs://`` URLs (see ``areal_jax/storage.py``)."""
 
     cache_dir: str | None = None  # downloads and run-file working copies; ~/.cache/areal_jax
-    upload_every_s: float = 60.0  # gs:// run dirs: run files uploaded this often (+ each checkpoint)
+    # gs:// run dirs: run files are uploaded this often (and at each checkpoint).
+    upload_every_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.upload_every_s <= 0:

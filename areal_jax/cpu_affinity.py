@@ -21,8 +21,9 @@ from collections.abc import Iterable
 
 def pin_process_to_cpus(cpus: Iterable[int]) -> set[int]:
     """Restricts every thread of this process, and the threads it starts later, to
-    ``cpus``. Returns the set applied (empty where the OS has no affinity call). Raises ValueError for an empty set or cores this
-    machine does not have (OSError from the kernel reworded)."""
+    ``cpus``. Returns the set applied (empty where the OS has no affinity call). Raises
+    ValueError for an empty set or cores this machine does not have (OSError from the
+    kernel reworded)."""
     wanted = {int(c) for c in cpus}
     if not hasattr(os, "sched_setaffinity"):  # macOS, Windows: the OS places threads itself
         return set()

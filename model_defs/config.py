@@ -103,7 +103,8 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         if d.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"{source}: hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
+            raise ConfigError(f"{source}: hidden_act={d['hidden_act']!r} is not supported "
+                              "(only 'silu')")
         if d.get("use_sliding_window"):
             raise ConfigError(f"{source}: use_sliding_window=true is not supported")
         if d.get("mlp_bias"):

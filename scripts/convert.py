@@ -132,7 +132,8 @@ def orbax_to_hf(ckpt_dir: str, out: str, step: int | None = None,
     if not storage.is_url(out):
         params_to_hf_dir(params, model_cfg, out, dtype=dtype, tokenizer_dir=tokenizer_dir)
         return 0
-    with tempfile.TemporaryDirectory(prefix="areal-convert-") as tmp:  # written whole, then uploaded
+    # Written whole into a temporary directory, then uploaded.
+    with tempfile.TemporaryDirectory(prefix="areal-convert-") as tmp:
         params_to_hf_dir(params, model_cfg, tmp, dtype=dtype, tokenizer_dir=tokenizer_dir)
         storage.upload(tmp, out)
     return 0

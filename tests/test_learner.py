@@ -123,7 +123,8 @@ def test_ppo_moves_logp_of_advantaged_tokens_the_right_way():
         b["behav_logp"] = logp * b.loss_mask
         adv = np.zeros(b.shape, np.float32)
         for p in b.placements:
-            adv[p.row, p.start:p.start + p.length] = sign[p.traj_index] * b.loss_mask[p.row, p.start:p.start + p.length]
+            span = slice(p.start, p.start + p.length)
+            adv[p.row, span] = sign[p.traj_index] * b.loss_mask[p.row, span]
         b["advantages"] = adv
     losses = []
     for _ in range(6):
@@ -175,12 +176,14 @@ def test_bad_inputs_get_named_errors():
                            algo=AlgoConfig(ppo_n_minibatches=1, kl_coef=0.1))
     trajs = random_trajectories(3, 4, 12)
     (batch,) = pack_trajectories(trajs, None, seq_len=32, rows_per_micro_batch=2, n_shards=2)
-    with pytest.raises(ValueError, match=r"micro-batch 0 has 3 rows, not a multiple of the mesh's data x fsdp = 2"):
+    with pytest.raises(ValueError, match=r"micro-batch 0 has 3 rows, not a multiple of the "
+                                         r"mesh's data x fsdp = 2"):
         learner.compute_logp([{k: np.concatenate([v, v[:1]]) for k, v in batch.arrays().items()}])
     bad = batch.arrays()
     bad["input_ids"] = bad["input_ids"].copy()
     bad["input_ids"][0, 0] = 500
-    with pytest.raises(ValueError, match=r"micro-batch 0: token ids span \[0, 500\], outside the model's vocabulary \[0, 128\)"):
+    with pytest.raises(ValueError, match=r"micro-batch 0: token ids span \[0, 500\], outside "
+                                         r"the model's vocabulary \[0, 128\)"):
         learner.compute_logp([bad])
     with pytest.raises(KeyError, match="micro-batch 0 has no 'ref_logp' array"):
         learner.train_step([batch])  # kl_coef > 0 needs reference logprobs
@@ -242,9 +245,11 @@ def test_learners_with_the_same_graph_and_config_share_compiled_programs():
 
 def test_configs_validate_with_named_errors():
     # The Python API's errors name the run config's keys: it is the same class.
-    with pytest.raises(ValueError, match=r"optim.schedule='linear'; expected one of \['constant', 'cosine'\]"):
+    with pytest.raises(ValueError,
+                       match=r"optim.schedule='linear'; expected one of \['constant', 'cosine'\]"):
         OptimConfig(schedule="linear")
-    with pytest.raises(ValueError, match=r"optim.total_steps \(5\) must be larger than optim.warmup_steps \(10\)"):
+    with pytest.raises(ValueError, match=r"optim.total_steps \(5\) must be larger than "
+                                         r"optim.warmup_steps \(10\)"):
         OptimConfig(schedule="cosine", warmup_steps=10, total_steps=5)
     with pytest.raises(ValueError, match="optim.lr must be > 0"):
         OptimConfig(lr=0.0)
@@ -259,7 +264,8 @@ def test_configs_validate_with_named_errors():
     with pytest.raises(ValueError, match="optim.schedule='cosine' needs optim.total_steps"):
         make_learner(one_device(), optim=OptimConfig(schedule="cosine"))
     sum_mode = AlgoConfig(agg_mode="seq-mean-token-sum")
-    with pytest.raises(ValueError, match="seq_token_sum_normalizer .* is required by algo.agg_mode"):
+    with pytest.raises(ValueError,
+                       match="seq_token_sum_normalizer .* is required by algo.agg_mode"):
         make_learner(one_device(), algo=sum_mode)
     with pytest.raises(ValueError, match="used by no other mode"):
         make_learner(one_device(), seq_token_sum_normalizer=256.0)

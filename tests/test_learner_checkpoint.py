@@ -39,5 +39,6 @@ def test_restore_resumes_training_exactly(tmp_path):
     for g, w in zip(jax.tree.leaves(learner.params), want_params, strict=True):
         np.testing.assert_array_equal(np.asarray(g), w)
 
-    with pytest.raises(ValueError, match=r"param \['embed_vd'\].value has shape \(4, 32\), expected \(128, 32\)"):
+    with pytest.raises(ValueError, match=r"param \['embed_vd'\].value has shape \(4, 32\), "
+                                         r"expected \(128, 32\)"):
         learner.load_state(jax.tree.map(lambda x: x[:4], learner.params))

@@ -51,7 +51,8 @@ def test_schedule_equals_the_warmup_then_constant_or_cosine_formula(schedule, wa
 
 def test_weight_decay_skips_norms_and_biases():
     params = nnx.state(nnx.eval_shape(lambda: CausalLM(TINY, rngs=nnx.Rngs(0))), nnx.Param)
-    mask = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(weight_decay_mask(params))[0]}
+    leaves = jax.tree_util.tree_flatten_with_path(weight_decay_mask(params))[0]
+    mask = {jax.tree_util.keystr(p): v for p, v in leaves}
     assert mask["['embed_vd'].value"] and mask["['lm_head_dv'].value"]
     assert mask["['layers'][0]['mlp']['gate_kernel_df'].value"]
     assert not mask["['final_norm']['scale'].value"]
@@ -65,8 +66,10 @@ def test_weight_decay_skips_norms_and_biases():
     zeros = jax.tree.map(jnp.zeros_like, small)
     updates, _ = jax.jit(tx.update)(zeros, tx.init(small), small)
     moved = {k: bool(jnp.any(u != 0)) for k, u in jax.tree_util.tree_leaves_with_path(updates)}
-    assert moved == {k: bool(v) for k, v in jax.tree_util.tree_leaves_with_path(weight_decay_mask(small))}
-    assert moved[(jax.tree_util.DictKey("embed_vd"),)] and not moved[(jax.tree_util.DictKey("q_bias"),)]
+    decayed = jax.tree_util.tree_leaves_with_path(weight_decay_mask(small))
+    assert moved == {k: bool(v) for k, v in decayed}
+    key = jax.tree_util.DictKey
+    assert moved[(key("embed_vd"),)] and not moved[(key("q_bias"),)]
 
 
 def test_grad_norm_clipping():

@@ -51,7 +51,8 @@ def test_skipped_prox_recompute_gives_the_same_update(c_clip, cap):
                 continue
             assert m_skip[key] == pytest.approx(value, rel=rel, abs=1e-12), key
         atol = (version + 1) * 10 * skip.optim.lr * rel
-        for a, b in zip(jax.tree.leaves(skip.params), jax.tree.leaves(recompute.params), strict=True):
+        pairs = zip(jax.tree.leaves(skip.params), jax.tree.leaves(recompute.params), strict=True)
+        for a, b in pairs:
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=atol)
         for b in given:
             b.prox_logp = None

@@ -62,7 +62,8 @@ def test_second_process_compiles_nothing(tmp_path):
     second = _child_counts(cache)
     # Every program came from the disk cache (JAX times a cache load as a compile too).
     assert second["cache_misses"] == 0, second
-    assert second["cache_hits"] == second["backend_compiles"] >= first["cache_misses"], (first, second)
+    assert second["cache_hits"] == second["backend_compiles"] >= first["cache_misses"], \
+        (first, second)
 
 
 @pytest.fixture

@@ -15,7 +15,8 @@ import pytest
 from areal_jax.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parent.parent
-TRAIN = [sys.executable, str(REPO / "scripts" / "train.py"), "--config", str(REPO / "configs" / "tiny_demo.yaml")]
+TRAIN = [sys.executable, str(REPO / "scripts" / "train.py"),
+         "--config", str(REPO / "configs" / "tiny_demo.yaml")]
 
 # A tiny, fast run of the demo config: 4 prompts x 4 samples per version.
 SMALL = [
@@ -34,8 +35,8 @@ def _env() -> dict[str, str]:
 
 
 def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(TRAIN + SMALL + args, capture_output=True, text=True, timeout=timeout, env=_env(),
-                          cwd=REPO)
+    return subprocess.run(TRAIN + SMALL + args, capture_output=True, text=True, timeout=timeout,
+                          env=_env(), cwd=REPO)
 
 
 def _rows(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
@@ -186,7 +187,8 @@ def test_external_server_with_another_model_fails_with_a_clear_error(tmp_path):
                            allowed_weight_dirs=[tmp_path])
     try:
         run_dir = tmp_path / "run"
-        res = _run([f"run_dir={run_dir}", "train.total_versions=3", f"rollout.servers=[{server.url}]"])
+        res = _run([f"run_dir={run_dir}", "train.total_versions=3",
+                    f"rollout.servers=[{server.url}]"])
     finally:
         server.terminate()
     assert res.returncode != 0
@@ -260,8 +262,9 @@ def test_the_learner_takes_the_run_configs_sections_as_they_are():
     from areal_jax.trainer_setup import learner_configs
 
     cfg = load_config(REPO / "configs" / "tiny_demo.yaml",
-                      ["optim.schedule=cosine", "train.total_versions=7", "algo.ppo_n_minibatches=3",
-                       "algo.agg_mode=seq-mean-token-sum", "rollout.temperature=0.5"])
+                      ["optim.schedule=cosine", "train.total_versions=7",
+                       "algo.ppo_n_minibatches=3", "algo.agg_mode=seq-mean-token-sum",
+                       "rollout.temperature=0.5"])
     assert type(cfg.optim) is OptimConfig and type(cfg.algo) is AlgoConfig
     optim, algo, kwargs = learner_configs(cfg)
     assert algo is cfg.algo and optim.total_steps == 21  # 7 versions x 3 minibatches

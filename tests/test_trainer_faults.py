@@ -55,7 +55,8 @@ def _wait_for_version(proc: subprocess.Popen, run_dir: Path, version: int, timeo
 
 
 # ----------------------------------------------------------------------------- signals
-@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("sig", [signal.SIGTERM,
+                                 pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
                          ids=["SIGTERM", "SIGINT"])
 def test_signal_shuts_down_gracefully(tmp_path, sig):
     """SIGTERM (Kubernetes, Slurm, `timeout`) and SIGINT (Ctrl-C) take the same graceful
@@ -114,7 +115,8 @@ def test_second_signal_exits_at_once(tmp_path):
 # ----------------------------------------------------------------------------- no progress
 @pytest.mark.parametrize("fn, cause", [
     ("always_raises", "ZeroDivisionError: cannot score"),
-    pytest.param("returns_string", "reward must be a real number (int, float or bool), got str '1.0'",
+    pytest.param("returns_string",
+                 "reward must be a real number (int, float or bool), got str '1.0'",
                  marks=pytest.mark.slow),
     pytest.param("returns_huge", "reward 1e+39 is outside [-1e+06, 1e+06]", marks=pytest.mark.slow),
 ], ids=["raises", "string", "1e39"])
