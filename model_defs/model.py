@@ -269,6 +269,14 @@ class CausalLM(nnx.Module):
             return self.embed_vd[...].T
         return self.lm_head_dv[...]
 
+    def unembed_weight(self) -> tuple[Array, int]:
+        """The output projection as stored, and its vocabulary axis: the [V, D] embedding
+        table when tied (axis 0), else lm_head [D, V] (axis 1). Unlike ``unembed_dv`` it
+        never makes a transposed copy."""
+        if self.lm_head_dv is None:
+            return self.embed_vd[...], 0
+        return self.lm_head_dv[...], 1
+
     def embed(self, input_ids_bt: Array) -> Array:
         """Token embeddings [B, T, D] in the compute dtype. Out-of-range ids (e.g. -1
         padding) are clipped, so they never turn into NaN."""

@@ -81,3 +81,27 @@ def test_grad_norm_clipping():
     np.testing.assert_allclose(optax.global_norm(clipped), 1.0, rtol=1e-6)
     updates, _ = jax.jit(tx.update)(grads, state, params)
     np.testing.assert_allclose(updates["w"][:2], [-1.0, -1.0], rtol=1e-5)  # Adam with b=0: sign
+
+
+def test_a_non_finite_gradient_leaves_params_and_optimizer_state_unchanged():
+    """``make_apply_fn`` skips the update (a ``lax.cond``) when the gradient norm is not
+    finite: params and every optimizer-state leaf (moments and step count) keep their
+    values, and a finite gradient afterwards updates them as usual."""
+    from areal_jax.learner.steps import make_apply_fn
+
+    tx = make_optimizer(OptimConfig(lr=0.1, max_grad_norm=1.0))
+    params = {"w": jnp.arange(1.0, 4.0), "b": jnp.ones((2, 2))}
+    apply = jax.jit(make_apply_fn(tx))
+    params, state, _, applied = apply(params, tx.init(params),
+                                      {"w": jnp.ones((3,)), "b": jnp.ones((2, 2))})
+    assert bool(applied)
+    before = [np.asarray(x) for x in jax.tree.leaves((params, state))]
+    w_before = np.asarray(params["w"])
+    for bad in (jnp.nan, jnp.inf):
+        grads = {"w": jnp.array([1.0, bad, 0.0]), "b": jnp.ones((2, 2))}
+        params, state, grad_norm, applied = apply(params, state, grads)
+        assert not bool(applied) and not np.isfinite(float(grad_norm))
+        for old, new in zip(before, jax.tree.leaves((params, state)), strict=True):
+            np.testing.assert_array_equal(np.asarray(new), old)
+    params, state, _, applied = apply(params, state, {"w": jnp.ones((3,)), "b": jnp.ones((2, 2))})
+    assert bool(applied) and not np.array_equal(np.asarray(params["w"]), w_before)

@@ -217,3 +217,63 @@ def test_bad_input_gets_a_specific_error(call, match):
     hidden, w, labels = random_case(seed=5)
     with pytest.raises((ValueError, TypeError), match=match):
         call(hidden, w, labels)
+
+
+def test_logprobs_from_hidden_vocab_major_matrix_is_the_same_computation():
+    """``vocab_axis=0`` takes the [V, D] matrix (a tied embedding table, no transposed
+    copy): the same values bit for bit, and the transposed gradient."""
+    hidden, w, labels = random_case(seed=4)
+    w_vd = np.ascontiguousarray(w.T)
+
+    def run(h, w_, axis):
+        def objective(h, w_):
+            logp, entropy = logprobs_from_hidden(h, w_, labels, 0.9, 8, vocab_axis=axis)
+            return jnp.sum(1.3 * logp + 0.4 * entropy), (logp, entropy)
+        return jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(h, w_)
+
+    (_, (logp_dv, ent_dv)), (g_h_dv, g_w_dv) = run(hidden, w, 1)
+    (_, (logp_vd, ent_vd)), (g_h_vd, g_w_vd) = run(hidden, w_vd, 0)
+    np.testing.assert_array_equal(np.asarray(logp_vd), np.asarray(logp_dv))
+    np.testing.assert_array_equal(np.asarray(ent_vd), np.asarray(ent_dv))
+    # The gradients' matmuls contract the other layout, so their sums may round in
+    # another order: bounded by the sums' magnitudes (|dL/dz| against |w| and |h|).
+    g_z = np.abs(np.asarray(jax.grad(lambda z: jnp.sum(
+        1.3 * naive_logp_entropy(z, labels, 0.9)[0]
+        + 0.4 * naive_logp_entropy(z, labels, 0.9)[1]))(jnp.asarray(hidden @ w))))
+    vocab, tokens = w.shape[1], labels.size
+    g_h_diff = np.abs(np.asarray(g_h_vd) - np.asarray(g_h_dv))
+    assert np.all(g_h_diff <= sum_tolerance(g_z @ np.abs(w).T, vocab)), g_h_diff.max()
+    g_w_diff = np.abs(np.asarray(g_w_vd) - np.asarray(g_w_dv).T)
+    g_w_abs = np.einsum("rcd,rcv->vd", np.abs(hidden), g_z)
+    assert np.all(g_w_diff <= sum_tolerance(g_w_abs, tokens)), g_w_diff.max()
+
+
+def test_logprobs_from_hidden_fp32_matrix_with_bf16_hidden():
+    """fp32 master weights with bf16 hidden states: each chunk is cast to bf16, so the
+    values equal those of a bf16 matrix exactly; the matrix's gradient comes back fp32
+    and equals the bf16 one up to the bf16 rounding the latter carries."""
+    hidden, w, labels = random_case(seed=5)
+    h16 = jnp.asarray(hidden, jnp.bfloat16)
+    w32 = jnp.asarray(np.asarray(jnp.asarray(w, jnp.bfloat16), np.float32))  # bf16 values
+
+    @jax.jit
+    def run(w_):
+        (logp, entropy), vjp = jax.vjp(
+            lambda b: logprobs_from_hidden(h16, b, labels, 1.0, 8), w_)
+        return logp, entropy, vjp((jnp.ones_like(logp), jnp.ones_like(entropy)))[0]
+
+    logp32, ent32, g32 = run(w32)
+    logp16, ent16, g16 = run(w32.astype(jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(logp32), np.asarray(logp16))
+    np.testing.assert_array_equal(np.asarray(ent32), np.asarray(ent16))
+    assert g32.dtype == jnp.float32 and g16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(g16, np.float32), np.asarray(g32),
+                               rtol=float(jnp.finfo(jnp.bfloat16).eps), atol=0)
+
+
+def test_logprobs_from_hidden_rejects_a_bad_vocab_axis():
+    hidden, w, labels = random_case(seed=6)
+    with pytest.raises(ValueError, match=r"vocab_axis=2; expected 1"):
+        logprobs_from_hidden(hidden, w, labels, vocab_axis=2)
+    with pytest.raises(ValueError, match=r"w_dv \[V, D\] \(vocab_axis=0\)"):
+        logprobs_from_hidden(hidden, w, labels, vocab_axis=0)

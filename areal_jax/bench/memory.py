@@ -101,6 +101,16 @@ def _on_mesh(tree: Any, shardings: Any) -> Any:
         for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True)])
 
 
+def _compiler_options(mesh: Any) -> dict[str, Any]:
+    """The learner's XLA options on this mesh's (or the default) platform."""
+    import jax
+
+    from areal_jax.learner.steps import learner_compiler_options
+
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    return learner_compiler_options(platform)
+
+
 def grad_memory(cfg: Any, dtype: str, remat: Any, t: int, rows: int = 1,
                  mesh: Any = None, lora_rank: int = 0) -> tuple[Any, int]:
     import contextlib
@@ -124,7 +134,8 @@ def grad_memory(cfg: Any, dtype: str, remat: Any, t: int, rows: int = 1,
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     version = jax.ShapeDtypeStruct((), jnp.int32)
     with use_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        compiled = jax.jit(grad_fn, donate_argnums=(2, 3)).lower(
+        compiled = jax.jit(grad_fn, donate_argnums=(2, 3),
+                           compiler_options=_compiler_options(mesh)).lower(
             params, rest, params, sums, batch, scalar, scalar, version).compile()
     return compiled.memory_analysis(), n_params
 
@@ -143,7 +154,8 @@ def _apply_memory(cfg: Any, mesh: Any = None, lora_rank: int = 0) -> Any:
     if mesh is not None:
         params = _on_mesh(params, param_shardings(params, mesh))
         opt_state = jax.eval_shape(tx.init, params)  # moments take the params' shardings
-    compiled = jax.jit(make_apply_fn(tx), donate_argnums=(0, 1)).lower(
+    compiled = jax.jit(make_apply_fn(tx), donate_argnums=(0, 1),
+                       compiler_options=_compiler_options(mesh)).lower(
         params, opt_state, params).compile()
     return compiled.memory_analysis(), opt_state
 

@@ -35,6 +35,7 @@ from areal_jax.learner.optimizer import learning_rate_schedule, make_optimizer
 from areal_jax.learner.packing import OPTIONAL_FIELDS, PACKED_FIELDS
 from areal_jax.learner.steps import (
     MAX_KEYS,
+    learner_compiler_options,
     make_apply_fn,
     make_denominator_fn,
     make_grad_fn,
@@ -150,7 +151,8 @@ class Learner:
         ``model_defs.model.REMAT_POLICIES`` ("none", "full", "dots", "dots_no_batch";
         default: the model's setting).
       compiler_options: XLA options for every jitted function, e.g.
-        ``{"xla_backend_optimization_level": 0}`` to compile faster on CPU in tests.
+        ``{"xla_backend_optimization_level": 0}`` to compile faster on CPU in tests. On CPU
+        they go over ``steps.CPU_MEMORY_OPTIONS`` (scheduling for memory).
       trainable: False for a frozen model that only computes logprobs (a reference
         policy): no optimizer state is allocated and ``train_step`` raises.
       process_local_batches: with several processes, each passes micro-batches holding only
@@ -197,7 +199,9 @@ class Learner:
         self.n_fed_shards = (len({i[0].start for i in batch_sharding(self.mesh, 1)
                                   .addressable_devices_indices_map((self.n_batch_shards,))
                                   .values()}) if process_local_batches else self.n_batch_shards)
-        self._jit_options = {"compiler_options": compiler_options} if compiler_options else {}
+        platform = self.mesh.devices.flat[0].platform
+        options = learner_compiler_options(platform, compiler_options)
+        self._jit_options = {"compiler_options": options} if options else {}
 
         self.lora = lora_config(model)
         # What the optimizer differentiates and updates: the adapters only under LoRA.

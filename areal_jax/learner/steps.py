@@ -144,20 +144,46 @@ def make_apply_fn(tx: optax.GradientTransformation) -> Callable:
     """(params, opt_state, grads) -> (params, opt_state, grad_norm, applied).
 
     A step whose gradient norm is not finite is skipped (params and optimizer state
-    unchanged, ``applied`` False), so one bad batch cannot poison the weights.
+    unchanged, ``applied`` False), so one bad batch cannot poison the weights. The skip is
+    a ``lax.cond``, not a select over the whole state: a select keeps the old and the new
+    optimizer state alive together, while a cond updates the (donated) buffers in place.
     """
+
+    def step(operands):
+        params, opt_state, grads = operands
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def skip(operands):
+        params, opt_state, _ = operands
+        return params, opt_state
 
     def apply_fn(params, opt_state, grads):
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(grad_norm)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-
-        def keep(new, old):
-            return jnp.where(finite, new, old)
-
-        params = jax.tree.map(keep, new_params, params)
-        opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        params, opt_state = jax.lax.cond(finite, step, skip, (params, opt_state, grads))
         return params, opt_state, grad_norm, finite
 
     return apply_fn
+
+
+# XLA:CPU options for the learner's programs (other backends' schedulers and collective
+# combiners are memory-aware already):
+# - a memory-optimising schedule: the default favours concurrency and runs independent
+#   work early, e.g. every parameter's AdamW update before the first is applied, or every
+#   decoder layer's rematerialised forward before the backward pass reaches it, which
+#   keeps all those temporaries alive at once (``model.remat`` then saves nothing);
+# - no all-reduce combiner: under a sharded mesh it merges every layer's gradient
+#   all-reduce into one at the end of the backward pass, so every layer's full-size
+#   gradient (and what it needs) stays alive until then, and fsdp=2 held more per device
+#   than one device did.
+CPU_MEMORY_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+                      "xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+
+
+def learner_compiler_options(platform: str, options: dict[str, Any] | None = None
+                             ) -> dict[str, Any]:
+    """XLA options for the learner's jitted programs on ``platform`` ("cpu", "gpu", "tpu"):
+    ``CPU_MEMORY_OPTIONS`` on CPU, under the caller's ``options``."""
+    base = dict(CPU_MEMORY_OPTIONS) if platform == "cpu" else {}
+    return {**base, **(options or {})}

@@ -44,10 +44,15 @@ def packed_token_logprobs(model, input_ids_bt: jax.Array, positions_bt: jax.Arra
     # matrix is gathered over fsdp (vocab stays split over tensor). Without these, XLA may
     # shard the hidden dim like the weight and reshuffle activations in the backward pass.
     hidden_btd = shard(hidden_btd, ("batch", "seq", "act_embed"))
-    w_dv = shard(model.unembed_dv().astype(hidden_btd.dtype), ("act_embed", "vocab"))
+    # The output matrix as stored (a tied embedding table stays [V, D]) and in its own dtype:
+    # the kernel casts one vocabulary chunk at a time, so neither a transposed nor a
+    # compute-dtype copy of it (or of its gradient) is made.
+    w, vocab_axis = model.unembed_weight()
+    w = shard(w, ("vocab", "act_embed") if vocab_axis == 0 else ("act_embed", "vocab"))
     next_ids_bt = jnp.pad(input_ids_bt[:, 1:], ((0, 0), (0, 1)))  # label of position t is t+1
     logp_next_bt, entropy_next_bt = logprobs_from_hidden(
-        hidden_btd, w_dv, next_ids_bt, temperature=temperature, chunk_size=chunk_size)
+        hidden_btd, w, next_ids_bt, temperature=temperature, chunk_size=chunk_size,
+        vocab_axis=vocab_axis)
     valid_bt = predicted_mask(segment_ids_bt)
     logp_bt = jnp.where(valid_bt, shift_right(logp_next_bt), 0.0)
     entropy_bt = jnp.where(valid_bt, shift_right(entropy_next_bt), 0.0)

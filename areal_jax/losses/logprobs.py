@@ -128,47 +128,63 @@ _logits_kernel.defvjp(_logits_kernel_fwd, _logits_kernel_bwd)
 # ----------------------------------------------------------------------------- from hidden
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _hidden_kernel(hidden_nd, w_dv, labels_n, temperature, chunk_size):
-    out, _ = _hidden_kernel_fwd(hidden_nd, w_dv, labels_n, temperature, chunk_size)
+# The unembedding matrix is [D, V] (vocab_axis 1) or [V, D] (vocab_axis 0, e.g. a tied
+# embedding table used as is: a transposed copy would cost a second matrix, and so would
+# the gradient's transpose back).
+_W_SPECS = {1: ("nd,dc->nc", "nc,dc->nd", "nd,nc->dc"), 0: ("nd,cd->nc", "nc,cd->nd", "nd,nc->cd")}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _hidden_kernel(hidden_nd, w, labels_n, temperature, chunk_size, vocab_axis):
+    out, _ = _hidden_kernel_fwd(hidden_nd, w, labels_n, temperature, chunk_size, vocab_axis)
     return out
 
 
-def _hidden_chunk_fn(hidden_nd, w_dv, temperature) -> ChunkFn:
+def _w_chunk(w, start, size, vocab_axis, dtype):
+    """One vocabulary chunk of ``w`` in the hidden states' dtype (e.g. bf16 of fp32 master
+    weights: only a chunk is ever cast, never the whole matrix)."""
+    return jax.lax.dynamic_slice_in_dim(w, start, size, axis=vocab_axis).astype(dtype)
+
+
+def _hidden_chunk_fn(hidden_nd, w, temperature, vocab_axis) -> ChunkFn:
     def chunk(start, size):
-        w_dc = jax.lax.dynamic_slice_in_dim(w_dv, start, size, axis=1)
-        logits_nc = jnp.einsum("nd,dc->nc", hidden_nd, w_dc, preferred_element_type=jnp.float32)
+        w_chunk = _w_chunk(w, start, size, vocab_axis, hidden_nd.dtype)
+        logits_nc = jnp.einsum(_W_SPECS[vocab_axis][0], hidden_nd, w_chunk,
+                               preferred_element_type=jnp.float32)
         return logits_nc / temperature
 
     return chunk
 
 
-def _hidden_kernel_fwd(hidden_nd, w_dv, labels_n, temperature, chunk_size):
+def _hidden_kernel_fwd(hidden_nd, w, labels_n, temperature, chunk_size, vocab_axis):
     n = hidden_nd.shape[0]
-    chunk = _hidden_chunk_fn(hidden_nd, w_dv, temperature)
-    logp_n, entropy_n, lse_n = _online_forward(chunk, labels_n, n, w_dv.shape[1], chunk_size)
-    return (logp_n, entropy_n), (hidden_nd, w_dv, labels_n, lse_n, entropy_n)
+    chunk = _hidden_chunk_fn(hidden_nd, w, temperature, vocab_axis)
+    logp_n, entropy_n, lse_n = _online_forward(chunk, labels_n, n, w.shape[vocab_axis],
+                                               chunk_size)
+    return (logp_n, entropy_n), (hidden_nd, w, labels_n, lse_n, entropy_n)
 
 
-def _hidden_kernel_bwd(temperature, chunk_size, residuals, cotangents):
-    hidden_nd, w_dv, labels_n, lse_n, entropy_n = residuals
+def _hidden_kernel_bwd(temperature, chunk_size, vocab_axis, residuals, cotangents):
+    hidden_nd, w, labels_n, lse_n, entropy_n = residuals
     g_logp_n, g_ent_n = cotangents
-    chunk = _hidden_chunk_fn(hidden_nd, w_dv, temperature)
+    chunk = _hidden_chunk_fn(hidden_nd, w, temperature, vocab_axis)
+    _, hidden_spec, w_spec = _W_SPECS[vocab_axis]
 
     def body(carry, start, size):
-        g_hidden_nd, g_w_dv = carry
+        g_hidden_nd, g_w = carry
         g_logits_nc = _grad_chunk_logits(chunk(start, size), start, size, labels_n, lse_n,
                                           entropy_n, g_logp_n, g_ent_n) / temperature
-        w_dc = jax.lax.dynamic_slice_in_dim(w_dv, start, size, axis=1)
+        w_chunk = _w_chunk(w, start, size, vocab_axis, hidden_nd.dtype)
         g_hidden_nd = g_hidden_nd + jnp.einsum(
-            "nc,dc->nd", g_logits_nc, w_dc, preferred_element_type=jnp.float32)
-        g_w_dc = jnp.einsum("nd,nc->dc", hidden_nd, g_logits_nc,
-                            preferred_element_type=jnp.float32).astype(w_dv.dtype)
-        return g_hidden_nd, jax.lax.dynamic_update_slice_in_dim(g_w_dv, g_w_dc, start, axis=1)
+            hidden_spec, g_logits_nc, w_chunk, preferred_element_type=jnp.float32)
+        g_w_chunk = jnp.einsum(w_spec, hidden_nd, g_logits_nc,
+                               preferred_element_type=jnp.float32).astype(w.dtype)
+        return g_hidden_nd, jax.lax.dynamic_update_slice_in_dim(g_w, g_w_chunk, start,
+                                                                axis=vocab_axis)
 
-    init = (jnp.zeros(hidden_nd.shape, jnp.float32), jnp.zeros_like(w_dv))
-    g_hidden_nd, g_w_dv = _for_each_chunk(w_dv.shape[1], chunk_size, body, init)
-    return g_hidden_nd.astype(hidden_nd.dtype), g_w_dv, None
+    init = (jnp.zeros(hidden_nd.shape, jnp.float32), jnp.zeros_like(w))
+    g_hidden_nd, g_w = _for_each_chunk(w.shape[vocab_axis], chunk_size, body, init)
+    return g_hidden_nd.astype(hidden_nd.dtype), g_w, None
 
 
 _hidden_kernel.defvjp(_hidden_kernel_fwd, _hidden_kernel_bwd)
@@ -241,6 +257,8 @@ def logprobs_from_hidden(
     labels: Any,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    vocab_axis: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of ``labels`` and entropy under softmax(hidden @ w_dv / temperature).
 
@@ -250,10 +268,17 @@ def logprobs_from_hidden(
 
     Args:
         hidden: [..., D] final hidden states (after the final norm), e.g. [B, T, D].
-        w_dv: [D, V] unembedding matrix (for tied embeddings pass ``embedding.T``).
+        w_dv: [D, V] unembedding matrix, or [V, D] with ``vocab_axis=0``.
         labels: int [...] the token whose log-prob is wanted at each position.
         temperature: static Python float > 0.
         chunk_size: vocabulary chunk (static).
+        vocab_axis: 1 (default) for ``w_dv`` [D, V]; 0 for a [V, D] matrix, e.g. a tied
+            embedding table passed as is, which saves a transposed copy of it (and of its
+            gradient).
+
+    ``w_dv`` may be wider than ``hidden`` (fp32 master weights, bf16 hidden states): each
+    chunk is cast to ``hidden``'s dtype for the matmul, and the gradient of ``w_dv`` is
+    accumulated in ``w_dv``'s own dtype.
 
     Returns:
         ``(logp, entropy)``, fp32 [...]. Differentiable in ``hidden`` and ``w_dv``.
@@ -265,13 +290,19 @@ def logprobs_from_hidden(
     for name, arr in (("hidden", hidden_arr), ("w_dv", w_arr)):
         if not jnp.issubdtype(arr.dtype, jnp.floating):
             raise TypeError(f"{fn}: {name} has dtype {arr.dtype}; expected a float dtype")
-    if hidden_arr.ndim < 1 or w_arr.ndim != 2 or hidden_arr.shape[-1] != w_arr.shape[0]:
+    if isinstance(vocab_axis, bool) or vocab_axis not in (0, 1):
+        raise ValueError(f"{fn}: vocab_axis={vocab_axis!r}; expected 1 (w_dv [D, V]) or 0 "
+                         "([V, D])")
+    layout = "[D, V]" if vocab_axis == 1 else "[V, D] (vocab_axis=0)"
+    if (hidden_arr.ndim < 1 or w_arr.ndim != 2
+            or hidden_arr.shape[-1] != w_arr.shape[1 - vocab_axis]):
         raise ValueError(
             f"{fn}: hidden has shape {tuple(hidden_arr.shape)} and w_dv has shape "
-            f"{tuple(w_arr.shape)}; expected hidden [..., D] and w_dv [D, V] with the same D"
+            f"{tuple(w_arr.shape)}; expected hidden [..., D] and w_dv {layout} with the "
+            "same D"
         )
     lead, dim = hidden_arr.shape[:-1], hidden_arr.shape[-1]
     labels_n = _labels(fn, labels, lead, "hidden")
     logp_n, entropy_n = _hidden_kernel(hidden_arr.reshape(-1, dim), w_arr, labels_n,
-                                       temperature, chunk_size)
+                                       temperature, chunk_size, vocab_axis)
     return logp_n.reshape(lead), entropy_n.reshape(lead)
