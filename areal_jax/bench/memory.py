@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learner-rows", type=int, default=1, help="rows per micro-batch")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="also report LoRA of this rank on every projection (0: skip)")
+    parser.add_argument("--engine-slots", type=int, default=16, help="KV-cache rows")
+    parser.add_argument("--engine-seq", type=int, default=2048, help="KV-cache row length")
     parser.add_argument("--mesh", default="",
                         help="learner mesh, e.g. fsdp=2 (CPU: that many XLA host devices); "
                              "figures are then per device")
@@ -160,6 +162,45 @@ def _apply_memory(cfg: Any, mesh: Any = None, lora_rank: int = 0) -> Any:
     return compiled.memory_analysis(), opt_state
 
 
+def predicted_learner_bytes(cfg: Any, n_params: int, tokens: int, dtype: str,
+                            shards: int = 1, chunk: int = 4096) -> dict[str, float]:
+    """The README's formula (per device; ``tokens`` = this device's tokens per micro-batch,
+    ``shards`` = fsdp x tensor), for full fine-tuning with ``model.remat: full``:
+
+    * held = 16 B/param / shards: fp32 params 4 + gradient accumulator 4 + AdamW moments 8;
+    * gradient program = output-matrix gradient (fp32 V x D, whole) + 3 fp32 logit chunks
+      (tokens x chunk) + each layer's saved input (L x tokens x D x act) + one layer's
+      recompute and backward (tokens x (6 F + 12 D) x 4: MLP and attention working set);
+    * optimizer program = the largest parameter's AdamW update (fp32, its shard).
+    """
+    d, f, v, n_layers = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
+                         cfg.num_hidden_layers)
+    act = 2 if dtype == "bfloat16" else 4
+    head = 4 * v * d + 3 * tokens * min(chunk, v) * 4
+    saved = n_layers * tokens * d * act
+    layer = tokens * (6 * f + 12 * d) * 4
+    held = 16 * n_params / shards
+    grad_temp = head + saved + layer
+    apply_temp = 4 * v * d / shards
+    return {"held": held, "grad_temp": grad_temp, "apply_temp": apply_temp,
+            "peak": held + max(grad_temp, apply_temp)}
+
+
+def kv_cache_bytes(cfg: Any, slots: int, max_len: int, dtype: str) -> tuple[int, int]:
+    """(the README's formula, the bytes ``model_defs.init_cache`` allocates) for the
+    engine's KV cache of ``slots`` rows of ``max_len`` tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from model_defs.model import init_cache
+
+    itemsize = jnp.dtype(dtype).itemsize
+    formula = (2 * cfg.num_hidden_layers * slots * max_len * cfg.num_key_value_heads
+               * cfg.head_dim * itemsize)
+    cache = jax.eval_shape(lambda: init_cache(cfg, slots, max_len, jnp.dtype(dtype)))
+    return formula, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+
 def _learner_bytes(cfg: Any, args: argparse.Namespace, remat: Any, mesh: Any, shards: int,
                    lora_rank: int) -> dict[str, Any]:
     """Bytes per parameter of the whole model (base + adapters) the learner holds between
@@ -250,6 +291,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "learner grad-program temp MiB": full["grad_temp_mib"],
             "learner apply-program temp MiB": full["apply_temp_mib"],
             "learner compiled peak bytes/param per device": full["peak"],
+        })
+        batch_shards = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1) if mesh else 1
+        predicted = predicted_learner_bytes(
+            lcfg, n_params, args.learner_rows * args.learner_seq // batch_shards, args.dtype,
+            shards)
+        kv_formula, kv_alloc = kv_cache_bytes(lcfg, args.engine_slots, args.engine_seq,
+                                              args.dtype)
+        summary.update({
+            "predicted (README formula) grad-program temp MiB": _mib(predicted["grad_temp"]),
+            "predicted apply-program temp MiB": _mib(predicted["apply_temp"]),
+            "predicted peak bytes/param per device": round(predicted["peak"] / n_params, 2),
+            "measured / predicted peak": round(full["peak"] * n_params / predicted["peak"], 3),
+            f"engine KV cache MiB ({args.engine_slots} x {args.engine_seq}, {args.dtype}): "
+            "formula / allocated": f"{_mib(kv_formula)} / {_mib(kv_alloc)}",
         })
         if args.lora_rank:
             lora = _learner_bytes(lcfg, args, remat, mesh, shards, lora_rank=args.lora_rank)
