@@ -30,3 +30,21 @@ def test_fsdp2_halves_the_per_device_learner_memory():
     # What is not split: one layer's gathered weights at a time (under 1/6 of the layers'
     # params, themselves under half the model here) and replicated scalars: < 0.6 in all.
     assert two <= 0.6 * one, (one, two)
+
+
+@pytest.mark.slow  # compiles the gradient and optimizer programs of a 494M-param model
+def test_qwen2_5_0_5b_learner_fits_20_bytes_per_param_at_the_gsm8k_length():
+    """A Qwen2.5-0.5B-shaped learner (abstract: nothing is allocated) with one row of the
+    GSM8K config's rollout length (2048 tokens), fp32, ``remat: full``: params, gradient
+    accumulator and AdamW moments (16 B/param) plus the larger program's compiled
+    temporaries stay within 20 B/param, and within the README formula's prediction plus
+    the largest parameter (the formula's one-layer working set is an estimate)."""
+    cfg = ModelConfig.preset("qwen2.5-0.5b")
+    grad_mem, n_params = bench_memory._grad_memory(cfg, "float32", "full", 2048, rows=1)
+    apply_mem, _ = bench_memory._apply_memory(cfg)
+    held = 16 * n_params
+    peak = held + max(grad_mem.temp_size_in_bytes, apply_mem.temp_size_in_bytes)
+    assert peak <= 20 * n_params, peak / n_params
+    predicted = bench_memory.predicted_learner_bytes(cfg, n_params, 2048, "float32")
+    largest_param = 4 * cfg.vocab_size * cfg.hidden_size
+    assert peak <= predicted["peak"] + largest_param, (peak, predicted)
