@@ -40,7 +40,7 @@ def test_qwen2_5_0_5b_learner_fits_20_bytes_per_param_at_the_gsm8k_length():
     temporaries stay within 20 B/param, and within the README formula's prediction plus
     the largest parameter (the formula's one-layer working set is an estimate)."""
     cfg = ModelConfig.preset("qwen2.5-0.5b")
-    grad_mem, n_params = bench_memory._grad_memory(cfg, "float32", "full", 2048, rows=1)
+    grad_mem, n_params = bench_memory.grad_memory(cfg, "float32", "full", 2048, rows=1)
     apply_mem, _ = bench_memory._apply_memory(cfg)
     held = 16 * n_params
     peak = held + max(grad_mem.temp_size_in_bytes, apply_mem.temp_size_in_bytes)
