@@ -187,17 +187,17 @@ def predicted_learner_bytes(cfg: Any, n_params: int, tokens: int, dtype: str,
 
 
 def kv_cache_bytes(cfg: Any, slots: int, max_len: int, dtype: str) -> tuple[int, int]:
-    """(the README's formula, the bytes ``model_defs.init_cache`` allocates) for the
-    engine's KV cache of ``slots`` rows of ``max_len`` tokens."""
+    """(the README's formula, the bytes the engine's ``init_slot_cache`` allocates) for
+    the engine's KV cache of ``slots`` rows of ``max_len`` tokens."""
     import jax
     import jax.numpy as jnp
 
-    from model_defs.model import init_cache
+    from areal_jax.engine.forward import init_slot_cache
 
     itemsize = jnp.dtype(dtype).itemsize
     formula = (2 * cfg.num_hidden_layers * slots * max_len * cfg.num_key_value_heads
                * cfg.head_dim * itemsize)
-    cache = jax.eval_shape(lambda: init_cache(cfg, slots, max_len, jnp.dtype(dtype)))
+    cache = jax.eval_shape(lambda: init_slot_cache(cfg, slots, max_len, jnp.dtype(dtype)))
     return formula, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
 
 
