@@ -41,7 +41,8 @@ def rope_inv_freq(cfg: ModelConfig) -> Array:
         high_freq_wavelen = old_context_len / high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         inv_freq_llama = jnp.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smooth = ((old_context_len / wavelen - low_freq_factor)
+                  / (high_freq_factor - low_freq_factor))
         smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         inv_freq = jnp.where(is_medium, smoothed, inv_freq_llama)
@@ -91,7 +92,8 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype:
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
-        d, h, k, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        d, h, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        k = cfg.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
         self.dtype = dtype
         self.q_kernel_dhk = _param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), param_dtype)
@@ -99,9 +101,12 @@ class Attention(nnx.Module):
         self.v_kernel_dkh = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), param_dtype)
         self.o_kernel_hkd = _param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), param_dtype)
         if cfg.attention_bias:
-            self.q_bias = nnx.Param(jnp.zeros((h, dh), param_dtype), logical_axes=("heads", "head_dim"))
-            self.k_bias = nnx.Param(jnp.zeros((k, dh), param_dtype), logical_axes=("kv_heads", "head_dim"))
-            self.v_bias = nnx.Param(jnp.zeros((k, dh), param_dtype), logical_axes=("kv_heads", "head_dim"))
+            self.q_bias = nnx.Param(jnp.zeros((h, dh), param_dtype),
+                                    logical_axes=("heads", "head_dim"))
+            self.k_bias = nnx.Param(jnp.zeros((k, dh), param_dtype),
+                                    logical_axes=("kv_heads", "head_dim"))
+            self.v_bias = nnx.Param(jnp.zeros((k, dh), param_dtype),
+                                    logical_axes=("kv_heads", "head_dim"))
         else:
             self.q_bias = self.k_bias = self.v_bias = None
         if cfg.qk_norm:

@@ -61,7 +61,8 @@ class ValueModel(nnx.Module):
         self.backbone = backbone
         self.dtype = backbone.dtype
         d = backbone.cfg.hidden_size
-        self.value_head_d = nnx.Param(jnp.zeros((d,), backbone.param_dtype), logical_axes=("embed",))
+        self.value_head_d = nnx.Param(jnp.zeros((d,), backbone.param_dtype),
+                                      logical_axes=("embed",))
         self.value_bias = nnx.Param(jnp.zeros((), backbone.param_dtype), logical_axes=())
 
     def __call__(self, input_ids_bt: jax.Array, positions_bt: jax.Array,
@@ -168,7 +169,8 @@ class Critic(Learner):
                  value_coef: float = 1.0, ppo_n_minibatches: int = 1, compute_dtype: Any = None,
                  remat: bool | str | None = None, compiler_options: dict[str, Any] | None = None):
         if not isinstance(model, CausalLM):
-            raise TypeError(f"Critic model must be a model_defs.CausalLM, got {type(model).__name__}")
+            raise TypeError("Critic model must be a model_defs.CausalLM, "
+                            f"got {type(model).__name__}")
         if value_eps_clip is not None and not (np.isfinite(value_eps_clip) and value_eps_clip > 0):
             raise ValueError(f"critic value_eps_clip must be > 0 (or None), got {value_eps_clip!r}")
         if not (np.isfinite(value_coef) and value_coef > 0):
@@ -184,7 +186,8 @@ class Critic(Learner):
     @classmethod
     def from_hf(cls, path: str, optim: OptimConfig, *, mesh: Mesh | None = None,
                 value_eps_clip: float | None = 0.2, value_coef: float = 1.0,
-                ppo_n_minibatches: int = 1, compute_dtype: Any = "float32", remat: bool | str = False,
+                ppo_n_minibatches: int = 1, compute_dtype: Any = "float32",
+                remat: bool | str = False,
                 compiler_options: dict[str, Any] | None = None) -> Critic:
         """A critic whose backbone is the HF checkpoint at ``path`` (fp32 master weights)."""
         mesh = make_mesh("data=-1") if mesh is None else mesh

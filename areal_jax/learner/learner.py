@@ -269,7 +269,8 @@ class Learner:
                     x = np.asarray(x)
             return jax.device_put(x, sharding)
 
-        return jax.tree.unflatten(treedef, [one(x, s) for x, s in zip(leaves, flat_sh, strict=True)])
+        placed = [one(x, s) for x, s in zip(leaves, flat_sh, strict=True)]
+        return jax.tree.unflatten(treedef, placed)
 
     # ------------------------------------------------------------------ compile
     def _compile(self) -> None:
@@ -309,7 +310,8 @@ class Learner:
         for i, mb in enumerate(micro_batches):
             ids = _get(mb, "input_ids", i)
             if ids.ndim != 2:
-                raise ValueError(f"micro-batch {i}: input_ids has shape {ids.shape}; expected [R, L]")
+                raise ValueError(f"micro-batch {i}: input_ids has shape {ids.shape}; "
+                                 "expected [R, L]")
             if ids.shape[0] % self.n_fed_shards:
                 what = ("this process's share of the mesh's data x fsdp" if
                         self.process_local_batches else "the mesh's data x fsdp")
@@ -330,7 +332,8 @@ class Learner:
         out = {}
         for key in keys:
             arr = np.asarray(mb[key])
-            dtype = np.int32 if np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool else np.float32
+            integral = np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool
+            dtype = np.int32 if integral else np.float32
             out[key] = put_batch(arr.astype(dtype, copy=False), self.mesh,
                                  process_local=self.process_local_batches)
         return out
@@ -533,7 +536,8 @@ class Learner:
         total: dict[str, float] = {}
         for sums, _, _ in per_step:
             for k, v in sums.items():
-                total[k] = max(total.get(k, 0.0), float(v)) if k in MAX_KEYS else total.get(k, 0.0) + float(v)
+                old, new = total.get(k, 0.0), float(v)
+                total[k] = max(old, new) if k in MAX_KEYS else old + new
         n_steps = len(per_step)
         count = max(total["token_count"], 1.0)
         grad_norms = [float(g) for _, g, _ in per_step]

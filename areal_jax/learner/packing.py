@@ -74,7 +74,8 @@ class PackedBatch:
                            f"{list(PACKED_FIELDS) + list(OPTIONAL_FIELDS)}")
         value = getattr(self, key)
         if value is None:
-            raise KeyError(f"PackedBatch[{key!r}] is not set yet (compute it with Learner.compute_logp)")
+            raise KeyError(f"PackedBatch[{key!r}] is not set yet "
+                           "(compute it with Learner.compute_logp)")
         return value
 
     def __setitem__(self, key: str, value: np.ndarray) -> None:
@@ -83,7 +84,8 @@ class PackedBatch:
                            f"{list(PACKED_FIELDS) + list(OPTIONAL_FIELDS)}")
         value = np.asarray(value, dtype={**PACKED_FIELDS, **OPTIONAL_FIELDS}[key])
         if value.shape != self.shape:
-            raise ValueError(f"PackedBatch[{key!r}] must have shape {self.shape}, got {value.shape}")
+            raise ValueError(f"PackedBatch[{key!r}] must have shape {self.shape}, "
+                             f"got {value.shape}")
         setattr(self, key, value)
 
     def __contains__(self, key: str) -> bool:
@@ -115,7 +117,8 @@ class PackedBatch:
         return [int(b.sum()) for b in blocks]
 
 
-def _per_token_advantages(traj: Trajectory, adv: float | np.ndarray | None, index: int) -> np.ndarray:
+def _per_token_advantages(traj: Trajectory, adv: float | np.ndarray | None,
+                          index: int) -> np.ndarray:
     n = traj.num_tokens
     if adv is None:
         return np.zeros(n, np.float32)
@@ -134,11 +137,13 @@ def _check_trajectories(trajs: Sequence[Trajectory], seq_len: int) -> np.ndarray
         if lengths[i] == 0:
             raise ValueError(f"trajectory {i} is empty (0 tokens)")
         if lengths[i] > seq_len:
-            raise ValueError(f"trajectory {i} has {lengths[i]} tokens, longer than seq_len={seq_len}; "
-                             "raise seq_len or drop/truncate the trajectory before packing")
+            raise ValueError(f"trajectory {i} has {lengths[i]} tokens, longer than "
+                             f"seq_len={seq_len}; raise seq_len or drop/truncate the trajectory "
+                             "before packing")
         if t.loss_mask[0] != 0:
             raise ValueError(f"trajectory {i} has loss_mask=1 on its first token, which has no "
-                             "logprob (nothing precedes it); the first token must be a prompt token")
+                             "logprob (nothing precedes it); the first token must be a prompt "
+                             "token")
     return lengths
 
 
@@ -150,7 +155,8 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int,
     free: list[int] = []
     for i in order:
         for b, room in enumerate(free):
-            if room >= lengths[i] and (max_items_per_bin is None or len(bins[b]) < max_items_per_bin):
+            has_slot = max_items_per_bin is None or len(bins[b]) < max_items_per_bin
+            if room >= lengths[i] and has_slot:
                 bins[b].append(i)
                 free[b] -= lengths[i]
                 break
@@ -262,7 +268,8 @@ def pack_trajectories(
     if max_segments_per_row is not None and max_segments_per_row <= 0:
         raise ValueError(f"max_segments_per_row must be None or > 0, got {max_segments_per_row}")
     if len(trajs) < n_minibatches:
-        raise ValueError(f"cannot split {len(trajs)} trajectories into n_minibatches={n_minibatches}")
+        raise ValueError(f"cannot split {len(trajs)} trajectories into "
+                         f"n_minibatches={n_minibatches}")
     if advantages is not None and len(advantages) != len(trajs):
         raise ValueError(f"got {len(advantages)} advantages for {len(trajs)} trajectories")
     lengths = _check_trajectories(trajs, seq_len)
@@ -291,7 +298,8 @@ def unpack_per_token(batches: Sequence[PackedBatch], values: Sequence[np.ndarray
             raise ValueError(f"values of shape {v.shape} do not match micro-batch shape {b.shape}")
         for p in b.placements:
             if p.traj_index >= n_trajectories:
-                raise ValueError(f"placement of trajectory {p.traj_index} but n_trajectories={n_trajectories}")
+                raise ValueError(f"placement of trajectory {p.traj_index} but "
+                                 f"n_trajectories={n_trajectories}")
             out[p.traj_index] = v[p.row, p.start:p.start + p.length].copy()
     missing = [i for i, o in enumerate(out) if o is None]
     if missing:

@@ -60,7 +60,8 @@ def _online_forward(
         t_n = t_n * rescale + jnp.sum(jnp.where(e_nc > 0, e_nc * z_nc, 0.0), axis=-1)
         offset_n = labels_n - start
         inside_n = (offset_n >= 0) & (offset_n < size)
-        picked_n = jnp.take_along_axis(z_nc, jnp.clip(offset_n, 0, size - 1)[:, None], axis=-1)[:, 0]
+        index_n1 = jnp.clip(offset_n, 0, size - 1)[:, None]
+        picked_n = jnp.take_along_axis(z_nc, index_n1, axis=-1)[:, 0]
         zlabel_n = jnp.where(inside_n, picked_n, zlabel_n)
         return m_new, s_n, t_n, zlabel_n
 
