@@ -183,3 +183,42 @@ def test_client_adapter_mode_sets_versions_and_sends_lora_path(published, base_s
     with http_client(base_server.url, None) as http:
         assert http.post("/unload_lora_adapter", json={"lora_name": "v2"}).status_code == 200
         http.post("/update_weight_version", json={"new_version": "0"})
+
+
+@pytest.mark.slow
+def test_train_run_in_adapter_mode_serves_each_version_adapter(tmp_path):
+    """``model.lora.serving: adapter`` end to end (sync mode: every batch is generated
+    entirely under the previous version): the servers start from the base model, load
+    ``v{N}/adapter`` every version, and tokens carry the versions in order."""
+    from areal_jax.run_inputs import ASSETS_DIR
+    from tests.test_trainer import _rows, _run
+
+    run_dir = tmp_path / "run"
+    res = _run([f"run_dir={run_dir}", "train.total_versions=3", "mode=sync",
+                "model.lora.rank=4", "model.lora.serving=adapter",
+                "model.lora.publish_adapter=false", "optim.lr=1e-3"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = _rows(run_dir)
+    assert [r["version"] for r in rows] == [1, 2, 3]
+    for r in rows:  # every token of the batch for version v came from the adapter of v - 1
+        assert r["token_version_max"] == r["version"] - 1, r
+    for v in (2, 3):  # adapter mode publishes the adapter whatever publish_adapter says
+        assert (run_dir / "weights" / f"v{v}" / ADAPTER_SUBDIR / "adapter_config.json").is_file()
+    # The servers started from the base and loaded each version's adapter by name...
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*") if p.is_file())
+    assert "serving LoRA adapter 'v2'" in logs, logs[-3000:]
+    # ...which is the policy the learner trains: behaviour logprobs agree with the learner's
+    # to the fp32 bound of two evaluations of a sequence (mean over tokens <= the bound).
+    tol = token_logprob_tolerance(ASSETS_DIR / "arith_sft", list(range(32)) * 3)
+    assert all(r["logp_mismatch"] <= tol for r in rows), [r["logp_mismatch"] for r in rows]
+
+
+def test_serving_config_key():
+    from areal_jax.config import ConfigError, load_config
+
+    cfg = load_config("configs/tiny_demo_lora.yaml", ["model.lora.serving=adapter"])
+    assert cfg.model.lora.serving == "adapter" and cfg.model.lora.publish_adapter is True
+    cfg = load_config("configs/tiny_demo_lora.yaml")
+    assert cfg.model.lora.serving == "merged" and cfg.model.lora.publish_adapter is False
+    with pytest.raises(ConfigError, match="model.lora.serving"):
+        load_config("configs/tiny_demo_lora.yaml", ["model.lora.serving=both"])

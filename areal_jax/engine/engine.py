@@ -264,6 +264,8 @@ class GenerationEngine:
                                        check=self.config.check_weights)
 
         result = self._swap_in(load, None, False, path, adapter=(name, path))
+        if result["success"]:
+            logger.info("serving LoRA adapter %r from %s %s", name, path, result["message"])
         return self._lora_reply(result, f"Loaded LoRA adapter {name!r} from {path}")
 
     def unload_lora_adapter(self, name: str) -> dict[str, Any]:
