@@ -14,8 +14,9 @@ not ``interruptible``, the executor waits for its runs to finish; then
 ``/update_weights_from_disk`` (sent only once the version is completely written),
 ``executor.set_version`` and the resume. With ``adapter_subdir`` (LoRA adapter mode) the
 servers instead load the PEFT adapter in ``<version dir>/<adapter_subdir>`` under the name
-``v{N}`` (``client.load_lora_adapter``) onto the base model they serve. In sync mode (eta = 0) nothing starts under the
-new version before ``set_version``, so sync runs stay exactly on-policy.
+``v{N}`` (``client.load_lora_adapter``) onto the base model they serve. In sync mode
+(eta = 0) nothing starts under the new version before ``set_version``, so sync runs stay
+exactly on-policy.
 """
 
 from __future__ import annotations
