@@ -51,6 +51,11 @@ class LoraSection:
     # Also write each version's adapter alone, in PEFT layout, to weights/v{N}/adapter
     # (for servers that load adapters); the merged model is always published.
     publish_adapter: bool = False
+    # What the rollout servers load each version: "merged" (/update_weights_from_disk of
+    # weights/v{N}) or "adapter" (/load_lora_adapter of weights/v{N}/adapter as "v{N}" onto
+    # the base model they started from; requests carry "lora_path"). Adapter mode publishes
+    # the adapter whatever publish_adapter says.
+    serving: Literal["merged", "adapter"] = "merged"
 
     def __post_init__(self) -> None:
         from model_defs.lora import LORA_TARGETS
@@ -72,6 +77,11 @@ class LoraSection:
                 f"model.lora.dropout={self.dropout} is not supported: the decoupled loss "
                 "compares the policy's logprobs with the behaviour and proximal ones, which "
                 "dropout in the training forward pass would perturb; use 0")
+        if self.serving not in ("merged", "adapter"):
+            raise ValueError(f"model.lora.serving must be 'merged' or 'adapter', got "
+                             f"{self.serving!r}")
+        if self.serving == "adapter":
+            object.__setattr__(self, "publish_adapter", True)  # the servers load it
 
     def spec(self) -> Any:
         """The ``model_defs.LoraConfig`` the learner attaches."""

@@ -105,8 +105,11 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     startup: dict[str, float] = {}
     # A fresh run's first weights are the model's own checkpoint (with its tokenizer): the
     # embedded servers start from it now, while the learner loads and compiles.
+    # LoRA adapter mode: the servers serve the base model, always, and load each version's
+    # adapter (the first one before anything is generated, below).
+    adapter_mode = cfg.model.lora is not None and cfg.model.lora.serving == "adapter"
     handles, fresh = [], not (has_ckpt and resume is not False)
-    if not cfg.rollout.servers and fresh and tokenizer_dir == model_path:
+    if not cfg.rollout.servers and (adapter_mode or fresh and tokenizer_dir == model_path):
         handles = _launch_servers(cfg, str(model_path), 0, local_dir, stack, xla_cache_dir,
                                   publisher.weights_dir)
         startup["servers_launched_s"] = time.time() - t_process
@@ -155,20 +158,26 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
         _wait_for_servers(cfg, handles)
         startup["servers_ready_s"] = time.time() - t_process
     executor.set_version(start_version)
+    load_first = bool(cfg.rollout.servers) or adapter_mode
+    if load_first:
+        executor.pause()  # nothing is generated before the servers hold this version
     executor.start()
     stack.callback(executor.stop, 30.0, True)
+    from areal_jax.checkpoint.publish import ADAPTER_SUBDIR
     from areal_jax.rollout.weight_sync import WeightSync
 
     weights = WeightSync(executor, lambda params, version: publisher.publish(
         params, learner.model_cfg, version, tokenizer_dir=tokenizer_dir),
-        interruptible=cfg.rollout.interruptible)
-    if cfg.rollout.servers:  # external servers: bring them to the current weights
+        interruptible=cfg.rollout.interruptible,
+        adapter_subdir=ADAPTER_SUBDIR if adapter_mode else None)
+    if load_first:  # external servers, or adapter mode: bring them to the current weights
         from areal_jax.rollout.client import RolloutError
 
         try:
             executor.run_coroutine(weights.update_servers(str(first), start_version))
         except RolloutError as e:
-            raise TrainerError(f"rollout.servers cannot load this run's weights v{start_version} "
+            where = "rollout.servers" if cfg.rollout.servers else "the embedded servers"
+            raise TrainerError(f"{where} cannot load this run's weights v{start_version} "
                                f"(do they serve the same model as model.path?): {e}") from None
 
     run_files.start()

@@ -42,6 +42,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from areal_jax.engine.adapters import load_adapter_update
 from areal_jax.engine.config import EngineConfig
 from areal_jax.engine.model_dir import ModelPathError, check_model_dir, read_eos_token_ids
 from areal_jax.engine.request import EngineRequest
@@ -105,6 +106,8 @@ class GenerationEngine:
             data_parallel=config.data_parallel,
         )
         del model
+        self._base_state = self.runner.state  # what LoRA adapters merge onto
+        self._adapter: tuple[str, str] | None = None  # the active adapter (name, path)
         self.weight_version = config.weight_version
         self._seed_rng = np.random.default_rng(config.seed)
 
@@ -154,8 +157,12 @@ class GenerationEngine:
         params: SamplingParams,
         rid: str | None = None,
         on_finish: Callable[[EngineRequest], None] | None = None,
+        lora_name: str | None = None,
     ) -> EngineRequest:
-        """Queues a request; it runs as soon as a slot is free (and the engine not paused)."""
+        """Queues a request; it runs as soon as a slot is free (and the engine not paused).
+
+        ``lora_name`` (SGLang's ``lora_path``) must name the loaded LoRA adapter; without it
+        the request runs on the served weights too (the adapter if one is loaded)."""
         if self.fatal_error is not None:
             raise EngineStoppedError(f"engine stopped after an internal error: {self.fatal_error}")
         ids = [int(t) for t in input_ids]
@@ -182,15 +189,21 @@ class GenerationEngine:
                     f"engine is not running: {self.fatal_error or 'shut down'}")
             if rid in self._inflight:
                 raise EngineRequestError(f"rid {rid!r} is already in flight; rids must be unique")
+            if lora_name is not None and (self._adapter is None or self._adapter[0] != lora_name):
+                loaded = [self._adapter[0]] if self._adapter is not None else []
+                raise EngineRequestError(
+                    f"lora_path {lora_name!r} names no loaded LoRA adapter (loaded: "
+                    f"{loaded or 'none'}); load it with /load_lora_adapter first")
             self._inflight[rid] = req
             self._waiting.append(req)
             self._lock.notify_all()
         return req
 
     def generate(self, input_ids: Sequence[int], params: SamplingParams,
-                 rid: str | None = None, timeout: float | None = None) -> EngineRequest:
+                 rid: str | None = None, timeout: float | None = None,
+                 lora_name: str | None = None) -> EngineRequest:
         """Blocking helper: submits and waits for the request to finish."""
-        req = self.submit(input_ids, params, rid=rid)
+        req = self.submit(input_ids, params, rid=rid, lora_name=lora_name)
         if not req.done.wait(timeout):
             raise TimeoutError(f"request {req.rid} did not finish within {timeout}s")
         return req
@@ -228,8 +241,61 @@ class GenerationEngine:
         SGLang does, and again at the swap for any admitted meanwhile), otherwise the swap
         waits for them to finish; waiting requests stay queued. Returns SGLang's reply
         fields ``success``, ``message``, ``num_paused_requests`` (here: requests aborted).
-        On failure the served weights are untouched.
+        On failure the served weights are untouched. The loaded weights become the base
+        that LoRA adapters merge onto; an active adapter is dropped.
         """
+
+        def load() -> nnx.State:
+            return load_update(model_path, self.model_config, self.config.dtype, self.runner,
+                               check=self.config.check_weights)
+
+        return self._swap_in(load, weight_version, abort_all_requests, model_path,
+                             adapter=None)
+
+    def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Merges the PEFT adapter in ``path`` onto the base weights and serves the result
+        as adapter ``name``, replacing the active adapter if there is one (one adapter at a
+        time). Waits for running requests to finish; the weight version is unchanged
+        (SGLang's behaviour: set it with ``update_weight_version``). Returns SGLang's reply
+        fields ``success``, ``error_message``, ``loaded_adapters`` ({name: path})."""
+
+        def load() -> nnx.State:
+            return load_adapter_update(path, self._base_state, self.runner,
+                                       check=self.config.check_weights)
+
+        result = self._swap_in(load, None, False, path, adapter=(name, path))
+        if result["success"]:
+            logger.info("serving LoRA adapter %r from %s %s", name, path, result["message"])
+        return self._lora_reply(result, f"Loaded LoRA adapter {name!r} from {path}")
+
+    def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        """Serves the base weights again. Fails if ``name`` is not the active adapter."""
+        active = self.lora_adapters
+        if name not in active:
+            return self._lora_reply({"success": False, "message": (
+                f"LoRA adapter {name!r} is not loaded; loaded: {sorted(active) or 'none'}")})
+        result = self._swap_in(lambda: self._base_state, None, False, name, adapter=None)
+        return self._lora_reply(result, f"Unloaded LoRA adapter {name!r}; serving the base")
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """The loaded LoRA adapter, {name: path} (empty: the base weights are served)."""
+        with self._lock:
+            return dict([self._adapter]) if self._adapter is not None else {}
+
+    def _lora_reply(self, result: dict[str, Any], done: str = "") -> dict[str, Any]:
+        """SGLang's LoRAUpdateOutput fields (and a ``message``) of a swap's result."""
+        ok = result["success"]
+        return {"success": ok, "error_message": "" if ok else result["message"],
+                "message": done if ok else result["message"],
+                "loaded_adapters": self.lora_adapters}
+
+    def _swap_in(self, load: Callable[[], nnx.State], weight_version: str | None,
+                 abort_all_requests: bool, source: str,
+                 adapter: tuple[str, str] | None) -> dict[str, Any]:
+        """Runs ``load`` (in the calling thread) and swaps its params in between steps; see
+        :meth:`update_weights_from_disk`. ``adapter``: the (name, path) the new params
+        serve, or None when they are base weights."""
         with self._update_lock:
             t0 = time.perf_counter()
             aborted_early = 0
@@ -237,8 +303,7 @@ class GenerationEngine:
                 if abort_all_requests:
                     aborted_early = self._call(
                         lambda: self._abort_running("aborted for a weight update"))
-                new_state = load_update(model_path, self.model_config, self.config.dtype,
-                                        self.runner, check=self.config.check_weights)
+                new_state = load()
             except EngineStoppedError as e:
                 return {"success": False, "message": f"weights not updated: {e}",
                         "num_paused_requests": 0}
@@ -246,7 +311,7 @@ class GenerationEngine:
                 return {"success": False, "message": f"weights not updated: {e}",
                         "num_paused_requests": aborted_early}
             except Exception as e:  # noqa: BLE001 - any unreadable file refuses the update
-                logger.warning("weight update from %s refused", model_path, exc_info=True)
+                logger.warning("weight update from %s refused", source, exc_info=True)
                 return {"success": False, "num_paused_requests": aborted_early,
                         "message": f"weights not updated: {type(e).__name__}: {e}"}
             load_s = time.perf_counter() - t0
@@ -257,6 +322,11 @@ class GenerationEngine:
                 if abort_all_requests:
                     aborted += self._abort_running("aborted for a weight update")
                 self._pending_update = (new_state, weight_version, done, aborted)
+                # Requests submitted from now on run after the swap: they see the new names.
+                with self._lock:
+                    if adapter is None:
+                        self._base_state = new_state
+                    self._adapter = adapter
 
             try:
                 self._call(begin)
@@ -318,6 +388,7 @@ class GenerationEngine:
             "num_running_reqs": running,
             "num_waiting_reqs": waiting,
             "paused": self._paused,
+            "lora_adapters": self.lora_adapters,
             "eos_token_ids": list(self.eos_token_ids),
             "vocab_size": self.vocab_size,
             "healthy": self.healthy,

@@ -16,8 +16,12 @@ class ModelPathError(ValueError):
     """A model directory that cannot be served (missing, no config.json, incompatible)."""
 
 
-def check_model_dir(path: str | Path) -> Path:
+def check_model_dir(path: str | Path, *, required_file: str = "config.json",
+                    field: str = "model_path") -> Path:
     """Returns the path if it looks like an HF checkpoint directory, else raises ModelPathError.
+
+    ``required_file``: the file the directory must hold (a PEFT adapter directory:
+    ``adapter_config.json``); ``field``: the request field named in errors.
 
     A ``gs://`` directory is downloaded first into this process's slot of the local
     weight cache (``<cache>/weights/pid<PID>``, see ``areal_jax.storage``); the slot holds
@@ -27,16 +31,17 @@ def check_model_dir(path: str | Path) -> Path:
 
     try:
         if storage.is_url(path):
-            return check_model_dir(_download_to_slot(str(path)))
+            return check_model_dir(_download_to_slot(str(path)), required_file=required_file,
+                                   field=field)
     except storage.StorageError as e:
-        raise ModelPathError(f"model_path {e}") from None
+        raise ModelPathError(f"{field} {e}") from None
     path = Path(path)
     if not path.exists():
-        raise ModelPathError(f"model_path {path} does not exist")
+        raise ModelPathError(f"{field} {path} does not exist")
     if not path.is_dir():
-        raise ModelPathError(f"model_path {path} is not a directory")
-    if not (path / "config.json").is_file():
-        raise ModelPathError(f"model_path {path} has no config.json")
+        raise ModelPathError(f"{field} {path} is not a directory")
+    if not (path / required_file).is_file():
+        raise ModelPathError(f"{field} {path} has no {required_file}")
     return path
 
 

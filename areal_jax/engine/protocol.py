@@ -28,14 +28,14 @@ class ProtocolError(ValueError):
 
 # Top-level /generate fields we accept. Others SGLang knows are rejected with a reason.
 _GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid", "stream",
-                    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}
+                    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+                    "lora_path"}
 _GENERATE_UNSUPPORTED = {
     "text": "text prompts are not supported by this server; "
             "tokenize on the client and send input_ids",
     "input_embeds": "input_embeds is not supported; send input_ids",
     "image_data": "image_data is not supported (text-only models)",
     "audio_data": "audio_data is not supported (text-only models)",
-    "lora_path": "LoRA adapters are not supported (LoRA runs publish merged weights)",
 }
 # Sampling params we accept, and SGLang ones accepted only at their no-op default.
 _SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
@@ -49,6 +49,7 @@ _SAMPLING_NOOP_DEFAULTS: dict[str, Any] = {
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_RID_CHARS = 256  # rids are echoed in every reply and log line
 MAX_WEIGHT_VERSION_CHARS = 256  # weight_version is stored and echoed in every reply
+MAX_LORA_NAME_CHARS = 256  # lora_name is echoed in replies and errors
 SUPPORTED_PAUSE_MODES = ("abort",)
 
 
@@ -59,6 +60,7 @@ class GenerateCall:
     rid: str | None
     return_logprob: bool
     return_text_in_logprobs: bool
+    lora_name: str | None = None  # SGLang's lora_path: the name of a loaded adapter
 
 
 def parse_json_body(raw: bytes, route: str, *, allow_empty: bool = False) -> dict[str, Any]:
@@ -227,12 +229,18 @@ def parse_generate(body: dict[str, Any], vocab_size: int, max_seq_len: int) -> G
     if rid is not None and (not isinstance(rid, str) or not rid):
         raise ProtocolError(f"rid must be a non-empty string, got {type(rid).__name__}")
     _check_length(rid, "rid", MAX_RID_CHARS, "")
+    lora_name = body.get("lora_path")
+    if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
+        raise ProtocolError("lora_path must be the name of a loaded LoRA adapter (a non-empty "
+                            f"string), got {lora_name!r}")
+    _check_length(lora_name, "lora_path", MAX_LORA_NAME_CHARS, "")
     return GenerateCall(
         input_ids=ids,
         params=parse_sampling_params(body.get("sampling_params"), vocab_size),
         rid=rid,
         return_logprob=_get_bool(body, "return_logprob", False, ""),
         return_text_in_logprobs=_get_bool(body, "return_text_in_logprobs", False, ""),
+        lora_name=lora_name,
     )
 
 
@@ -300,6 +308,32 @@ def parse_update_weight_version(body: dict[str, Any]) -> tuple[str, bool]:
     assert version is not None
     _check_length(version, "new_version", MAX_WEIGHT_VERSION_CHARS, where)
     return version, _get_bool(body, "abort_all_requests", False, where)
+
+
+def _lora_name(body: dict[str, Any], where: str) -> str:
+    name = _get_str(body, "lora_name", where, required=True)
+    if not name:
+        raise ProtocolError(f"{where}lora_name is empty")
+    _check_length(name, "lora_name", MAX_LORA_NAME_CHARS, where)
+    return name
+
+
+def parse_load_lora_adapter(body: dict[str, Any]) -> tuple[str, str]:
+    """(lora_name, lora_path) of SGLang's LoadLoRAAdapterReqInput (``pinned`` accepted)."""
+    where = "/load_lora_adapter: "
+    _reject_unknown(body, {"lora_name", "lora_path", "pinned"}, where)
+    name = _lora_name(body, where)
+    path = _get_str(body, "lora_path", where, required=True)
+    if not path:
+        raise ProtocolError(f"{where}lora_path is empty")
+    _get_bool(body, "pinned", False, where)
+    return name, path
+
+
+def parse_unload_lora_adapter(body: dict[str, Any]) -> str:
+    where = "/unload_lora_adapter: "
+    _reject_unknown(body, {"lora_name"}, where)
+    return _lora_name(body, where)
 
 
 def parse_abort(body: dict[str, Any]) -> tuple[str | None, bool]:

@@ -4,15 +4,16 @@
     python scripts/serve.py --model-path DIR ...            # the same CLI
 
 Routes: /generate, /pause_generation, /continue_generation, /update_weights_from_disk,
-/update_weight_version, /abort_request, /flush_cache, /health, /health_generate,
+/load_lora_adapter, /unload_lora_adapter, /update_weight_version, /abort_request,
+/flush_cache, /health, /health_generate,
 /get_model_info, /get_server_info; OpenAI-compatible /v1/completions, /v1/chat/completions
 and /v1/models (areal_jax.engine.openai_api, errors in OpenAI's shape). Malformed requests
 get HTTP 400 ``{"error": message}`` (413 for a body over ``--max-body-bytes``); a 500 means a
 bug of ours, and even then the keep-alive connection stays open. With an API key
 (``AREAL_JAX_API_KEY``, ``--api-key-file`` or ``--api-key``) every route needs
-``Authorization: Bearer KEY`` (else 401). Weights load only from ``--allowed-weight-dir``
-directories (default: the served model's own directory); any other path is a 403 that does not
-say whether it exists.
+``Authorization: Bearer KEY`` (else 401). Weights and LoRA adapters load only from
+``--allowed-weight-dir`` directories (default: the served model's own directory); any other
+path is a 403 that does not say whether it exists.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ from areal_jax.engine.protocol import (
     parse_abort,
     parse_generate,
     parse_json_body,
+    parse_load_lora_adapter,
     parse_pause,
+    parse_unload_lora_adapter,
     parse_update_weight_version,
     parse_update_weights_from_disk,
 )
@@ -240,7 +243,8 @@ def create_app(engine: GenerationEngine, *, api_key: str | None = None,
             loop.call_soon_threadsafe(resolve)
 
         try:
-            req = engine.submit(call.input_ids, call.params, rid=call.rid, on_finish=on_finish)
+            req = engine.submit(call.input_ids, call.params, rid=call.rid, on_finish=on_finish,
+                                lora_name=call.lora_name)
         except EngineRequestError as e:
             return _error(str(e))
         except RuntimeError as e:
@@ -284,6 +288,30 @@ def create_app(engine: GenerationEngine, *, api_key: str | None = None,
             status = 400 if engine.healthy else 503
             return JSONResponse({**result, "error": result["message"]}, status_code=status)
         return result
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = parse_json_body(await request.body(), "/load_lora_adapter")
+        name, path = parse_load_lora_adapter(body)
+        if not path_allowed(path, allowed):
+            message = PATH_NOT_ALLOWED.replace("model_path", "lora_path")
+            return JSONResponse({"success": False, "error_message": message, "error": message,
+                                 "loaded_adapters": engine.lora_adapters}, status_code=403)
+        return _lora_reply(await asyncio.to_thread(engine.load_lora_adapter, name, path))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        name = parse_unload_lora_adapter(
+            parse_json_body(await request.body(), "/unload_lora_adapter"))
+        return _lora_reply(await asyncio.to_thread(engine.unload_lora_adapter, name))
+
+    def _lora_reply(result: dict) -> dict | JSONResponse:
+        """SGLang's LoRAUpdateOutput; failures are 400 (503 if the engine died) and carry
+        our ``error`` too."""
+        if result["success"]:
+            return result
+        return JSONResponse({**result, "error": result["error_message"]},
+                            status_code=400 if engine.healthy else 503)
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):

@@ -4,6 +4,8 @@
     resp = await client.agenerate(GenerateRequest([...], SamplingParams(max_new_tokens=256)))
     await client.pause(); await client.update_weights_from_disk("ckpt/v3", 3)
     await client.continue_()
+    # or, LoRA adapter mode: every later request carries "lora_path": "v3"
+    await client.load_lora_adapter("v3", "ckpt/v3/adapter", 3)
 
 What it does beyond one HTTP call:
 
@@ -179,7 +181,7 @@ def _error_message(resp: _Reply) -> str:
         err = body.get("error")
         if isinstance(err, dict):
             return str(err.get("message", err))
-        for key in ("error", "message", "detail"):
+        for key in ("error", "error_message", "message", "detail"):
             if body.get(key):
                 return str(body[key])
     return str(body)[:500]
@@ -245,6 +247,9 @@ class RolloutClient:
         self._rr = itertools.count()
         self._paused = False
         self._latest_weights: tuple[str, int] | None = None
+        # Adapter mode: the loaded LoRA adapter (name, path, version); requests carry
+        # "lora_path": name.
+        self._latest_adapter: tuple[str, str, int] | None = None
         self._warned_versions: set[str] = set()
         self._probing: set[str] = set()
         self._background: set[asyncio.Task] = set()
@@ -274,6 +279,8 @@ class RolloutClient:
                 "return_logprob": True,
                 "rid": base_rid if attempt == 0 else f"{base_rid}#{attempt}",
             }
+            if self._latest_adapter is not None:  # the adapter current at each (re)submission
+                payload["lora_path"] = self._latest_adapter[0]
             attempt += 1
             server.inflight += 1
             try:
@@ -366,7 +373,7 @@ class RolloutClient:
         try:
             return int(version)
         except (TypeError, ValueError):
-            fallback = self._latest_weights[1] if self._latest_weights else 0
+            fallback = self.latest_version if self.latest_version is not None else 0
             if str(version) not in self._warned_versions:
                 self._warned_versions.add(str(version))
                 if version is None:
@@ -467,16 +474,13 @@ class RolloutClient:
                 if r.status_code != 200:
                     server.last_error = f"/health answered {r.status_code}"
                     return
-                if self._latest_weights is not None:
+                if self.latest_version is not None:
                     info = (await self._http.get(f"{server.url}/get_server_info",
                                                  timeout=10.0)).json()
-                    path, version = self._latest_weights
-                    if str(info.get("weight_version")) != str(version):
-                        r = await self._post(server, "/update_weights_from_disk",
-                                             {"model_path": path, "weight_version": str(version),
-                                              "abort_all_requests": True})
-                        if r.status_code != 200:
-                            server.last_error = f"weight sync failed: {_error_message(r)}"
+                    if str(info.get("weight_version")) != str(self.latest_version):
+                        error = await self._sync_revived(server)
+                        if error:
+                            server.last_error = f"weight sync failed: {error}"
                             return
                 if self._paused:
                     await self._post(server, "/pause_generation", {"mode": "abort"})
@@ -487,6 +491,30 @@ class RolloutClient:
             server.up = True
         finally:
             self._probing.discard(server.url)
+
+    async def _sync_revived(self, server: ServerState) -> str | None:
+        """Brings a revived server to the fleet's latest weights; the error, or None."""
+        if self._latest_adapter is not None:
+            name, path, version = self._latest_adapter
+            r = await self._post(server, "/load_lora_adapter",
+                                 {"lora_name": name, "lora_path": path})
+            if r.status_code == 200:
+                r = await self._post(server, "/update_weight_version",
+                                     {"new_version": str(version), "abort_all_requests": True})
+        else:
+            assert self._latest_weights is not None
+            path, version = self._latest_weights
+            r = await self._post(server, "/update_weights_from_disk",
+                                 {"model_path": path, "weight_version": str(version),
+                                  "abort_all_requests": True})
+        return None if r.status_code == 200 else _error_message(r)
+
+    @property
+    def latest_version(self) -> int | None:
+        """The weight version this client last loaded on the fleet (None: none yet)."""
+        if self._latest_adapter is not None:
+            return self._latest_adapter[2]
+        return self._latest_weights[1] if self._latest_weights is not None else None
 
     # ================================================================== fleet control
     async def _post(self, server: ServerState, route: str, body: dict[str, Any] | None = None
@@ -545,6 +573,29 @@ class RolloutClient:
                 "abort_all_requests": abort_all_requests, "flush_cache": True}
         replies = await self._broadcast("/update_weights_from_disk", body)
         self._latest_weights = (str(path), int(version))
+        self._latest_adapter = None  # merged weights: requests carry no lora_path
+        return replies
+
+    async def load_lora_adapter(self, name: str, path: str, version: int
+                                ) -> list[dict[str, Any]]:
+        """Adapter mode: loads the PEFT adapter ``path`` as ``name`` on every server, sets
+        ``weight_version`` (SGLang's ``/load_lora_adapter`` leaves it unchanged) and
+        unloads the adapter loaded before it where the server still holds it (SGLang keeps
+        several; the embedded engine keeps one, so its load already replaced it). From now
+        on every request carries ``"lora_path": name``."""
+        replies = await self._broadcast("/load_lora_adapter",
+                                        {"lora_name": name, "lora_path": str(path)})
+        await self._broadcast("/update_weight_version", {"new_version": str(version)})
+        previous = self._latest_adapter[0] if self._latest_adapter is not None else None
+        self._latest_adapter = (name, str(path), int(version))
+        if previous is not None and previous != name:
+            still = [r["url"] for r in replies
+                     if previous in (r.get("loaded_adapters") or {})]
+            for server in [s for s in self.servers if s.url in still]:
+                r = await self._post(server, "/unload_lora_adapter", {"lora_name": previous})
+                if r.status_code != 200:
+                    logger.warning("%s: could not unload LoRA adapter %s: %s", server.url,
+                                   previous, _error_message(r))
         return replies
 
     async def server_infos(self) -> list[dict[str, Any]]:

@@ -12,13 +12,17 @@ then the servers' update: the executor stops submitting, the servers pause (in-f
 requests return as aborted and the client resubmits them under the new weights) or, when
 not ``interruptible``, the executor waits for its runs to finish; then
 ``/update_weights_from_disk`` (sent only once the version is completely written),
-``executor.set_version`` and the resume. In sync mode (eta = 0) nothing starts under the
-new version before ``set_version``, so sync runs stay exactly on-policy.
+``executor.set_version`` and the resume. With ``adapter_subdir`` (LoRA adapter mode) the
+servers instead load the PEFT adapter in ``<version dir>/<adapter_subdir>`` under the name
+``v{N}`` (``client.load_lora_adapter``) onto the base model they serve. In sync mode
+(eta = 0) nothing starts under the new version before ``set_version``, so sync runs stay
+exactly on-policy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import posixpath
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,8 +34,9 @@ class WeightSyncError(RuntimeError):
 
 class WeightSync:
     def __init__(self, executor: Any, write: Callable[[Any, int], Any], *,
-                 interruptible: bool = True) -> None:
+                 interruptible: bool = True, adapter_subdir: str | None = None) -> None:
         self.executor = executor
+        self.adapter_subdir = adapter_subdir
         self.write = write
         self.interruptible = interruptible
         self._pending: tuple[int, Any] | None = None  # (version, Future)
@@ -76,7 +81,11 @@ class WeightSync:
             else:  # let in-flight runs finish under the old weights
                 while ex.metrics()["running"] > 0:
                     await asyncio.sleep(0.005)
-            await client.update_weights_from_disk(path, version)  # raises if a server refuses
+            if self.adapter_subdir is None:  # raises if a server refuses
+                await client.update_weights_from_disk(path, version)
+            else:
+                await client.load_lora_adapter(
+                    f"v{version}", posixpath.join(path, self.adapter_subdir), version)
             ex.set_version(version)
         finally:
             if self.interruptible:
