@@ -15,9 +15,11 @@ segment and on padding).
 GAE uses a sparse terminal reward on the last loss token of each trajectory and skips
 every other token (prompt, environment turns); the value after the last token is 0.
 
-``Critic`` is a :class:`~areal_jax.learner.learner.Learner` with a different model and loss:
-it inherits the sharded fp32 master weights, the AdamW state, minibatch grouping,
-gradient accumulation over micro-batches, ``state_dict``/``load_state`` and checkpointing.
+``Critic`` and the policy's ``Learner`` are siblings: both are a
+:class:`~areal_jax.learner.trainable.TrainableModel` (the sharded fp32 master weights, the
+AdamW state, micro-batch placement, minibatch grouping, one optimizer step per minibatch,
+``state_dict``/``load_state``), each with its own model, loss and gradient program. A
+critic has no token logprobs: it has ``compute_values`` instead of ``compute_logp``.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from areal_jax.learner.config import AlgoConfig, OptimConfig
-from areal_jax.learner.learner import LOGP_KEYS, Learner, MicroBatch, _get
+from areal_jax.learner.config import OptimConfig
+from areal_jax.learner.learner import LOGP_KEYS
 from areal_jax.learner.packing import PackedBatch, unpack_per_token
 from areal_jax.learner.steps import cast_params
 from areal_jax.learner.token_logp import predicted_mask, shift_right
+from areal_jax.learner.trainable import MicroBatch, TrainableModel, _get
 from areal_jax.losses import gae, normalize_advantages, ppo_value_loss
 from areal_jax.parallel.mesh import make_mesh, replicated
 from areal_jax.trajectory import Trajectory
@@ -139,6 +142,10 @@ class _ValueMicroBatch(dict):
     minibatch_id: int = 0
 
 
+def _loss_token_count(batch: dict[str, jax.Array]) -> jax.Array:
+    return jnp.sum(batch["loss_mask"] != 0).astype(jnp.float32)
+
+
 class ValueTargets(NamedTuple):
     """Per micro-batch [R, L] arrays for :meth:`Critic.train_step`."""
 
@@ -147,7 +154,7 @@ class ValueTargets(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- the critic
-class Critic(Learner):
+class Critic(TrainableModel):
     """A value model's training state on a mesh (fp32 master weights + AdamW) and its update.
 
     Args:
@@ -161,7 +168,7 @@ class Critic(Learner):
         ``max_grad_norm`` clipping).
       ppo_n_minibatches: optimizer steps per ``train_step``; the micro-batches must be packed
         with ``n_minibatches`` equal to it, as for the policy.
-      compute_dtype, remat, compiler_options: as for :class:`Learner`.
+      compute_dtype, remat, compiler_options: as for :class:`~areal_jax.learner.Learner`.
     """
 
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim: OptimConfig, *,
@@ -179,9 +186,9 @@ class Critic(Learner):
         self.value_coef = float(value_coef)
         if remat is not None:
             model.remat = remat_policy_name(remat)
-        super().__init__(ValueModel(model), model_cfg, optim,
-                         AlgoConfig(ppo_n_minibatches=ppo_n_minibatches), mesh=mesh,
-                         compute_dtype=compute_dtype, compiler_options=compiler_options)
+        super().__init__(ValueModel(model), model_cfg, optim, n_minibatches=ppo_n_minibatches,
+                         mesh=mesh, compute_dtype=compute_dtype,
+                         compiler_options=compiler_options)
 
     @classmethod
     def from_hf(cls, path: str, optim: OptimConfig, *, mesh: Mesh | None = None,
@@ -197,8 +204,9 @@ class Critic(Learner):
                    compute_dtype=compute_dtype, remat=remat, compiler_options=compiler_options)
 
     def _compile(self) -> None:
-        super()._compile()  # the loss denominator, the optimizer update and zero gradients
+        super()._compile()  # the optimizer update and zero gradients
         opts = self._jit_options
+        self._count = jax.jit(_loss_token_count, out_shardings=replicated(self.mesh), **opts)
         self._grad = jax.jit(
             make_value_grad_fn(self._graphdef, self.compute_dtype, self.value_eps_clip,
                                self.value_coef),
@@ -233,15 +241,6 @@ class Critic(Learner):
                            strict=True):
             mb["advantages"] = adv
         return ValueTargets(scatter_per_token(micro_batches, returns, len(trajs)), old_values)
-
-    def precompile(self, rows: int, seq_len: int) -> float:
-        raise TypeError("Critic.precompile is not available: the critic compiles its value "
-                        "step on its first train_step")
-
-    def compute_logp(self, micro_batches: Sequence[MicroBatch], temperature: float | None = None
-                     ) -> list[np.ndarray]:
-        raise TypeError("a Critic has no token logprobs (its LM head is dropped); "
-                        "use Critic.compute_values")
 
     # ------------------------------------------------------------------ training
     def _value_micro_batches(self, micro_batches: Sequence[MicroBatch],
@@ -304,13 +303,13 @@ class Critic(Learner):
         return {k: jnp.zeros((), jnp.float32) for k in VALUE_SUM_KEYS}
 
     def _accumulate(self, group: Sequence[MicroBatch], keys: Sequence[str], version: jax.Array,
-                    prox_from_logp: bool = False) -> tuple[Any, dict[str, jax.Array]]:
-        """Gradient of one minibatch: the value loss normalised by its global loss-token count.
-        (``prox_from_logp`` is the policy's; the value loss has no prox_logp.)"""
+                    **_: Any) -> tuple[Any, dict[str, jax.Array]]:
+        """Gradient of one minibatch: the value loss normalised by its global loss-token
+        count."""
         batches = [self._put(mb, keys) for mb in group]
         n_loss = jnp.zeros((), jnp.float32)
         for b in batches:
-            n_loss = n_loss + self._denominator(b)[1]
+            n_loss = n_loss + self._count(b)
         grads, sums = self._zeros(self.params), self._zero_sums()
         for b in batches:
             grads, sums = self._grad(self.params, self._rest, grads, sums, b, n_loss, n_loss,

@@ -25,28 +25,25 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from areal_jax.learner.config import AlgoConfig, OptimConfig, check_positive
-from areal_jax.learner.optimizer import learning_rate_schedule, make_optimizer
 from areal_jax.learner.packing import OPTIONAL_FIELDS, PACKED_FIELDS
 from areal_jax.learner.steps import (
     MAX_KEYS,
-    learner_compiler_options,
-    make_apply_fn,
     make_denominator_fn,
     make_grad_fn,
     make_logp_fn,
     zero_sums,
 )
+from areal_jax.learner.trainable import (
+    MicroBatch,
+    Program,
+    TrainableModel,
+)
 from areal_jax.parallel.mesh import (
-    batch_sharding,
     make_mesh,
-    n_batch_shards,
-    put_batch,
     replicated,
 )
 from model_defs import (
@@ -55,48 +52,13 @@ from model_defs import (
     ModelConfig,
     add_lora,
     load_hf,
-    lora_config,
-    param_shardings,
-    parse_dtype,
-    remat_policy_name,
     use_mesh,
 )
 
-MicroBatch = Any  # a PackedBatch or a Mapping[str, np.ndarray] of [R, L] arrays
 LOGP_KEYS = ("input_ids", "positions", "segment_ids")
 TRAIN_KEYS = tuple(PACKED_FIELDS)
-def _set_compute_dtype(model: nnx.Module, dtype: Any) -> None:
-    for _, module in nnx.iter_modules(model):
-        if hasattr(module, "dtype"):
-            module.dtype = dtype
-
-
-def _get(mb: MicroBatch, key: str, index: int) -> np.ndarray:
-    try:
-        value = mb[key]
-    except KeyError:
-        raise KeyError(f"micro-batch {index} has no {key!r} array") from None
-    if value is None:
-        raise KeyError(f"micro-batch {index} has no {key!r} array")
-    return np.asarray(value)
-
-
 def _set(mb: MicroBatch, key: str, value: np.ndarray) -> None:
     mb[key] = value
-
-
-class Program:
-    """A module-level function, jitted once, with its static arguments bound."""
-
-    def __init__(self, fn: Any, static: dict[str, Any], **jit_kwargs: Any):
-        self._jitted = jax.jit(fn, static_argnames=tuple(static), **jit_kwargs)
-        self._static = static
-
-    def __call__(self, *args: Any) -> Any:
-        return self._jitted(*args, **self._static)
-
-    def lower(self, *args: Any) -> Any:
-        return self._jitted.lower(*args, **self._static)
 
 
 def _logp_program(params, rest, batch, *, graphdef, compute_dtype, temperature, chunk_size):
@@ -115,19 +77,7 @@ def _grad_program(params, rest, grads, sums, batch, denom, n_loss_tokens, versio
     return fn(params, rest, grads, sums, batch, denom, n_loss_tokens, version)
 
 
-def _apply_program(params, opt_state, grads, *, optim):
-    return make_apply_fn(make_optimizer(optim))(params, opt_state, grads)
-
-
-def _init_opt_program(params, *, optim):
-    return make_optimizer(optim).init(params)
-
-
-def _zeros_program(params):
-    return jax.tree.map(jnp.zeros_like, params)
-
-
-class Learner:
+class Learner(TrainableModel):
     """Training state (params, AdamW state, step, version) on a mesh, and the PPO update.
 
     Args:
@@ -173,8 +123,6 @@ class Learner:
                  compute_dtype: Any = None, remat: bool | str | None = None,
                  compiler_options: dict[str, Any] | None = None, trainable: bool = True,
                  process_local_batches: bool = False):
-        if not isinstance(optim, OptimConfig):
-            raise TypeError(f"optim must be an OptimConfig, got {type(optim).__name__}")
         if not isinstance(algo, AlgoConfig):
             raise TypeError(f"algo must be an AlgoConfig, got {type(algo).__name__}")
         check_positive("Learner", temperature=temperature, logp_chunk_size=logp_chunk_size)
@@ -184,51 +132,13 @@ class Learner:
                              f"used by no other mode; got {seq_token_sum_normalizer!r} with "
                              f"agg_mode={algo.agg_mode!r}")
         check_positive("Learner", seq_token_sum_normalizer=seq_token_sum_normalizer)
-        self.mesh = make_mesh("data=-1") if mesh is None else mesh
-        self.model_cfg, self.optim, self.algo = model_cfg, optim, algo
+        self.algo = algo
         self.temperature, self.logp_chunk_size = float(temperature), int(logp_chunk_size)
         self.seq_token_sum_normalizer = seq_token_sum_normalizer
-        if remat is not None:
-            model.remat = remat_policy_name(remat)
-        if compute_dtype is not None:
-            _set_compute_dtype(model, parse_dtype(compute_dtype, "compute_dtype"))
-        self.compute_dtype = jnp.dtype(model.dtype)
-        self.n_batch_shards = n_batch_shards(self.mesh)
-        self.process_local_batches = process_local_batches
-        # Batch shards whose rows this process feeds (all of them unless process-local).
-        self.n_fed_shards = (len({i[0].start for i in batch_sharding(self.mesh, 1)
-                                  .addressable_devices_indices_map((self.n_batch_shards,))
-                                  .values()}) if process_local_batches else self.n_batch_shards)
-        platform = self.mesh.devices.flat[0].platform
-        options = learner_compiler_options(platform, compiler_options)
-        self._jit_options = {"compiler_options": options} if options else {}
-
-        self.lora = lora_config(model)
-        # What the optimizer differentiates and updates: the adapters only under LoRA.
-        self.trainable_filter = nnx.LoRAParam if self.lora is not None else nnx.Param
-        self._graphdef, params, rest = nnx.split(model, self.trainable_filter, ...)
-        self.param_shardings = self._shardings(params)
-        self.params = self._place(params, self.param_shardings)
-        if self.lora is not None:  # the frozen base: no master copy, keep the compute dtype
-            rest = jax.tree.map(lambda x: x.astype(self.compute_dtype)
-                                if jnp.issubdtype(x.dtype, jnp.floating) else x, rest)
-        self._rest = self._place(rest, self._shardings(rest))
-        self.trainable = trainable
-        self.tx = make_optimizer(optim)
-        self._lr_schedule = learning_rate_schedule(optim)
-        self.opt_shardings = self.opt_state = None
-        if trainable:
-            abstract_opt = jax.eval_shape(self.tx.init, self.params)
-            self.opt_shardings = optax.tree_map_params(
-                self.tx, lambda _, sharding: sharding, abstract_opt, self.param_shardings,
-                transform_non_params=lambda _: replicated(self.mesh),
-                is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-            self.opt_state = Program(_init_opt_program, {"optim": optim},
-                                     out_shardings=self.opt_shardings,
-                                     **self._jit_options)(self.params)
-        self.step = 0  # optimizer steps taken
-        self.version = 0  # train_step calls (learner weight version)
-        self._compile()
+        super().__init__(model, model_cfg, optim, n_minibatches=algo.ppo_n_minibatches,
+                         mesh=mesh, compute_dtype=compute_dtype, remat=remat,
+                         compiler_options=compiler_options, trainable=trainable,
+                         process_local_batches=process_local_batches)
 
     @classmethod
     def from_hf(cls, path: str, optim: OptimConfig, algo: AlgoConfig, *,
@@ -244,39 +154,12 @@ class Learner:
         return cls(model, cfg, optim, algo, mesh=mesh, compute_dtype=compute_dtype, remat=remat,
                    **kwargs)
 
-    def _shardings(self, state: Any) -> Any:
-        """NamedShardings from the variables' logical axes (replicated where they have none),
-        with ``state``'s own tree structure."""
-        return jax.tree.unflatten(jax.tree.structure(state),
-                                  jax.tree.leaves(param_shardings(state, self.mesh)))
-
-    @staticmethod
-    def _place(tree: Any, shardings: Any) -> Any:
-        """``tree`` with the given shardings. Leaves elsewhere go through host memory:
-        ``device_put`` of a device array onto a new sharding compiles a slicing program
-        per shape, while host arrays are sliced by numpy."""
-        leaves, treedef = jax.tree.flatten(tree)
-        if isinstance(shardings, jax.sharding.Sharding):
-            flat_sh = [shardings] * len(leaves)
-        else:
-            flat_sh = jax.tree.leaves(shardings)
-
-        def one(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-            if isinstance(x, jax.Array):
-                if x.sharding == sharding:
-                    return x
-                if x.is_fully_addressable:
-                    x = np.asarray(x)
-            return jax.device_put(x, sharding)
-
-        placed = [one(x, s) for x, s in zip(leaves, flat_sh, strict=True)]
-        return jax.tree.unflatten(treedef, placed)
-
     # ------------------------------------------------------------------ compile
     def _compile(self) -> None:
-        """Jits each program once. jax caches traces and executables per (function, jit
-        options, static arguments), so learners with the same model graph, mesh, dtype,
-        config and XLA options (e.g. a policy and its frozen reference) share them."""
+        """The optimizer update and zero gradients (``TrainableModel``), then the loss
+        denominator, the gradient program (with and without the prox_logp recompute) and
+        the logprob programs."""
+        super()._compile()
         param_sh, rep = self.param_shardings, replicated(self.mesh)
         opts = self._jit_options
         model = {"graphdef": self._graphdef, "compute_dtype": self.compute_dtype}
@@ -287,10 +170,6 @@ class Learner:
             "chunk_size": self.logp_chunk_size, "seq_norm": self.seq_token_sum_normalizer,
             "prox_from_logp": p}, donate_argnums=(2, 3), out_shardings=(param_sh, rep), **opts)
             for p in (False, True)}
-        self._apply = Program(_apply_program, {"optim": self.optim}, donate_argnums=(0, 1),
-                              out_shardings=(param_sh, self.opt_shardings, rep, rep), **opts
-                              ) if self.trainable else None
-        self._zeros = Program(_zeros_program, {}, out_shardings=param_sh, **opts)
         self._logp_programs: dict[float, Program] = {}
 
     def _logp_fn(self, temperature: float) -> Program:
@@ -302,52 +181,6 @@ class Learner:
         return self._logp_programs[temperature]
 
     # ------------------------------------------------------------------ data in/out
-    def _check_micro_batches(self, micro_batches: Sequence[MicroBatch], keys: Sequence[str]
-                             ) -> None:
-        if len(micro_batches) == 0:
-            raise ValueError("got no micro-batches")
-        vocab = self.model_cfg.vocab_size
-        for i, mb in enumerate(micro_batches):
-            ids = _get(mb, "input_ids", i)
-            if ids.ndim != 2:
-                raise ValueError(f"micro-batch {i}: input_ids has shape {ids.shape}; "
-                                 "expected [R, L]")
-            if ids.shape[0] % self.n_fed_shards:
-                what = ("this process's share of the mesh's data x fsdp" if
-                        self.process_local_batches else "the mesh's data x fsdp")
-                raise ValueError(
-                    f"micro-batch {i} has {ids.shape[0]} rows, not a multiple of {what} = "
-                    f"{self.n_fed_shards}; pack with rows_per_micro_batch a multiple of "
-                    f"{self.n_fed_shards}")
-            if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-                raise ValueError(f"micro-batch {i}: token ids span [{ids.min()}, {ids.max()}], "
-                                 f"outside the model's vocabulary [0, {vocab})")
-            for key in keys:
-                arr = _get(mb, key, i)
-                if arr.shape != ids.shape:
-                    raise ValueError(f"micro-batch {i}: {key} has shape {arr.shape}, expected "
-                                     f"{ids.shape} like input_ids")
-
-    def _put(self, mb: MicroBatch, keys: Sequence[str]) -> dict[str, jax.Array]:
-        out = {}
-        for key in keys:
-            arr = np.asarray(mb[key])
-            integral = np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool
-            dtype = np.int32 if integral else np.float32
-            out[key] = put_batch(arr.astype(dtype, copy=False), self.mesh,
-                                 process_local=self.process_local_batches)
-        return out
-
-    def _to_host(self, x: jax.Array) -> np.ndarray:
-        """A batch-sharded result as numpy: all rows, or this process's rows when the
-        micro-batches are process-local."""
-        if self.process_local_batches:
-            shards = {s.index[0].start or 0: s.data for s in x.addressable_shards}
-            return np.concatenate([np.asarray(shards[k]) for k in sorted(shards)], axis=0)
-        if x.is_fully_addressable:
-            return np.asarray(x)
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
     # ------------------------------------------------------------------ public API
     def compute_logp(self, micro_batches: Sequence[MicroBatch], temperature: float | None = None
                      ) -> list[np.ndarray]:
@@ -428,23 +261,6 @@ class Learner:
         self.recompute_prox_logp(micro_batches)
         return False
 
-    def minibatches(self, micro_batches: Sequence[MicroBatch]) -> list[list[MicroBatch]]:
-        """Group micro-batches into ``ppo_n_minibatches`` minibatches (one optimizer step
-        each): by their ``minibatch_id`` when packed with ``n_minibatches``, else in order."""
-        n = self.algo.ppo_n_minibatches
-        ids = [int(getattr(mb, "minibatch_id", 0)) for mb in micro_batches]
-        distinct = sorted(set(ids))
-        if len(distinct) == n:
-            return [[mb for mb, i in zip(micro_batches, ids, strict=True) if i == k]
-                    for k in distinct]
-        if len(distinct) == 1:
-            if len(micro_batches) < n:
-                raise ValueError(f"ppo_n_minibatches={n} but only {len(micro_batches)} "
-                                 "micro-batches; pack with n_minibatches=ppo_n_minibatches")
-            return [list(g) for g in np.array_split(np.array(micro_batches, dtype=object), n)]
-        raise ValueError(f"micro-batches carry {len(distinct)} minibatch ids but "
-                         f"ppo_n_minibatches={n}; pack with n_minibatches={n}")
-
     def train_step(self, micro_batches: Sequence[MicroBatch], *,
                    current_version: int | None = None) -> dict[str, float]:
         """``ppo_n_minibatches`` AdamW steps of the decoupled PPO loss; returns metrics.
@@ -464,34 +280,13 @@ class Learner:
         groups = self.minibatches(micro_batches)
         version = jnp.asarray(self.version if current_version is None else current_version,
                               jnp.float32)
-        metrics = self._optimizer_steps(groups, keys, version, prox_from_logp)
+        metrics = self._optimizer_steps(groups, keys, version,
+                                        prox_from_logp=prox_from_logp)
         metrics["prox_logp_recomputed"] = float(self.algo.decoupled and not prox_from_logp)
         metrics["n_micro_batches"] = float(len(micro_batches))
         metrics["step_time_s"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics["n_tokens"] / max(metrics["step_time_s"], 1e-9)
         return metrics
-
-    def _require_trainable(self, what: str) -> None:
-        if not self.trainable:
-            raise RuntimeError(f"Learner.{what}: this learner was built with trainable=False "
-                               "(a frozen reference model); it only computes logprobs")
-
-    def _optimizer_steps(self, groups: Sequence[Sequence[MicroBatch]], keys: Sequence[str],
-                         version: jax.Array, prox_from_logp: bool = False) -> dict[str, float]:
-        """One AdamW step per minibatch group, then bump the version; returns the metrics."""
-        with jax.default_device(jax.devices("cpu")[0]):  # host values, for logging only
-            lrs = [float(self._lr_schedule(self.step + i)) for i in range(len(groups))]
-        per_step = []
-        with use_mesh(self.mesh):
-            for group in groups:
-                grads, sums = self._accumulate(group, keys, version, prox_from_logp)
-                self.params, self.opt_state, grad_norm, applied = self._apply(
-                    self.params, self.opt_state, grads)
-                self.step += 1
-                per_step.append((sums, grad_norm, applied))
-            per_step = jax.device_get(per_step)
-        self.version += 1
-        return self._metrics(per_step, lrs)
 
     def _train_keys(self, prox_from_logp: bool) -> list[str]:
         keys = list(TRAIN_KEYS)
@@ -502,7 +297,7 @@ class Learner:
         return keys
 
     def _accumulate(self, group: Sequence[MicroBatch], keys: Sequence[str], version: jax.Array,
-                    prox_from_logp: bool = False) -> tuple[Any, dict[str, jax.Array]]:
+                    prox_from_logp: bool = False, **_: Any) -> tuple[Any, dict[str, jax.Array]]:
         """Gradient of one minibatch (sum over its micro-batches of loss_sum / global
         denominator) and its statistic sums, on device."""
         batches = [self._put(mb, keys) for mb in group]
@@ -563,48 +358,6 @@ class Learner:
             "skipped_steps": float(sum(1 for _, _, ok in per_step if not bool(ok))),
             "lr": lrs[-1],
         }
-
-    # ------------------------------------------------------------------ state
-    @property
-    def model(self) -> CausalLM:
-        """An NNX model view of the current weights (for ``save_hf``). Its arrays are
-        donated by the next ``train_step``: use it before training on."""
-        return nnx.merge(self._graphdef, self.params, self._rest)
-
-    def params_state(self) -> nnx.State:
-        return self.params
-
-    def state_dict(self) -> dict[str, Any]:
-        """params, opt_state (sharded arrays; also valid Orbax restore targets), step, version."""
-        return {"params": self.params, "opt_state": self.opt_state, "step": self.step,
-                "version": self.version}
-
-    def load_state(self, params: Any, opt_state: Any | None = None, *, step: int | None = None,
-                   version: int | None = None) -> None:
-        """Replace the training state (e.g. after an Orbax restore), resharding onto the mesh."""
-        want = jax.tree.structure(self.params)
-        if jax.tree.structure(params) != want:
-            raise ValueError("load_state: params do not have this model's structure; "
-                             f"expected {want}")
-        for (path, new), old in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                                    jax.tree.leaves(self.params), strict=True):
-            if tuple(new.shape) != tuple(old.shape):
-                raise ValueError(f"load_state: param {jax.tree_util.keystr(path)} has shape "
-                                 f"{tuple(new.shape)}, expected {tuple(old.shape)}")
-        for new, old in zip(jax.tree.leaves(params), jax.tree.leaves(self.params), strict=True):
-            if new.dtype != old.dtype:
-                raise ValueError(f"load_state: params have dtype {new.dtype}, expected {old.dtype}")
-        self.params = self._place(params, self.param_shardings)
-        if opt_state is not None:
-            self._require_trainable("load_state(opt_state=...)")
-            if jax.tree.structure(opt_state) != jax.tree.structure(self.opt_state):
-                raise ValueError("load_state: opt_state does not match this optimizer's state")
-            self.opt_state = self._place(opt_state, self.opt_shardings)
-        if step is not None:
-            self.step = int(step)
-        if version is not None:
-            self.version = int(version)
-
 
 def _has(mb: MicroBatch, key: str) -> bool:
     try:
