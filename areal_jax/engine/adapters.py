@@ -16,7 +16,12 @@ from typing import Any
 from flax import nnx
 
 from areal_jax.engine.model_dir import ModelPathError, check_model_dir
-from areal_jax.engine.weight_check import WeightCheckError, check_file_dtypes, check_finite
+from areal_jax.engine.weight_check import (
+    WeightCheckError,
+    check_file_dtypes,
+    check_finite,
+    ready_to_serve,
+)
 from model_defs import load_peft_adapter, merge_lora
 from model_defs.peft_io import ADAPTER_CONFIG
 
@@ -42,13 +47,4 @@ def load_adapter_update(adapter_path: str, base_state: nnx.State, runner: Any,
         except WeightCheckError as e:
             raise WeightCheckError(f"lora_path {path}: adapter {e}") from None
     _, state = nnx.split(merge_lora(model))
-    problem = runner.check_compatible(state)
-    if problem:
-        raise ModelPathError(f"lora_path {path} is incompatible with the served model: {problem}")
-    state = runner.place_like_current(state)
-    if check:
-        try:
-            check_finite(state)
-        except WeightCheckError as e:
-            raise WeightCheckError(f"lora_path {path}: merged {e}") from None
-    return state
+    return ready_to_serve(state, runner, check, where=f"lora_path {path} (merged)")

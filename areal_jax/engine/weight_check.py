@@ -88,13 +88,19 @@ def load_update(model_path: str, served: ModelConfig, dtype: str, runner: Any,
         check_file_dtypes(path)
     model, _ = load_hf(path, dtype=dtype)
     _, state = nnx.split(model)
+    return ready_to_serve(state, runner, check, where=str(path))
+
+
+def ready_to_serve(state: nnx.State, runner: Any, check: bool, where: str) -> nnx.State:
+    """``state`` checked against the served model's structure, placed like ``runner``'s
+    params and (with ``check``) free of NaN/Inf; errors start with ``where``."""
     problem = runner.check_compatible(state)
     if problem:
-        raise ModelPathError(f"{path} is incompatible with the served model: {problem}")
+        raise ModelPathError(f"{where} is incompatible with the served model: {problem}")
     state = runner.place_like_current(state)
     if check:
         try:
             check_finite(state)
         except WeightCheckError as e:
-            raise WeightCheckError(f"{path}: {e}") from None
+            raise WeightCheckError(f"{where}: {e}") from None
     return state
