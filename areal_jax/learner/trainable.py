@@ -269,7 +269,9 @@ class TrainableModel(ABC):
                          version: jax.Array, **accumulate_kw: Any) -> dict[str, float]:
         """One AdamW step per minibatch group (its gradient from the subclass's
         ``_accumulate``), then bump the version; returns the subclass's ``_metrics``."""
-        with jax.default_device(jax.devices("cpu")[0]):  # host values, for logging only
+        # Host values, for logging only (this process's own CPU device: with several
+        # processes jax.devices() lists every process's devices).
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
             lrs = [float(self._lr_schedule(self.step + i)) for i in range(len(groups))]
         per_step = []
         with use_mesh(self.mesh):
