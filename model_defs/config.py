@@ -24,6 +24,14 @@ class ConfigError(ValueError):
     run config key (``areal_jax.config``); the message names the key."""
 
 
+def read_json_config(path: Path) -> Any:
+    """A JSON config file's contents; ConfigError naming the file when it is not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+
+
 class UnsupportedArchitectureError(ConfigError):
     """config.json names an architecture outside SUPPORTED_ARCHITECTURES."""
 
@@ -197,11 +205,7 @@ class ModelConfig:
             raise ModelDirNotFoundError(f"model directory {path} does not exist")
         if not config_path.is_file():
             raise ModelDirNotFoundError(f"model directory {path} has no config.json")
-        try:
-            d = json.loads(config_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{config_path} is not valid JSON: {e}") from None
-        return cls.from_hf_dict(d, source=str(config_path))
+        return cls.from_hf_dict(read_json_config(config_path), source=str(config_path))
 
     # ----------------------------------------------------------------- presets
     @classmethod

@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from model_defs.config import ConfigError
+from model_defs.config import ConfigError, read_json_config
 from model_defs.hf_io import CheckpointError
 from model_defs.lora import HF_OWNER, LORA_TARGETS, LoraConfig, add_lora, lora_adapters, lora_config
 from model_defs.model import CausalLM
@@ -119,10 +119,7 @@ def read_peft_config(path: str | os.PathLike) -> LoraConfig:
     cfg_path = Path(path) / ADAPTER_CONFIG
     if not cfg_path.is_file():
         raise ConfigError(f"{path} is not a PEFT adapter directory: no {ADAPTER_CONFIG}")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from None
+    raw = read_json_config(cfg_path)
     if raw.get("peft_type", "LORA") != "LORA":
         raise ConfigError(f"{cfg_path}: peft_type {raw.get('peft_type')!r}; only LORA is "
                           "supported")

@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from areal_jax.checkpoint import TrainCheckpointer
 from areal_jax.learner import AlgoConfig, Learner, OptimConfig, pack_trajectories
 from areal_jax.parallel import local_batch_rows
 from areal_jax.trajectory import Trajectory
@@ -111,13 +112,34 @@ def standard_run(mesh: Any, n_steps: int = 2, process_local_batches: bool = Fals
         batches = process_local(batches, local_batch_rows(mesh, batches[0].shape[0]))
     _, grads = learner.compute_gradients([b for b in batches if b.minibatch_id == 0])
     grads0 = [to_host(g) for g in jax.tree.leaves(grads)]
-    metrics = []
-    for _ in range(n_steps):
-        for b in batches:
-            b.prox_logp = None  # recomputed under the current weights, as each version does
-        metrics.append(learner.train_step(batches))
+    metrics = [train_version(learner, batches) for _ in range(n_steps)]
     return {"metrics": metrics, "grads0": grads0, "logp0": learner.compute_logp(batches[:1])[0],
             "params": [to_host(x) for x in jax.tree.leaves(learner.params)]}
+
+
+def train_version(learner: Any, batches: list) -> dict[str, float]:
+    """One version's train step, prox_logp recomputed under the current weights as the
+    trainer does each version."""
+    for b in batches:
+        b.prox_logp = None
+    return learner.train_step(batches)
+
+
+def save_learner(learner: Any, path: Any) -> None:
+    """The learner's state (params, optimizer state, step, version) as an Orbax checkpoint."""
+    st = learner.state_dict()
+    with TrainCheckpointer(path, async_save=False) as ckpt:
+        ckpt.save(st["version"], st["params"], st["opt_state"],
+                  {"step": st["step"], "version": st["version"]})
+
+
+def restore_learner(learner: Any, path: Any) -> None:
+    """Loads the checkpoint of :func:`save_learner` into ``learner``."""
+    st = learner.state_dict()
+    with TrainCheckpointer(path, read_only=True) as ckpt:
+        params, opt_state, meta = ckpt.restore(params_target=st["params"],
+                                               opt_state_target=st["opt_state"])
+    learner.load_state(params, opt_state, step=meta["step"], version=meta["version"])
 
 
 def to_host(x: Any) -> np.ndarray:

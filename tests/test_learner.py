@@ -13,6 +13,7 @@ from _learner_data import (
     random_trajectories,
     single_device_reference,
     standard_run,
+    train_version,
 )
 from hf_fixtures import logit_tolerance, make_hf_model, make_tiny_hf_checkpoint
 from tolerance import logprob_tolerance
@@ -128,9 +129,7 @@ def test_ppo_moves_logp_of_advantaged_tokens_the_right_way():
         b["advantages"] = adv
     losses = []
     for _ in range(6):
-        for b in batches:
-            b.prox_logp = None
-        losses.append(learner.train_step(batches)["loss"])
+        losses.append(train_version(learner, batches)["loss"])
     after = learner.compute_logp(batches)
     up = np.concatenate([(a - w)[(b.advantages > 0) & (b.loss_mask > 0)]
                          for a, w, b in zip(after, behav, batches, strict=True)])
@@ -211,9 +210,7 @@ def test_kl_penalty_to_reference_logprobs():
         b["ref_logp"] = ref  # the reference policy = the initial weights
     first = learner.train_step(batches)
     assert first["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # measured before the update
-    for b in batches:
-        b.prox_logp = None
-    second = learner.train_step(batches)
+    second = train_version(learner, batches)
     assert second["kl_ref"] > 1e-6 and np.isfinite(second["loss"])
 
 

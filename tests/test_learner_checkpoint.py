@@ -3,38 +3,30 @@
 import jax
 import numpy as np
 import pytest
-from _learner_data import make_learner, standard_batches
+from _learner_data import (
+    make_learner,
+    restore_learner,
+    save_learner,
+    standard_batches,
+    train_version,
+)
 
-from areal_jax.checkpoint import TrainCheckpointer
 from areal_jax.parallel import make_mesh
-
-
-def train(learner, batches):
-    for b in batches:
-        b.prox_logp = None
-    return learner.train_step(batches)
 
 
 @pytest.mark.devices(8)
 def test_restore_resumes_training_exactly(tmp_path):
     learner = make_learner(make_mesh("data=2,fsdp=4"))  # sharded state through Orbax
     batches = standard_batches()
-    train(learner, batches)
-    st = learner.state_dict()
-    with TrainCheckpointer(tmp_path / "ckpt", async_save=False) as ckpt:
-        ckpt.save(st["version"], st["params"], st["opt_state"],
-                  {"step": st["step"], "version": st["version"]})
-    want = train(learner, batches)
+    train_version(learner, batches)
+    save_learner(learner, tmp_path / "ckpt")
+    want = train_version(learner, batches)
     want_params = [np.asarray(x) for x in jax.tree.leaves(learner.params)]
 
-    train(learner, batches)  # move on, then go back to the checkpoint
-    st = learner.state_dict()
-    with TrainCheckpointer(tmp_path / "ckpt", read_only=True) as ckpt:
-        params, opt_state, meta = ckpt.restore(params_target=st["params"],
-                                               opt_state_target=st["opt_state"])
-    learner.load_state(params, opt_state, step=meta["step"], version=meta["version"])
+    train_version(learner, batches)  # move on, then go back to the checkpoint
+    restore_learner(learner, tmp_path / "ckpt")
     assert (learner.step, learner.version) == (2, 1)
-    got = train(learner, batches)
+    got = train_version(learner, batches)
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
     for g, w in zip(jax.tree.leaves(learner.params), want_params, strict=True):
         np.testing.assert_array_equal(np.asarray(g), w)

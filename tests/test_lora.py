@@ -7,7 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _learner_data import FAST_COMPILE, TINY, init_model, standard_batches
+from _learner_data import (
+    FAST_COMPILE,
+    TINY,
+    init_model,
+    restore_learner,
+    save_learner,
+    standard_batches,
+    train_version,
+)
 from flax import nnx
 from hf_fixtures import hf_logits, jit_logits, logit_tolerance, make_tiny_hf_checkpoint
 
@@ -166,12 +174,6 @@ def _lora_learner(mesh, seed=0):
                    AlgoConfig(ppo_n_minibatches=2), mesh=mesh, compiler_options=FAST_COMPILE)
 
 
-def _train(learner, batches):
-    for b in batches:
-        b.prox_logp = None
-    return learner.train_step(batches)
-
-
 @pytest.mark.devices(8)
 def test_only_adapters_train_and_hold_optimizer_state_and_resume_from_orbax(tmp_path):
     learner = _lora_learner(make_mesh("data=2,fsdp=2,tensor=2"))
@@ -190,7 +192,7 @@ def test_only_adapters_train_and_hold_optimizer_state_and_resume_from_orbax(tmp_
                    nnx.to_flat_state(nnx.state(before, nnx.Not(nnx.LoRAParam)))}
     lora_before = [np.asarray(x) for x in jax.tree.leaves(learner.params)]
     batches = standard_batches()
-    _train(learner, batches)
+    train_version(learner, batches)
     after = learner.model
     base_after = {k: np.asarray(v.get_value()) for k, v in
                   nnx.to_flat_state(nnx.state(after, nnx.Not(nnx.LoRAParam)))}
@@ -203,19 +205,12 @@ def test_only_adapters_train_and_hold_optimizer_state_and_resume_from_orbax(tmp_
 
     # Orbax: the checkpoint holds the adapters and their moments; a restore onto a fresh
     # learner (same base, another adapter init) trains on exactly as before.
-    st = learner.state_dict()
-    with TrainCheckpointer(tmp_path / "ckpt", async_save=False) as ckpt:
-        ckpt.save(st["version"], st["params"], st["opt_state"],
-                  {"step": st["step"], "version": st["version"]})
-    want = _train(learner, batches)
+    save_learner(learner, tmp_path / "ckpt")
+    want = train_version(learner, batches)
     want_params = [np.asarray(x) for x in jax.tree.leaves(learner.params)]
     fresh = _lora_learner(make_mesh("data=2,fsdp=2,tensor=2"))
-    st = fresh.state_dict()
-    with TrainCheckpointer(tmp_path / "ckpt", read_only=True) as ckpt:
-        params, opt_state, meta = ckpt.restore(params_target=st["params"],
-                                               opt_state_target=st["opt_state"])
-    fresh.load_state(params, opt_state, step=meta["step"], version=meta["version"])
-    got = _train(fresh, batches)
+    restore_learner(fresh, tmp_path / "ckpt")
+    got = train_version(fresh, batches)
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
     for g, w in zip(jax.tree.leaves(fresh.params), want_params, strict=True):
         np.testing.assert_array_equal(np.asarray(g), w)
