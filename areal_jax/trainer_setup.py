@@ -418,8 +418,7 @@ def _wait_for_servers(cfg: TrainConfig, handles: list) -> None:
     try:
         wait_healthy(handles, cfg.rollout.server_startup_timeout_s)
     except ServerStartError as e:
-        failed = next((i for i, h in enumerate(handles) if h.url in str(e)), 0)
-        raise _server_start_error(failed, e, cfg) from None
+        raise _server_start_error(e.index or 0, e, cfg) from None
 
 
 def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,

@@ -30,7 +30,7 @@ API_KEY_ENV = "AREAL_JAX_API_KEY"  # the server reads its key from here (see ser
 
 class ServerStartError(RuntimeError):
     """The server process exited or never became healthy; the message has its log tail.
-    ``index``: which of ``launch_servers``' servers, when it could not be started."""
+    ``index``: which of the servers started or waited for together it was."""
 
     index: int | None = None
 
@@ -215,7 +215,8 @@ def launch_server(
 
 def wait_healthy(handles: Sequence[ServerHandle], timeout: float = 180.0) -> None:
     """Waits until every server answers /health with 200. On failure kills them all and
-    raises ServerStartError with the failing server's log tail."""
+    raises ServerStartError with the failing server's log tail (``index``: its position
+    in ``handles``)."""
     deadline = time.monotonic() + timeout
     pending = list(handles)
     with httpx.Client(timeout=5.0) as http:
@@ -237,9 +238,11 @@ def wait_healthy(handles: Sequence[ServerHandle], timeout: float = 180.0) -> Non
                 if problem:
                     for h in handles:
                         h.kill()
-                    raise ServerStartError(
+                    error = ServerStartError(
                         f"engine server {handle.url} {problem}; log {handle.log_path}:\n"
                         f"{handle.log_tail()}")
+                    error.index = list(handles).index(handle)
+                    raise error
             if pending:
                 time.sleep(0.25)
 
