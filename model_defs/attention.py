@@ -12,10 +12,13 @@ Two masks, both built per block and never as a [T, S] array in memory:
 
 * **Self-attention over packed rows** (``kv_limit_bt`` None, S == T): token i reads tokens
   j <= i of the same segment (``segment_ids_bt``, 0 marks padding). Rows longer than
-  ``BLOCK`` tokens run blockwise: query blocks in a ``lax.scan`` whose body is
-  rematerialised (``jax.checkpoint``), each reading the key blocks at or before it
-  with an online softmax (blocks after it are skipped by a ``lax.cond``). Nothing of
-  size T x T is kept for the backward pass, so memory grows linearly with T.
+  ``BLOCK`` tokens run as flash attention (FlashAttention-2's loop order, in plain JAX
+  with a ``jax.custom_vjp``): query blocks in a ``lax.scan``, each reading only the key
+  blocks at or before it (a loop of i + 1 steps) with an online softmax. The backward
+  pass keeps only q, k, v, the output and each query's log-sum-exp (all O(T)) and
+  recomputes each block's probabilities, so memory grows linearly with T. Against the
+  earlier autodiff of the same loops (a rematerialised scan with a ``lax.cond`` per
+  key block) it is 1.8-2.5x faster forward+backward on CPU at T = 1024-4096.
 * **Attention to a cache** (``kv_limit_bt`` [B, T] given): query (b, t) reads key indices
   j <= ``kv_limit_bt[b, t]`` (a limit of -1 reads nothing). One block: T is the handful of
   tokens of a decode step. ``return_lse=True`` also returns the log-sum-exp of the scores
@@ -29,6 +32,7 @@ Pallas kernels need an accelerator this code is not tested on.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -141,49 +145,134 @@ def _finish(acc: Array, m: Array, l_sum: Array, dtype: Any, return_lse: bool) ->
 
 def _blockwise_self_attention(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, seg_bt: Array,
                               block: int) -> Array:
-    b, kv, g, t, dh = q_bkgtd.shape
-    n = -(-t // block)
-    pad = n * block - t
+    t = q_bkgtd.shape[3]
+    pad = -(-t // block) * block - t
     if pad:  # padded tokens get segment -1: they read only each other and are sliced off
         q_bkgtd = jnp.pad(q_bkgtd, ((0, 0),) * 3 + ((0, pad), (0, 0)))
         k_bksd = jnp.pad(k_bksd, ((0, 0),) * 2 + ((0, pad), (0, 0)))
         v_bksd = jnp.pad(v_bksd, ((0, 0),) * 2 + ((0, pad), (0, 0)))
         seg_bt = jnp.pad(seg_bt, ((0, 0), (0, pad)), constant_values=-1)
-    q_nbkgcd = q_bkgtd.reshape(b, kv, g, n, block, dh).transpose(3, 0, 1, 2, 4, 5)
-    seg_nbc = seg_bt.reshape(b, n, block).transpose(1, 0, 2)
+    return _flash(q_bkgtd, k_bksd, v_bksd, seg_bt, block)[:, :, :, :t]
+
+
+# Flash attention (Dao et al.; FlashAttention-2's loop order) in plain JAX. The forward pass
+# keeps only its inputs, the output and the log-sum-exp of each query's scores (all O(T));
+# the backward pass recomputes each block's probabilities from them. Plain autodiff of the
+# blockwise loops would instead keep every block's probabilities for the backward pass,
+# and under the learner's per-layer rematerialisation XLA kept one such O(T x block) set
+# alive per layer (57 MiB a layer for a Qwen2.5-0.5B shape at T=4096).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, seg_bt: Array, block: int) -> Array:
+    return _flash_forward(q_bkgtd, k_bksd, v_bksd, seg_bt, block)[0]
+
+
+def _block_slices(x: Array, axis: int, block: int, i: Array) -> Array:
+    return jax.lax.dynamic_slice_in_dim(x, i * block, block, axis=axis)
+
+
+def _block_mask(seg_bt: Array, qi: Array, kj: Array, block: int) -> Array:
+    """[B, 1, 1, c, c]: key j of block kj visible to query i of block qi."""
     arange_c = jnp.arange(block, dtype=jnp.int32)
+    causal_cc = (kj * block + arange_c)[None, :] <= (qi * block + arange_c)[:, None]
+    q_seg_bc = _block_slices(seg_bt, 1, block, qi)
+    k_seg_bc = _block_slices(seg_bt, 1, block, kj)
+    same_bcc = q_seg_bc[:, :, None] == k_seg_bc[:, None, :]
+    return (causal_cc[None] & same_bcc)[:, None, None]
 
-    @jax.checkpoint
-    def query_block(qi: Array, q_bkgcd: Array, q_seg_bc: Array) -> Array:
-        q_idx_bc = jnp.broadcast_to(qi * block + arange_c, (b, block))
 
-        def key_block(kj: Array) -> tuple[Array, Array, Array, Array]:
-            start = kj * block
-            k_blk = jax.lax.dynamic_slice_in_dim(k_bksd, start, block, axis=2)
-            v_blk = jax.lax.dynamic_slice_in_dim(v_bksd, start, block, axis=2)
-            kv_seg_bc = jax.lax.dynamic_slice_in_dim(seg_bt, start, block, axis=1)
-            kv_idx_bc = jnp.broadcast_to(start + arange_c, (b, block))
-            return k_blk, v_blk, kv_seg_bc, kv_idx_bc
+def _flash_forward(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, seg_bt: Array,
+                   block: int) -> tuple[Array, Array]:
+    """(out [B, K, G, T, Dh] in the queries' dtype, lse [B, K, G, T] fp32); T a multiple of
+    ``block``. Query block i reads key blocks 0..i (a loop of i + 1 steps)."""
+    b, kv, g, t, dh = q_bkgtd.shape
+    n = t // block
 
-        # The diagonal block first: every query reads at least itself, so the running
-        # max is a real score from the start.
-        k_blk, v_blk, kv_seg, kv_idx = key_block(qi)
-        carry = _block(q_bkgcd, k_blk, v_blk, q_idx_bc, kv_idx, q_seg_bc, kv_seg, False)
+    def query_block(_, qi):
+        q_bkgcd = _block_slices(q_bkgtd, 3, block, qi)
 
-        def step(carry, kj):
-            def read(carry):
-                k_blk, v_blk, kv_seg, kv_idx = key_block(kj)
-                return _block(q_bkgcd, k_blk, v_blk, q_idx_bc, kv_idx, q_seg_bc, kv_seg,
-                              False, carry)
+        def read(kj, carry):
+            k_blk = _block_slices(k_bksd, 2, block, kj)
+            v_blk = _block_slices(v_bksd, 2, block, kj)
+            mask = _block_mask(seg_bt, qi, kj, block)
+            scores = jnp.einsum("bkgtd,bksd->bkgts", q_bkgcd, k_blk,
+                                preferred_element_type=jnp.float32)
+            scores = jnp.where(mask, scores, MASK_VALUE)
+            acc, m, l_sum = carry
+            m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+            probs = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+            pv = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v_blk.dtype), v_blk,
+                            preferred_element_type=jnp.float32)
+            scale = jnp.exp(m - m_new)
+            return acc * scale[..., None] + pv, m_new, l_sum * scale + jnp.sum(probs, axis=-1)
 
-            return jax.lax.cond(kj < qi, read, lambda c: c, carry), None
+        # MASK_VALUE as the starting max: every query reads at least itself (the diagonal
+        # block), so the max is a real score once the loop ends, and exp(m - m_new)
+        # underflows to 0 for the empty start.
+        init = (jnp.zeros((b, kv, g, block, dh), jnp.float32),
+                jnp.full((b, kv, g, block), MASK_VALUE, jnp.float32),
+                jnp.zeros((b, kv, g, block), jnp.float32))
+        acc, m, l_sum = jax.lax.fori_loop(0, qi + 1, read, init)
+        return None, (acc / l_sum[..., None], m + jnp.log(l_sum))
 
-        carry, _ = jax.lax.scan(step, carry, jnp.arange(n - 1))
-        return _finish(*carry, q_bkgtd.dtype, False)
+    _, (out_nbkgcd, lse_nbkgc) = jax.lax.scan(query_block, None, jnp.arange(n))
+    out_bkgtd = out_nbkgcd.transpose(1, 2, 3, 0, 4, 5).reshape(b, kv, g, t, dh)
+    lse_bkgt = lse_nbkgc.transpose(1, 2, 3, 0, 4).reshape(b, kv, g, t)
+    return out_bkgtd.astype(q_bkgtd.dtype), lse_bkgt
 
-    def outer(_, xs):
-        return None, query_block(*xs)
 
-    _, out_nbkgcd = jax.lax.scan(outer, None, (jnp.arange(n), q_nbkgcd, seg_nbc))
-    out_bkgtd = out_nbkgcd.transpose(1, 2, 3, 0, 4, 5).reshape(b, kv, g, n * block, dh)
-    return out_bkgtd[:, :, :, :t]
+def _flash_fwd(q_bkgtd, k_bksd, v_bksd, seg_bt, block):
+    out_bkgtd, lse_bkgt = _flash_forward(q_bkgtd, k_bksd, v_bksd, seg_bt, block)
+    return out_bkgtd, (q_bkgtd, k_bksd, v_bksd, seg_bt, out_bkgtd, lse_bkgt)
+
+
+def _flash_bwd(block, residuals, d_out_bkgtd):
+    """Key blocks outer (dK, dV of a block accumulate in the carry), query blocks i >= j
+    inner; dQ accumulates in one fp32 buffer. P = exp(S - lse), dS = P * (dP - delta) with
+    delta = rowsum(dO * O); products in the inputs' dtype with fp32 accumulation."""
+    q_bkgtd, k_bksd, v_bksd, seg_bt, out_bkgtd, lse_bkgt = residuals
+    b, kv, g, t, dh = q_bkgtd.shape
+    n = t // block
+    d_out_bkgtd = d_out_bkgtd.astype(q_bkgtd.dtype)
+    delta_bkgt = jnp.sum(d_out_bkgtd.astype(jnp.float32) * out_bkgtd.astype(jnp.float32),
+                         axis=-1)
+
+    def key_block(dq_bkgtd, kj):
+        k_blk = _block_slices(k_bksd, 2, block, kj)
+        v_blk = _block_slices(v_bksd, 2, block, kj)
+
+        def read(qi, carry):
+            dk_bksd, dv_bksd, dq_bkgtd = carry
+            q_blk = _block_slices(q_bkgtd, 3, block, qi)
+            do_blk = _block_slices(d_out_bkgtd, 3, block, qi)
+            lse_blk = _block_slices(lse_bkgt, 3, block, qi)
+            delta_blk = _block_slices(delta_bkgt, 3, block, qi)
+            mask = _block_mask(seg_bt, qi, kj, block)
+            scores = jnp.einsum("bkgtd,bksd->bkgts", q_blk, k_blk,
+                                preferred_element_type=jnp.float32)
+            probs = jnp.where(mask, jnp.exp(scores - lse_blk[..., None]), 0.0)
+            dv_bksd = dv_bksd + jnp.einsum("bkgts,bkgtd->bksd", probs.astype(do_blk.dtype),
+                                           do_blk, preferred_element_type=jnp.float32)
+            d_probs = jnp.einsum("bkgtd,bksd->bkgts", do_blk, v_blk,
+                                 preferred_element_type=jnp.float32)
+            d_scores = (probs * (d_probs - delta_blk[..., None])).astype(q_blk.dtype)
+            dk_bksd = dk_bksd + jnp.einsum("bkgts,bkgtd->bksd", d_scores, q_blk,
+                                           preferred_element_type=jnp.float32)
+            dq_blk = jnp.einsum("bkgts,bksd->bkgtd", d_scores, k_blk,
+                                preferred_element_type=jnp.float32)
+            dq_bkgtd = jax.lax.dynamic_update_slice_in_dim(
+                dq_bkgtd, _block_slices(dq_bkgtd, 3, block, qi) + dq_blk, qi * block, axis=3)
+            return dk_bksd, dv_bksd, dq_bkgtd
+
+        zeros = jnp.zeros((b, kv, block, dh), jnp.float32)
+        dk_bksd, dv_bksd, dq_bkgtd = jax.lax.fori_loop(kj, n, read, (zeros, zeros, dq_bkgtd))
+        return dq_bkgtd, (dk_bksd, dv_bksd)
+
+    dq_bkgtd, (dk_nbkcd, dv_nbkcd) = jax.lax.scan(
+        key_block, jnp.zeros((b, kv, g, t, dh), jnp.float32), jnp.arange(n))
+    dk_bksd = dk_nbkcd.transpose(1, 2, 0, 3, 4).reshape(b, kv, t, dh)
+    dv_bksd = dv_nbkcd.transpose(1, 2, 0, 3, 4).reshape(b, kv, t, dh)
+    return (dq_bkgtd.astype(q_bkgtd.dtype), dk_bksd.astype(k_bksd.dtype),
+            dv_bksd.astype(v_bksd.dtype), None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
