@@ -24,7 +24,6 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from model_defs.config import ModelConfig
 from model_defs.model import CausalLM
@@ -220,6 +219,37 @@ def parse_dtype(dtype: str | Any, what: str = "dtype") -> Any:
 
 
 # --------------------------------------------------------------------------- save
+_SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+                       "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+                       "uint8": "U8", "bool": "BOOL"}
+
+
+def _write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], np.dtype, Any]],
+                       metadata: dict[str, str]) -> None:
+    """Writes one safetensors file, one tensor at a time: the header first (from shapes and
+    dtypes), then each ``produce()``'s bytes. Peak host memory is one tensor, not the file
+    (``safetensors.numpy.save_file`` holds every tensor and then their bytes: two copies)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key, shape, dtype, _ in entries:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype.name], "shape": list(shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for key, shape, dtype, produce in entries:
+            array = np.ascontiguousarray(produce())
+            if array.shape != tuple(shape) or array.dtype != dtype:  # a bug, never user input
+                raise AssertionError(f"{key}: produced {array.shape} {array.dtype}, "
+                                     f"header says {shape} {dtype}")
+            f.write(array.reshape(-1).view(np.uint8).data)  # no copy, any dtype
+            del array
+
+
 def save_hf(
     model: CausalLM,
     cfg: ModelConfig,
@@ -230,46 +260,57 @@ def save_hf(
     """Writes config.json + model.safetensors (or shards + index) that transformers loads.
 
     ``dtype`` (e.g. "bfloat16") casts the saved tensors; default: the params' dtype.
+    Tensors are fetched, cast and written one at a time, so the host holds at most one
+    of them beyond what the model already holds. With several JAX processes every
+    process must call this (each tensor is all-gathered in turn).
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     out_dtype = parse_dtype(dtype) if dtype is not None else None
-    tensors: dict[str, np.ndarray] = {}
+    # (HF key, HF shape, dtype, a function that returns the HF tensor on the host)
+    entries: list[tuple[str, tuple[int, ...], np.dtype, Any]] = []
     for hf_key, nnx_path, transform in param_table(cfg):
         if nnx_path not in flat:
             continue
         value = flat[nnx_path].get_value()
-        if out_dtype is not None:
-            value = value.astype(out_dtype)
-        if isinstance(value, jax.Array) and not value.is_fully_addressable:
-            value = multihost_utils.process_allgather(value, tiled=True)
-        host = np.asarray(jax.device_get(value))
-        tensors[hf_key] = ours_to_hf(host, transform)
-    torch_dtype = str(next(iter(tensors.values())).dtype)
+        want = np.dtype(out_dtype if out_dtype is not None else value.dtype)
 
-    shards: list[dict[str, np.ndarray]] = [{}]
+        def produce(value=value, transform=transform, want=want) -> np.ndarray:
+            if isinstance(value, jax.Array):
+                if value.dtype != want:
+                    value = value.astype(want)  # on device, one tensor
+                if not value.is_fully_addressable:
+                    value = multihost_utils.process_allgather(value, tiled=True)
+            host = np.asarray(jax.device_get(value)).astype(want, copy=False)
+            return ours_to_hf(host, transform)
+
+        entries.append((hf_key, hf_shape(tuple(value.shape), transform), want, produce))
+    torch_dtype = entries[0][2].name
+
+    shards: list[list[tuple[str, tuple[int, ...], np.dtype, Any]]] = [[]]
     size = 0
-    for key, arr in tensors.items():
-        if shards[-1] and size + arr.nbytes > max_shard_bytes:
-            shards.append({})
+    for entry in entries:
+        nbytes = math.prod(entry[1]) * entry[2].itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
             size = 0
-        shards[-1][key] = arr
-        size += arr.nbytes
+        shards[-1].append(entry)
+        size += nbytes
     for stale in list(path.glob("model*.safetensors")) + [path / SAFETENSORS_INDEX]:
         if stale.exists():
             stale.unlink()
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], str(path / SINGLE_SAFETENSORS), metadata=metadata)
+        _write_safetensors(path / SINGLE_SAFETENSORS, shards[0], metadata)
     else:
         weight_map = {}
-        for n, shard_tensors in enumerate(shards, start=1):
+        for n, shard_entries in enumerate(shards, start=1):
             fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard_tensors, str(path / fname), metadata=metadata)
-            weight_map.update({k: fname for k in shard_tensors})
-        index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
-                 "weight_map": weight_map}
+            _write_safetensors(path / fname, shard_entries, metadata)
+            weight_map.update({e[0]: fname for e in shard_entries})
+        total = sum(math.prod(e[1]) * e[2].itemsize for e in entries)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
     (path / "config.json").write_text(json.dumps(cfg.to_hf_dict(torch_dtype), indent=2))
     return path

@@ -15,7 +15,7 @@ from areal_jax.bench import benchmarks, build_parser, main
 from areal_jax.bench.common import REPO, format_table, repo_file, run_train, script_env
 
 NAMES = ["forward", "train", "generate", "async-vs-sync", "staleness", "losses", "executor",
-         "memory", "startup", "trl"]
+         "memory", "memory-run", "startup", "trl"]
 
 
 def test_importing_the_package_or_its_benchmarks_pulls_in_no_torch_trl_or_transformers():
@@ -93,3 +93,45 @@ def test_script_env_puts_the_checkout_first_and_drops_xla_flags(monkeypatch):
     env = script_env(Path("/some/checkout"), JAX_PLATFORMS="cpu")
     assert env["PYTHONPATH"].split(os.pathsep) == ["/some/checkout", "/elsewhere"]
     assert "XLA_FLAGS" not in env and env["JAX_PLATFORMS"] == "cpu"
+
+
+def test_memory_run_model_dir_keeps_the_preset_vocab_with_the_demo_tokenizer(tmp_path):
+    from areal_jax.bench.memory_run import write_model_dir
+    from areal_jax.data.tokenizer import load_tokenizer
+    from model_defs import ModelConfig
+
+    write_model_dir("tiny", 1, "bfloat16", str(tmp_path / "m"))
+    cfg = ModelConfig.from_pretrained_dir(tmp_path / "m")
+    assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.eos_token_id) == (256, 1, 2)
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert load_tokenizer(str(tmp_path / "m")).vocab_size < cfg.vocab_size  # 20 tokens
+
+
+def test_peak_rss_is_the_high_water_mark_and_none_once_gone():
+    import psutil
+
+    from areal_jax.bench.memory_run import peak_rss_bytes
+
+    assert peak_rss_bytes(os.getpid()) >= psutil.Process().memory_info().rss
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    assert peak_rss_bytes(int(done.stdout)) is None
+
+
+@pytest.mark.slow
+def test_a_tiny_memory_run_completes_versions_with_fsdp1_and_two_processes(tmp_path):
+    out = tmp_path / "memory_run.json"
+    assert main(["memory-run", "--preset", "tiny", "--seq-len", "96", "--versions", "2",
+                 "--work-dir", str(tmp_path / "work"), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["run"] for r in result["runs"]] == ["fsdp=1", "fsdp=2"]
+    for run in result["runs"]:
+        assert run["versions_completed"] == [1, 2]
+        assert len(run["trainers"]) == run["processes"]
+        for t in run["trainers"]:
+            assert 0 < t["peak_rss_training_bytes"] <= t["peak_rss_at_exit_bytes"]
+        assert run["server_peak_rss_bytes"] > 0
+        assert run["compiled"]["held"] == 16.0 / run["processes"]
+    assert len(result["rows"]) == 3 and all(len(r) == len(result["columns"])
+                                            for r in result["rows"])
+    assert result["n_params"] > 0

@@ -145,3 +145,24 @@ def test_params_to_hf_dir_from_state_and_restored_dict(tmp_path, tiny_model):
         params_to_hf_dir(state, "qwen2", tmp_path / "c")
     with pytest.raises(ValueError, match="keep must be an int >= 1"):
         WeightPublisher(tmp_path / "w", keep=0)
+
+
+def test_host_copy_in_the_serving_dtype_is_what_the_publisher_writes(tmp_path):
+    """host_params(dtype="bfloat16") casts on device before the host copy (2 B/param for a
+    bf16 run's fp32 master weights), and publishing it writes the same bf16 tensors as
+    publishing the fp32 params with the publisher's own cast."""
+    import ml_dtypes
+
+    from areal_jax.checkpoint.publish import host_params
+
+    path = make_tiny_hf_checkpoint(tmp_path, arch="qwen2", tie=True)
+    model, cfg = load_hf(path)
+    copy = host_params(model, "bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(copy)} == {np.dtype(ml_dtypes.bfloat16)}
+    a = WeightPublisher(tmp_path / "a", dtype="bfloat16").publish(copy, cfg, 1)
+    b = WeightPublisher(tmp_path / "b", dtype="bfloat16").publish(host_params(model), cfg, 1)
+    ta, tb = load_file(f"{a}/model.safetensors"), load_file(f"{b}/model.safetensors")
+    assert sorted(ta) == sorted(tb)
+    for key in ta:
+        assert ta[key].dtype == np.dtype(ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(ta[key].view(np.uint16), tb[key].view(np.uint16))

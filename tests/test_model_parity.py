@@ -169,6 +169,44 @@ def test_bfloat16_params_compute_and_fp32_logits(tmp_path):
     assert np.isfinite(hf_logits(out, ids)).all()
 
 
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_save_hf_streams_tensors_in_safetensors_own_format(tmp_path, dtype):
+    """save_hf writes tensor by tensor: the files read back (with safetensors' own reader)
+    as what safetensors' save_file would have written, and the host never holds more than
+    a fraction of the file (save_file held every tensor, then all their bytes again)."""
+    import tracemalloc
+
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    from model_defs.hf_io import ours_to_hf, param_table
+
+    cfg = ModelConfig.preset("tiny", hidden_size=256, intermediate_size=1024, vocab_size=4096,
+                             num_hidden_layers=4)
+    model = CausalLM(cfg, rngs=nnx.Rngs(3))
+    want_dtype = np.dtype(ml_dtypes.bfloat16 if dtype else np.float32)
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    want = {key: ours_to_hf(np.asarray(flat[path].get_value()).astype(want_dtype), transform)
+            for key, path, transform in param_table(cfg) if path in flat}
+    total = sum(a.nbytes for a in want.values())
+    largest = max(a.nbytes for a in want.values())
+    jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+
+    tracemalloc.start()
+    try:
+        out = save_hf(model, cfg, tmp_path / "ours", dtype=dtype)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    got = load_file(str(out / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for key, array in want.items():
+        assert got[key].dtype == array.dtype and got[key].shape == array.shape
+        np.testing.assert_array_equal(got[key].view(np.uint8), array.view(np.uint8))
+    # One tensor at a time, never the whole file (save_file: ~0.77 x the file here).
+    assert peak < largest + total // 8, (peak, largest, total)
+
+
 def test_hidden_states_and_unembed_give_logits(tmp_path):
     path = make_tiny_hf_checkpoint(tmp_path, arch="llama", tie=False)
     model, cfg = load_hf(path)

@@ -9,6 +9,7 @@ measured side by side in the same run.
     python -m areal_jax.bench losses    [options]   # chunked log-probs/entropy vs full logits
     python -m areal_jax.bench executor  [options]   # executor and reward-pool overhead, the gate
     python -m areal_jax.bench memory    [options]   # learner compiled memory vs T, bytes/param
+    python -m areal_jax.bench memory-run [options]  # peak RSS of real runs, fsdp=1 vs fsdp=2
     python -m areal_jax.bench startup   [options]   # process start to first batch / first step
     python -m areal_jax.bench trl       [options]   # areal-jax vs TRL GRPOTrainer on the demo
 
@@ -38,6 +39,7 @@ def benchmarks() -> dict[str, Benchmark]:
         generate,
         losses,
         memory,
+        memory_run,
         staleness,
         startup,
         train,
@@ -46,7 +48,8 @@ def benchmarks() -> dict[str, Benchmark]:
 
     return {"forward": forward, "train": train, "generate": generate,
             "async-vs-sync": async_vs_sync, "staleness": staleness, "losses": losses,
-            "executor": executor, "memory": memory, "startup": startup, "trl": trl}
+            "executor": executor, "memory": memory, "memory-run": memory_run,
+            "startup": startup, "trl": trl}
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Benchmark]]:

@@ -30,13 +30,22 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from etils import epath
 from flax import nnx
 
 from areal_jax import storage
 from areal_jax.checkpoint.orbax_ckpt import require_gcs_support
-from model_defs import CausalLM, ModelConfig, PeftAdapter, merge_lora, peft_adapter, save_hf
+from model_defs import (
+    CausalLM,
+    ModelConfig,
+    PeftAdapter,
+    merge_lora,
+    parse_dtype,
+    peft_adapter,
+    save_hf,
+)
 
 COMMIT_MARKER = "COMMIT"
 ADAPTER_SUBDIR = "adapter"  # v{N}/adapter: the LoRA adapter alone (PEFT layout), if published
@@ -76,19 +85,25 @@ def _gather_to_host(pure: Any) -> Any:
     return multihost_utils.process_allgather(pure, tiled=True)
 
 
-def host_params(model: Any) -> Any:
+def host_params(model: Any, dtype: str | None = None) -> Any:
     """A host (numpy) copy of a model's state, as its pure dict: what :meth:`WeightPublisher.
     publish` needs, safe to write from another thread while the learner trains on.
 
     ``model``: a ``CausalLM`` (with LoRA adapters: merged into its kernels), an
-    ``nnx.State`` or a pure dict. With several JAX processes this is a collective (arrays
-    are all-gathered): every process must call it.
+    ``nnx.State`` or a pure dict. ``dtype`` (the serving dtype, e.g. "bfloat16") casts
+    floating-point arrays on their device first, one at a time, so a bf16 model's host
+    copy is 2 bytes/param rather than its fp32 master weights' 4. With several JAX
+    processes this is a collective (arrays are all-gathered): every process must call it.
     """
     if isinstance(model, CausalLM):
         model = merge_lora(model)
     if isinstance(model, nnx.Module):
         model = nnx.state(model)
     pure = model.to_pure_dict() if isinstance(model, nnx.State) else model
+    if dtype is not None:
+        want = parse_dtype(dtype)
+        pure = jax.tree.map(lambda x: x.astype(want) if jnp.issubdtype(x.dtype, jnp.floating)
+                            and x.dtype != want else x, pure)
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), _gather_to_host(pure))
 
 
@@ -105,10 +120,11 @@ def serving_weights(model: CausalLM, *, with_adapter: bool = False,
                     base_model_name_or_path: str | None = None,
                     dtype: str | None = None) -> ServingWeights:
     """:func:`host_params` of ``model`` (adapters merged) and, with ``with_adapter``, its
-    adapter in PEFT layout (``dtype`` casts it). A collective with several processes."""
+    adapter in PEFT layout; ``dtype`` (the serving dtype) casts both. A collective with
+    several processes."""
     adapter = (peft_adapter(model, base_model_name_or_path, dtype=dtype) if with_adapter
                else None)
-    return ServingWeights(host_params(model), adapter)
+    return ServingWeights(host_params(model, dtype), adapter)
 
 
 def params_to_model(params: Any, model_cfg: ModelConfig | Mapping[str, Any]) -> CausalLM:
