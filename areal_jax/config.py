@@ -154,6 +154,10 @@ class RolloutConfig:
     learner_cpu_cores: list[int] | None = None  # CPU cores pinned to the learner process
     max_slots: int = 64  # embedded engine: concurrent sequences per server
     max_seq_len: int = 256  # embedded engine: prompt + completion tokens per slot
+    # Embedded engine: prompts prefilled per device call (padded to this many rows) and
+    # tokens decoded per slot per call; null: the engine's defaults (EngineConfig).
+    prefill_rows: int | None = None
+    decode_steps: int | None = None
     n_samples: int = 8  # samples per prompt (the group)
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -196,6 +200,7 @@ class RolloutConfig:
                                                for d in self.engine_devices)):
             raise ValueError("rollout.engine_devices must be null or a non-empty list of device "
                              f"ids >= 0, got {self.engine_devices}")
+        check_positive("rollout", prefill_rows=self.prefill_rows, decode_steps=self.decode_steps)
         check_positive("rollout", num_servers=self.num_servers, max_slots=self.max_slots,
                   max_seq_len=self.max_seq_len, n_samples=self.n_samples,
                   max_new_tokens=self.max_new_tokens, max_concurrent=self.max_concurrent,

@@ -447,9 +447,20 @@ def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,
                               allowed_weight_dirs=[publish_dir],  # later versions
                               warmup=True,  # compile every shape now, not mid-run
                               compilation_cache_dir=cache_dir,
-                              extra_args=["--weight-version", str(version)])
+                              extra_args=["--weight-version", str(version),
+                                          *engine_tuning_args(ro)])
     except ServerStartError as e:
         raise _server_start_error(e.index or 0, e, cfg) from None
+
+
+def engine_tuning_args(ro: Any) -> list[str]:
+    """``serve.py`` flags for the rollout section's engine tuning keys that are set."""
+    args = []
+    if ro.prefill_rows is not None:
+        args += ["--prefill-rows", str(ro.prefill_rows)]
+    if ro.decode_steps is not None:
+        args += ["--decode-steps", str(ro.decode_steps)]
+    return args
 
 
 def _forget_server(handle: Any) -> None:

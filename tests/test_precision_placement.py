@@ -91,3 +91,24 @@ def test_engine_placement_errors():
         RolloutConfig(engine_devices=[])
     with pytest.raises(TrainerError, match="use rollout.server_cpu_cores"):
         engine_placement(RolloutConfig(engine_platform="cpu", engine_devices=[0]))
+
+
+def test_rollout_engine_tuning_keys_reach_the_launched_server():
+    """rollout.prefill_rows / decode_steps become the embedded server's flags (what
+    /get_server_info reports); unset keys leave the engine's defaults; bad values name
+    the key."""
+    import httpx
+
+    from areal_jax.engine.launch import launch_server
+    from areal_jax.trainer_setup import engine_tuning_args
+
+    assert engine_tuning_args(RolloutConfig()) == []
+    args = engine_tuning_args(RolloutConfig(prefill_rows=2, decode_steps=3))
+    assert args == ["--prefill-rows", "2", "--decode-steps", "3"]
+    with launch_server("areal_jax/data/assets/arith_sft", max_slots=4, max_seq_len=64,
+                       extra_args=args) as server:
+        info = httpx.get(f"{server.url}/get_server_info", timeout=30).json()
+    assert (info["prefill_rows"], info["decode_steps"]) == (2, 3)
+    for key in ("prefill_rows", "decode_steps"):
+        with pytest.raises(ValueError, match=f"rollout.{key} must be > 0"):
+            RolloutConfig(**{key: 0})
