@@ -170,6 +170,79 @@ def test_interrupted_update_stitches_versions(servers, ckpt_a, ckpt_b):
         assert np.abs(got[n_old:] - lp_a[n_old:]).max() > 1e-2  # the weights really changed
 
 
+def test_batched_requests_match_one_at_a_time(servers, ckpt_a):
+    """agenerate_batch sends a group as one /generate in SGLang's batch form (a list of
+    prompts, one sampling_params and rid each) and gets what one request per sample gets."""
+    reqs = mixed_requests(24)
+    url = servers[0].url
+
+    async def run():
+        async with RolloutClient([url]) as client:
+            alone = [await client.agenerate(r) for r in reqs]
+            batched = await asyncio.gather(*(client.agenerate_batch(reqs[i:i + 8])
+                                             for i in range(0, len(reqs), 8)))
+            return alone, [r for group in batched for r in group]
+
+    alone, batched = asyncio.run(run())
+    for req, a, b in zip(reqs, alone, batched, strict=True):
+        assert b.rid == req.rid and b.finish_reason in ("stop", "length")
+        assert b.output_ids == a.output_ids, req.rid
+        tol = token_logprob_tolerance(ckpt_a, req.input_ids + a.output_ids,
+                                      req.params.temperature)
+        np.testing.assert_allclose(b.output_logprobs, a.output_logprobs, rtol=0, atol=tol)
+        assert b.output_versions == [int(server_info(url)["weight_version"])] * len(b.output_ids)
+    # The raw reply: a list of single replies, in order, each with its own rid.
+    raw = httpx.post(f"{url}/generate", timeout=60, json={
+        "input_ids": [[5, 6, 7], [8, 9]], "rid": ["x1", "x2"], "return_logprob": True,
+        "sampling_params": [{"max_new_tokens": 3, "temperature": 0.0},
+                            {"max_new_tokens": 2, "temperature": 0.0}]}).json()
+    assert [r["meta_info"]["id"] for r in raw] == ["x1", "x2"]
+    assert [r["meta_info"]["completion_tokens"] for r in raw] == [3, 2]
+    assert server_info(url)["num_running_reqs"] == 0
+
+
+def test_interrupted_batch_resumes_under_the_new_weights(servers, ckpt_a, ckpt_b):
+    """A batch paused mid-generation comes back with every sample aborted; the client
+    resubmits the unfinished ones together, partial outputs appended, under the new
+    weights: each sample is v_old...v_old v_new...v_new with the right logprobs."""
+    url = servers[1].url
+    n_new, temperature = 300, 1.0
+    prompts = [[4 + i, 11, 21 + i, 8] for i in range(6)]
+    old, new = int(server_info(url)["weight_version"]), 10
+
+    async def run():
+        async with RolloutClient([url]) as client:
+            await client.agenerate(GenerateRequest([1, 2], SamplingParams(max_new_tokens=2)))
+            before = server_info(url)["generated_tokens"]
+            task = asyncio.create_task(client.agenerate_batch([GenerateRequest(
+                p, SamplingParams(max_new_tokens=n_new, temperature=temperature, seed=i,
+                                  ignore_eos=True), rid=f"b{i}") for i, p in enumerate(prompts)]))
+            await asyncio.to_thread(wait_until, lambda: server_info(url)["generated_tokens"]
+                                    >= before + 5 * len(prompts), what="tokens")
+            await client.pause()
+            await client.update_weights_from_disk(str(ckpt_b), new)
+            await client.continue_()
+            results = await task
+            await client.update_weights_from_disk(str(ckpt_a), new + 1)  # for other tests
+            return results
+
+    results = asyncio.run(run())
+    assert sum(res.n_interruptions >= 1 for res in results) >= 1
+    for prompt, res in zip(prompts, results, strict=True):
+        versions = np.asarray(res.output_versions)
+        assert len(res.output_ids) == n_new and res.finish_reason == "length"
+        n_old = int((versions == old).sum())
+        assert (versions[:n_old] == old).all() and (versions[n_old:] == new).all()
+        seq = prompt + res.output_ids
+        got = np.asarray(res.output_logprobs)
+        lp_a = learner_logprobs(ckpt_a, seq, temperature)[len(prompt) - 1:]
+        lp_b = learner_logprobs(ckpt_b, seq, temperature)[len(prompt) - 1:]
+        np.testing.assert_allclose(got[:n_old], lp_a[:n_old], rtol=0,
+                                   atol=token_logprob_tolerance(ckpt_a, seq, temperature))
+        np.testing.assert_allclose(got[n_old:], lp_b[n_old:], rtol=0,
+                                   atol=token_logprob_tolerance(ckpt_b, seq, temperature))
+
+
 def test_no_server_available(tmp_path):
     async def run():
         async with RolloutClient([f"127.0.0.1:{free_port()}"], no_server_timeout=1.0,

@@ -281,7 +281,10 @@ def hostile_requests(dirs) -> list[tuple[str, str, object, int]]:
         ("POST", "/generate", b'"text"', 400),
         ("POST", "/generate", b"1e999", 400),
         ("POST", "/generate", {"input_ids": "1 2 3"}, 400),
-        ("POST", "/generate", {"input_ids": [[1, 2]]}, 400),
+        ("POST", "/generate", {"input_ids": [[[1, 2]]]}, 400),  # batch form, one level too deep
+        ("POST", "/generate", {"input_ids": [[1]] * 4097}, 400),  # over MAX_BATCH_ITEMS
+        ("POST", "/generate", {"input_ids": [[1, 2], [10**12]]}, 400),
+        ("POST", "/generate", {"input_ids": [[1], [2]], "rid": [1, 2]}, 400),
         ("POST", "/generate", {"input_ids": [1.5]}, 400),
         ("POST", "/generate", {"input_ids": [True]}, 400),
         ("POST", "/generate", {"input_ids": [VOCAB]}, 400),

@@ -202,8 +202,8 @@ def parse_generate(body: dict[str, Any], vocab_size: int, max_seq_len: int) -> G
     if not isinstance(ids, list):
         raise ProtocolError(f"input_ids must be a list of integers, got {type(ids).__name__}")
     if ids and isinstance(ids[0], list):
-        raise ProtocolError("batched input_ids (a list of lists) is not supported; "
-                            "send one request per prompt")
+        raise ProtocolError("batched input_ids (a list of lists) go through "
+                            "parse_generate_batch")
     if not ids:
         raise ProtocolError("input_ids is empty; the prompt needs at least one token")
     for i, t in enumerate(ids):
@@ -242,6 +242,54 @@ def parse_generate(body: dict[str, Any], vocab_size: int, max_seq_len: int) -> G
         return_text_in_logprobs=_get_bool(body, "return_text_in_logprobs", False, ""),
         lora_name=lora_name,
     )
+
+
+MAX_BATCH_ITEMS = 4096
+
+
+def is_batch(body: Any) -> bool:
+    """A /generate body in SGLang's batch form: ``input_ids`` is a list of lists."""
+    ids = body.get("input_ids") if isinstance(body, dict) else None
+    return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+
+
+def parse_generate_batch(body: dict[str, Any], vocab_size: int, max_seq_len: int
+                         ) -> list[GenerateCall]:
+    """SGLang's batch form of /generate: ``input_ids`` a list of prompts, ``sampling_params``
+    one dict for all or a list with one per prompt, ``rid`` None or a list of distinct
+    strings; the other fields apply to every prompt. The reply is a list of single
+    replies, in order. Each prompt is checked as a single request would be; errors name
+    the prompt's index."""
+    ids = body["input_ids"]
+    n = len(ids)
+    if n > MAX_BATCH_ITEMS:
+        raise ProtocolError(f"a batch holds at most {MAX_BATCH_ITEMS} prompts, got {n}")
+    per_item: dict[str, list[Any]] = {}
+    for key in ("sampling_params", "rid"):
+        value = body.get(key)
+        if isinstance(value, list):
+            if len(value) != n:
+                raise ProtocolError(f"{key} is a list of {len(value)} but input_ids holds {n} "
+                                    "prompts; send one per prompt (or one dict for all)")
+            per_item[key] = value
+        elif key == "rid" and value is not None:
+            raise ProtocolError("rid must be a list of strings (one per prompt) for batched "
+                                f"input_ids, got {type(value).__name__}")
+    if "rid" in per_item and len(set(map(str, per_item["rid"]))) != n:
+        raise ProtocolError("rid must hold distinct strings, one per prompt")
+    calls = []
+    for i in range(n):
+        item = {**body, "input_ids": ids[i]}
+        for key, values in per_item.items():
+            item[key] = values[i]
+        if not isinstance(ids[i], list):
+            raise ProtocolError(f"input_ids[{i}] must be a list of integers (batched "
+                                f"input_ids), got {type(ids[i]).__name__}")
+        try:
+            calls.append(parse_generate(item, vocab_size, max_seq_len))
+        except ProtocolError as e:
+            raise ProtocolError(f"prompt {i} of the batch: {e}") from None
+    return calls
 
 
 def generate_reply(req: EngineRequest, call: GenerateCall, decode_text: Any) -> dict[str, Any]:

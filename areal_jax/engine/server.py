@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -48,8 +49,10 @@ from areal_jax.engine.openai_api import register_engine_routes
 from areal_jax.engine.protocol import (
     ProtocolError,
     generate_reply,
+    is_batch,
     parse_abort,
     parse_generate,
+    parse_generate_batch,
     parse_json_body,
     parse_load_lora_adapter,
     parse_pause,
@@ -231,34 +234,50 @@ def create_app(engine: GenerationEngine, *, api_key: str | None = None,
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
         body = parse_json_body(await request.body(), "/generate")
-        call = parse_generate(body, engine.vocab_size, engine.max_seq_len)
+        batched = is_batch(body)
+        calls = (parse_generate_batch(body, engine.vocab_size, engine.max_seq_len) if batched
+                 else [parse_generate(body, engine.vocab_size, engine.max_seq_len)])
         loop = asyncio.get_running_loop()
-        finished: asyncio.Future[EngineRequest] = loop.create_future()
+        futures: list[asyncio.Future[EngineRequest]] = []
 
-        def on_finish(req: EngineRequest) -> None:
-            def resolve() -> None:
-                if not finished.done():
-                    finished.set_result(req)
+        def resolver(finished: asyncio.Future) -> Callable[[EngineRequest], None]:
+            def on_finish(req: EngineRequest) -> None:
+                def resolve() -> None:
+                    if not finished.done():
+                        finished.set_result(req)
 
-            loop.call_soon_threadsafe(resolve)
+                loop.call_soon_threadsafe(resolve)
 
+            return on_finish
+
+        reqs: list[EngineRequest] = []
         try:
-            req = engine.submit(call.input_ids, call.params, rid=call.rid, on_finish=on_finish,
-                                lora_name=call.lora_name)
-        except EngineRequestError as e:
-            return _error(str(e))
-        except RuntimeError as e:
-            return _error(str(e), 503)
-        while True:
-            done, _ = await asyncio.wait({finished}, timeout=DISCONNECT_POLL_S)
-            if done:
-                break
-            if await request.is_disconnected():
+            for i, call in enumerate(calls):
+                futures.append(loop.create_future())
+                try:
+                    reqs.append(engine.submit(call.input_ids, call.params, rid=call.rid,
+                                              on_finish=resolver(futures[-1]),
+                                              lora_name=call.lora_name))
+                except EngineRequestError as e:
+                    raise EngineRequestError(f"prompt {i} of the batch: {e}" if batched
+                                             else str(e)) from None
+        except (EngineRequestError, RuntimeError) as e:
+            for req in reqs:  # a batch runs whole or not at all
                 await asyncio.to_thread(engine.abort, req.rid)
+            return _error(str(e), 400 if isinstance(e, EngineRequestError) else 503)
+        pending = set(futures)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=DISCONNECT_POLL_S)
+            if pending and await request.is_disconnected():
+                for req in reqs:
+                    await asyncio.to_thread(engine.abort, req.rid)
                 return Response(status_code=499)
-        if req.error is not None:
-            return _error(req.error, 500)
-        return generate_reply(req, call, engine.decode_text)
+        failed = [req.error for req in reqs if req.error is not None]
+        if failed:
+            return _error(failed[0], 500)
+        replies = [generate_reply(req, call, engine.decode_text)
+                   for req, call in zip(reqs, calls, strict=True)]
+        return replies if batched else replies[0]
 
     # ------------------------------------------------------------------ control
     @app.post("/pause_generation")

@@ -52,6 +52,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -336,6 +337,103 @@ class RolloutClient:
             rid=base_rid,
         )
 
+    async def agenerate_batch(self, reqs: Sequence[GenerateRequest]) -> list[GenerateResponse]:
+        """Generates one sample per request, all in one /generate call (SGLang's batch form:
+        a list of prompts, one sampling_params and rid per prompt) to one server: one HTTP
+        round trip for a group instead of one per sample. Interruptions and server failures
+        are handled as in :meth:`agenerate`: the unfinished samples are resubmitted together,
+        each with its partial output appended; the finished ones keep their result."""
+        if len(reqs) == 1:
+            return [await self.agenerate(reqs[0])]
+        t0 = time.monotonic()
+        n = len(reqs)
+        rids = [r.rid or uuid.uuid4().hex for r in reqs]
+        out_ids: list[list[int]] = [[] for _ in range(n)]
+        out_logprobs: list[list[float]] = [[] for _ in range(n)]
+        out_versions: list[list[int]] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        interruptions = [0] * n
+        failures = attempt = 0
+        server: ServerState | None = None
+        while True:
+            for i, r in enumerate(reqs):
+                if finish[i] is None and len(out_ids[i]) >= r.params.max_new_tokens:
+                    finish[i] = FINISH_LENGTH
+            pending = [i for i in range(n) if finish[i] is None]
+            if not pending:
+                break
+            if server is None or not server.up:
+                server = await self._choose_server()
+            suffix = "" if attempt == 0 else f"#{attempt}"
+            payload: dict[str, Any] = {
+                "input_ids": [list(reqs[i].input_ids) + out_ids[i] for i in pending],
+                "sampling_params": [reqs[i].sampling_params(
+                    max_new_tokens=reqs[i].params.max_new_tokens - len(out_ids[i]))
+                    for i in pending],
+                "return_logprob": True,
+                "rid": [rids[i] + suffix for i in pending],
+            }
+            if self._latest_adapter is not None:
+                payload["lora_path"] = self._latest_adapter[0]
+            attempt += 1
+            server.inflight += len(pending)
+            try:
+                resp = await self._call(server, "/generate", payload, None, vary_rid=True)
+            except _ServerDown as e:
+                self._mark_down(server, e.reason)
+                resp = None
+            finally:
+                server.inflight -= len(pending)
+            if resp is None:
+                failures += 1
+                if failures > self.max_retries:
+                    raise RolloutError(
+                        f"batch {rids[0]}.. failed {failures} times; last server "
+                        f"{server.url}: {server.last_error}")
+                server = None
+                continue
+            if resp.status_code >= 400:
+                raise RolloutRequestError(
+                    f"{server.url} rejected batch request {rids[pending[0]]}.. "
+                    f"(HTTP {resp.status_code}): {_error_message(resp)}")
+            failures = 0
+            where = f"{server.url} sent a batched /generate reply"
+            try:
+                items = resp.json()
+            except ValueError:
+                raise RolloutError(f"{where} that is not JSON: {resp.text[:200]!r}") from None
+            if not isinstance(items, list) or len(items) != len(pending):
+                raise RolloutError(f"{where} that is not a list of {len(pending)} replies "
+                                   f"(got {type(items).__name__})")
+            for i, item in zip(pending, items, strict=True):
+                tokens, logprobs, version, finish_reason = self._parse_item(item, server, where)
+                out_ids[i] += tokens
+                out_logprobs[i] += logprobs
+                out_versions[i] += [version] * len(tokens)
+                kind = _finish_type(finish_reason)
+                if kind == FINISH_ABORT:
+                    status = (finish_reason.get("status_code")
+                              if isinstance(finish_reason, dict) else None)
+                    if isinstance(status, int) and 400 <= status < 500:
+                        raise RolloutRequestError(f"{server.url} aborted request {rids[i]}: "
+                                                  f"{finish_reason.get('message')}")
+                    interruptions[i] += 1
+                    if interruptions[i] > self.max_interruptions:
+                        raise RolloutError(
+                            f"request {rids[i]} was interrupted {interruptions[i]} times")
+                elif kind in (FINISH_STOP, FINISH_LENGTH):
+                    finish[i] = kind
+                    server.completed += 1
+                else:
+                    raise RolloutError(f"{server.url} replied with unknown finish_reason "
+                                       f"{finish_reason!r}")
+        latency = time.monotonic() - t0
+        return [GenerateResponse(
+            input_ids=list(r.input_ids), output_ids=out_ids[i], output_logprobs=out_logprobs[i],
+            output_versions=out_versions[i], finish_reason=finish[i],
+            n_interruptions=interruptions[i], server=server.url if server is not None else None,
+            latency_s=latency, rid=rids[i]) for i, r in enumerate(reqs)]
+
     def _parse_reply(self, resp: _Reply, server: ServerState
                      ) -> tuple[list[int], list[float], int, Any]:
         """(tokens, logprobs, weight version, finish_reason) of a /generate reply."""
@@ -344,6 +442,11 @@ class RolloutClient:
             data = resp.json()
         except ValueError:
             raise RolloutError(f"{where} that is not JSON: {resp.text[:200]!r}") from None
+        return self._parse_item(data, server, where)
+
+    def _parse_item(self, data: Any, server: ServerState, where: str
+                    ) -> tuple[list[int], list[float], int, Any]:
+        """(tokens, logprobs, weight version, finish_reason) of one /generate reply object."""
         meta = data.get("meta_info") if isinstance(data, dict) else None
         if not isinstance(meta, dict):
             raise RolloutError(f"{where} without a meta_info object")
@@ -399,7 +502,9 @@ class RolloutClient:
         delay = self.retry_backoff_s
         for attempt in itertools.count():
             if vary_rid and attempt:
-                body = {**body, "rid": f"{body['rid']}~{attempt}"}
+                rid = body["rid"]
+                body = {**body, "rid": [f"{r}~{attempt}" for r in rid] if isinstance(rid, list)
+                        else f"{rid}~{attempt}"}
             try:
                 reply = await self._http.post(url, json=body, timeout=timeout)
             except TimeoutError:  # slow, not dead (aiohttp's timeouts subclass it)

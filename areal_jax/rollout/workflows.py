@@ -145,8 +145,9 @@ def trajectory_from_response(resp: GenerateResponse, reward: float, **fields: An
 class RLVRWorkflow:
     """Single-turn RL with a verifiable reward: n samples per prompt, one group.
 
-    The n samples go out as n concurrent requests (seeds ``ctx.seed + i``). Each
-    completion is decoded (special tokens skipped) and scored with
+    The n samples go out as one batched /generate request (SGLang's batch form; n
+    concurrent requests with a client that has no ``agenerate_batch``), seeds
+    ``ctx.seed + i``. Each completion is decoded (special tokens skipped) and scored with
     ``reward_fn(completion_text, item[answer_key], **reward_kwargs)`` in the reward pool.
     If any sample's reward fails or times out the whole group is rejected (counted as
     ``reward_failed_groups``): group advantages need a fixed group size. ``group_filter``
@@ -186,7 +187,10 @@ class RLVRWorkflow:
         requests = [sample_request(self.gconfig, prompt_ids, seed=ctx.seed + i,
                                    rid=f"{ctx.group_id}/{i}")
                     for i in range(self.n_samples)]
-        responses = await asyncio.gather(*(client.agenerate(r) for r in requests))
+        if hasattr(client, "agenerate_batch"):  # one HTTP round trip for the whole group
+            responses = await client.agenerate_batch(requests)
+        else:
+            responses = await asyncio.gather(*(client.agenerate(r) for r in requests))
         texts = [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in responses]
         rewards = await asyncio.gather(*(
             compute_reward(ctx, self.reward_fn, text, item[self.answer_key], **self.reward_kwargs)
