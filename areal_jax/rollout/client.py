@@ -196,6 +196,20 @@ def _finish_type(finish_reason: Any) -> str | None:
     return None
 
 
+def _checked_finish(finish_reason: Any, server: ServerState, rid: str) -> str:
+    """stop, length or abort (an interruption to resume); an abort for a bad request (4xx
+    status) or an unknown reason raises."""
+    kind = _finish_type(finish_reason)
+    if kind == FINISH_ABORT:
+        status = finish_reason.get("status_code") if isinstance(finish_reason, dict) else None
+        if isinstance(status, int) and 400 <= status < 500:
+            raise RolloutRequestError(
+                f"{server.url} aborted request {rid}: {finish_reason.get('message')}")
+    elif kind not in (FINISH_STOP, FINISH_LENGTH):
+        raise RolloutError(f"{server.url} replied with unknown finish_reason {finish_reason!r}")
+    return kind
+
+
 class RolloutClient:
     """Async client over several SGLang-protocol servers. Use from one event loop."""
 
@@ -280,17 +294,8 @@ class RolloutClient:
                 "return_logprob": True,
                 "rid": base_rid if attempt == 0 else f"{base_rid}#{attempt}",
             }
-            if self._latest_adapter is not None:  # the adapter current at each (re)submission
-                payload["lora_path"] = self._latest_adapter[0]
             attempt += 1
-            server.inflight += 1
-            try:
-                resp = await self._call(server, "/generate", payload, None, vary_rid=True)
-            except _ServerDown as e:
-                self._mark_down(server, e.reason)
-                resp = None
-            finally:
-                server.inflight -= 1
+            resp = await self._send_generate(server, payload, 1)
             if resp is None:
                 failures += 1
                 if failures > self.max_retries:
@@ -308,23 +313,16 @@ class RolloutClient:
             out_ids += tokens
             out_logprobs += logprobs
             out_versions += [version] * len(tokens)
-            kind = _finish_type(finish_reason)
+            kind = _checked_finish(finish_reason, server, base_rid)
             if kind == FINISH_ABORT:
-                status = (finish_reason.get("status_code")
-                          if isinstance(finish_reason, dict) else None)
-                if isinstance(status, int) and 400 <= status < 500:
-                    raise RolloutRequestError(
-                        f"{server.url} aborted request {base_rid}: {finish_reason.get('message')}")
                 n_interruptions += 1
                 if n_interruptions > self.max_interruptions:
                     raise RolloutError(
                         f"request {base_rid} was interrupted {n_interruptions} times")
                 continue  # resubmit to the same server (its cache holds the prefix)
-            if kind in (FINISH_STOP, FINISH_LENGTH):
-                finish = kind
-                server.completed += 1
-                break
-            raise RolloutError(f"{server.url} replied with unknown finish_reason {finish_reason!r}")
+            finish = kind
+            server.completed += 1
+            break
         return GenerateResponse(
             input_ids=list(req.input_ids),
             output_ids=out_ids,
@@ -373,17 +371,8 @@ class RolloutClient:
                 "return_logprob": True,
                 "rid": [rids[i] + suffix for i in pending],
             }
-            if self._latest_adapter is not None:
-                payload["lora_path"] = self._latest_adapter[0]
             attempt += 1
-            server.inflight += len(pending)
-            try:
-                resp = await self._call(server, "/generate", payload, None, vary_rid=True)
-            except _ServerDown as e:
-                self._mark_down(server, e.reason)
-                resp = None
-            finally:
-                server.inflight -= len(pending)
+            resp = await self._send_generate(server, payload, len(pending))
             if resp is None:
                 failures += 1
                 if failures > self.max_retries:
@@ -410,29 +399,36 @@ class RolloutClient:
                 out_ids[i] += tokens
                 out_logprobs[i] += logprobs
                 out_versions[i] += [version] * len(tokens)
-                kind = _finish_type(finish_reason)
+                kind = _checked_finish(finish_reason, server, rids[i])
                 if kind == FINISH_ABORT:
-                    status = (finish_reason.get("status_code")
-                              if isinstance(finish_reason, dict) else None)
-                    if isinstance(status, int) and 400 <= status < 500:
-                        raise RolloutRequestError(f"{server.url} aborted request {rids[i]}: "
-                                                  f"{finish_reason.get('message')}")
                     interruptions[i] += 1
                     if interruptions[i] > self.max_interruptions:
                         raise RolloutError(
                             f"request {rids[i]} was interrupted {interruptions[i]} times")
-                elif kind in (FINISH_STOP, FINISH_LENGTH):
+                else:
                     finish[i] = kind
                     server.completed += 1
-                else:
-                    raise RolloutError(f"{server.url} replied with unknown finish_reason "
-                                       f"{finish_reason!r}")
         latency = time.monotonic() - t0
         return [GenerateResponse(
             input_ids=list(r.input_ids), output_ids=out_ids[i], output_logprobs=out_logprobs[i],
             output_versions=out_versions[i], finish_reason=finish[i],
             n_interruptions=interruptions[i], server=server.url if server is not None else None,
             latency_s=latency, rid=rids[i]) for i, r in enumerate(reqs)]
+
+    async def _send_generate(self, server: ServerState, payload: dict[str, Any], n: int
+                             ) -> _Reply | None:
+        """POSTs a /generate (``n`` samples) to ``server`` with the current LoRA adapter;
+        None when the server is down (it is marked so)."""
+        if self._latest_adapter is not None:  # the adapter current at each (re)submission
+            payload["lora_path"] = self._latest_adapter[0]
+        server.inflight += n
+        try:
+            return await self._call(server, "/generate", payload, None, vary_rid=True)
+        except _ServerDown as e:
+            self._mark_down(server, e.reason)
+            return None
+        finally:
+            server.inflight -= n
 
     def _parse_reply(self, resp: _Reply, server: ServerState
                      ) -> tuple[list[int], list[float], int, Any]:
