@@ -20,6 +20,8 @@ from areal_jax.rewards.pool import RewardPool, resolve_reward_fn
 from areal_jax.rollout.workflows import prompt_token_ids, sample_request
 from areal_jax.sampling_params import SamplingParams
 
+EVAL_BATCH = 16  # samples per batched /generate
+
 
 async def evaluate_prompts(client: Any, items: Sequence[dict[str, Any]], *, tokenizer: Any,
                            reward_fn: Any, reward_pool: RewardPool, sampling: SamplingParams,
@@ -36,24 +38,35 @@ async def evaluate_prompts(client: Any, items: Sequence[dict[str, Any]], *, toke
 
         sampling = replace(sampling, stop_token_ids=tuple(tokenizer.stop_token_ids))
     resolve_reward_fn(reward_fn)  # a bad spec fails here, not once per sample
-    sem = asyncio.Semaphore(max_concurrency)
     failures = 0
+    requests = [sample_request(sampling, prompt_token_ids(item, tokenizer),
+                               seed=seed + 1000 * i + k, rid=f"eval-{seed}-{i}-{k}")
+                for i, item in enumerate(items) for k in range(n_samples)]
+    answers = [item[answer_key] for item in items for _ in range(n_samples)]
+    # Batched /generate calls of EVAL_BATCH samples (one request each with a client that
+    # has no agenerate_batch); at most max_concurrency samples in flight.
+    sem = asyncio.Semaphore(max(1, max_concurrency // EVAL_BATCH))
 
-    async def one(i: int, item: dict[str, Any], k: int) -> tuple[float, int]:
+    async def run(start: int) -> list[tuple[float, int]]:
         nonlocal failures
+        part = requests[start:start + EVAL_BATCH]
         async with sem:
-            req = sample_request(sampling, prompt_token_ids(item, tokenizer),
-                                 seed=seed + 1000 * i + k, rid=f"eval-{seed}-{i}-{k}")
-            resp = await client.agenerate(req)
-        text = tokenizer.decode(resp.output_ids, skip_special_tokens=True)
-        r = await reward_pool.score(reward_fn, text, item[answer_key])
-        if r is None:
-            failures += 1
-            r = 0.0
-        return float(r), len(resp.output_ids)
+            if hasattr(client, "agenerate_batch"):
+                responses = await client.agenerate_batch(part)
+            else:
+                responses = await asyncio.gather(*(client.agenerate(r) for r in part))
+        texts = [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in responses]
+        scores = await asyncio.gather(*(reward_pool.score(reward_fn, text, answer)
+                                        for text, answer in zip(
+                                            texts, answers[start:start + EVAL_BATCH],
+                                            strict=True)))
+        failures += sum(r is None for r in scores)
+        return [(0.0 if r is None else float(r), len(resp.output_ids))
+                for r, resp in zip(scores, responses, strict=True)]
 
-    results = await asyncio.gather(*(one(i, it, k) for i, it in enumerate(items)
-                                     for k in range(n_samples)))
+    chunks = await asyncio.gather(*(run(start)
+                                    for start in range(0, len(requests), EVAL_BATCH)))
+    results = [r for chunk in chunks for r in chunk]
     rewards = np.array([r for r, _ in results], np.float64)
     lengths = np.array([n for _, n in results], np.float64)
     per_prompt = rewards.reshape(len(items), n_samples)
