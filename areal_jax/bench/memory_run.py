@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -151,12 +150,6 @@ class RunResult:
     logs: list[str] = field(default_factory=list)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _engine_server_pid(trainer_pid: int) -> int | None:
     import psutil
 
@@ -183,7 +176,9 @@ def train_run(name: str, n_procs: int, mesh: str, config: str, overrides: list[s
     127.0.0.1 when there are several), their peak RSS and their engine server's, read
     until they exit. Raises RuntimeError, with a log's tail, when one fails."""
     train_py = repo_file("scripts/train.py")
-    port = _free_port()
+    from areal_jax.engine.launch import free_port
+
+    port = free_port()
     logs.mkdir(parents=True, exist_ok=True)
     procs, log_paths = [], []
     for pid in range(n_procs):
