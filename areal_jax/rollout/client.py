@@ -272,68 +272,7 @@ class RolloutClient:
     # ================================================================== generation
     async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
         """Generates one sample, resuming across interruptions and failing over servers."""
-        t0 = time.monotonic()
-        base_rid = req.rid or uuid.uuid4().hex
-        out_ids: list[int] = []
-        out_logprobs: list[float] = []
-        out_versions: list[int] = []
-        n_interruptions = 0
-        failures = 0
-        attempt = 0
-        server: ServerState | None = None
-        while True:
-            remaining = req.params.max_new_tokens - len(out_ids)
-            if remaining <= 0:
-                finish = FINISH_LENGTH
-                break
-            if server is None or not server.up:
-                server = await self._choose_server()
-            payload = {
-                "input_ids": list(req.input_ids) + out_ids,
-                "sampling_params": req.sampling_params(max_new_tokens=remaining),
-                "return_logprob": True,
-                "rid": base_rid if attempt == 0 else f"{base_rid}#{attempt}",
-            }
-            attempt += 1
-            resp = await self._send_generate(server, payload, 1)
-            if resp is None:
-                failures += 1
-                if failures > self.max_retries:
-                    raise RolloutError(
-                        f"request {base_rid} failed {failures} times; last server "
-                        f"{server.url}: {server.last_error}")
-                server = None
-                continue
-            if resp.status_code >= 400:
-                raise RolloutRequestError(
-                    f"{server.url} rejected request {base_rid} (HTTP {resp.status_code}): "
-                    f"{_error_message(resp)}")
-            failures = 0
-            tokens, logprobs, version, finish_reason = self._parse_reply(resp, server)
-            out_ids += tokens
-            out_logprobs += logprobs
-            out_versions += [version] * len(tokens)
-            kind = _checked_finish(finish_reason, server, base_rid)
-            if kind == FINISH_ABORT:
-                n_interruptions += 1
-                if n_interruptions > self.max_interruptions:
-                    raise RolloutError(
-                        f"request {base_rid} was interrupted {n_interruptions} times")
-                continue  # resubmit to the same server (its cache holds the prefix)
-            finish = kind
-            server.completed += 1
-            break
-        return GenerateResponse(
-            input_ids=list(req.input_ids),
-            output_ids=out_ids,
-            output_logprobs=out_logprobs,
-            output_versions=out_versions,
-            finish_reason=finish,
-            n_interruptions=n_interruptions,
-            server=server.url if server is not None else None,
-            latency_s=time.monotonic() - t0,
-            rid=base_rid,
-        )
+        return (await self._generate([req], batch_form=False))[0]
 
     async def agenerate_batch(self, reqs: Sequence[GenerateRequest]) -> list[GenerateResponse]:
         """Generates one sample per request, all in one /generate call (SGLang's batch form:
@@ -341,11 +280,18 @@ class RolloutClient:
         round trip for a group instead of one per sample. Interruptions and server failures
         are handled as in :meth:`agenerate`: the unfinished samples are resubmitted together,
         each with its partial output appended; the finished ones keep their result."""
-        if len(reqs) == 1:
-            return [await self.agenerate(reqs[0])]
+        return await self._generate(list(reqs), batch_form=len(reqs) > 1)
+
+    async def _generate(self, reqs: list[GenerateRequest], *, batch_form: bool
+                        ) -> list[GenerateResponse]:
+        """The loop behind both: send what is unfinished to one server (a single body, or
+        the batch form), append each reply's tokens, resubmit the aborted samples to the
+        same server (its cache holds the prefix), and go to another server when it is
+        down."""
         t0 = time.monotonic()
         n = len(reqs)
         rids = [r.rid or uuid.uuid4().hex for r in reqs]
+        what = f"batch {rids[0]}.." if batch_form else f"request {rids[0]}"
         out_ids: list[list[int]] = [[] for _ in range(n)]
         out_logprobs: list[list[float]] = [[] for _ in range(n)]
         out_versions: list[list[int]] = [[] for _ in range(n)]
@@ -363,34 +309,37 @@ class RolloutClient:
             if server is None or not server.up:
                 server = await self._choose_server()
             suffix = "" if attempt == 0 else f"#{attempt}"
-            payload: dict[str, Any] = {
-                "input_ids": [list(reqs[i].input_ids) + out_ids[i] for i in pending],
-                "sampling_params": [reqs[i].sampling_params(
-                    max_new_tokens=reqs[i].params.max_new_tokens - len(out_ids[i]))
-                    for i in pending],
-                "return_logprob": True,
-                "rid": [rids[i] + suffix for i in pending],
-            }
+            bodies = [{
+                "input_ids": list(reqs[i].input_ids) + out_ids[i],
+                "sampling_params": reqs[i].sampling_params(
+                    max_new_tokens=reqs[i].params.max_new_tokens - len(out_ids[i])),
+                "rid": rids[i] + suffix,
+            } for i in pending]
+            payload: dict[str, Any] = (
+                {key: [b[key] for b in bodies] for key in bodies[0]} if batch_form
+                else dict(bodies[0]))
+            payload["return_logprob"] = True
             attempt += 1
             resp = await self._send_generate(server, payload, len(pending))
             if resp is None:
                 failures += 1
                 if failures > self.max_retries:
                     raise RolloutError(
-                        f"batch {rids[0]}.. failed {failures} times; last server "
+                        f"{what} failed {failures} times; last server "
                         f"{server.url}: {server.last_error}")
                 server = None
                 continue
             if resp.status_code >= 400:
                 raise RolloutRequestError(
-                    f"{server.url} rejected batch request {rids[pending[0]]}.. "
-                    f"(HTTP {resp.status_code}): {_error_message(resp)}")
+                    f"{server.url} rejected {what} (HTTP {resp.status_code}): "
+                    f"{_error_message(resp)}")
             failures = 0
-            where = f"{server.url} sent a batched /generate reply"
+            where = f"{server.url} sent a {'batched ' if batch_form else ''}/generate reply"
             try:
-                items = resp.json()
+                data = resp.json()
             except ValueError:
                 raise RolloutError(f"{where} that is not JSON: {resp.text[:200]!r}") from None
+            items = data if batch_form else [data]
             if not isinstance(items, list) or len(items) != len(pending):
                 raise RolloutError(f"{where} that is not a list of {len(pending)} replies "
                                    f"(got {type(items).__name__})")
@@ -429,16 +378,6 @@ class RolloutClient:
             return None
         finally:
             server.inflight -= n
-
-    def _parse_reply(self, resp: _Reply, server: ServerState
-                     ) -> tuple[list[int], list[float], int, Any]:
-        """(tokens, logprobs, weight version, finish_reason) of a /generate reply."""
-        where = f"{server.url} sent a /generate reply"
-        try:
-            data = resp.json()
-        except ValueError:
-            raise RolloutError(f"{where} that is not JSON: {resp.text[:200]!r}") from None
-        return self._parse_item(data, server, where)
 
     def _parse_item(self, data: Any, server: ServerState, where: str
                     ) -> tuple[list[int], list[float], int, Any]:
