@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from areal_jax.rewards.pool import RewardPool, resolve_reward_fn
-from areal_jax.rollout.workflows import prompt_token_ids, sample_request
+from areal_jax.rollout.workflows import generate_all, prompt_token_ids, sample_request
 from areal_jax.sampling_params import SamplingParams
 
 EVAL_BATCH = 16  # samples per batched /generate
@@ -51,10 +51,7 @@ async def evaluate_prompts(client: Any, items: Sequence[dict[str, Any]], *, toke
         nonlocal failures
         part = requests[start:start + EVAL_BATCH]
         async with sem:
-            if hasattr(client, "agenerate_batch"):
-                responses = await client.agenerate_batch(part)
-            else:
-                responses = await asyncio.gather(*(client.agenerate(r) for r in part))
+            responses = await generate_all(client, part)
         texts = [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in responses]
         scores = await asyncio.gather(*(reward_pool.score(reward_fn, text, answer)
                                         for text, answer in zip(

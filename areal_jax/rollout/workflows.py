@@ -142,6 +142,16 @@ def trajectory_from_response(resp: GenerateResponse, reward: float, **fields: An
     )
 
 
+async def generate_all(client: Any, requests: Sequence[GenerateRequest]
+                       ) -> list[GenerateResponse]:
+    """One response per request: one batched /generate (``client.agenerate_batch``, one
+    HTTP round trip), or concurrent ``agenerate`` calls with a client that has no batch
+    method."""
+    if hasattr(client, "agenerate_batch"):
+        return await client.agenerate_batch(requests)
+    return list(await asyncio.gather(*(client.agenerate(r) for r in requests)))
+
+
 class RLVRWorkflow:
     """Single-turn RL with a verifiable reward: n samples per prompt, one group.
 
@@ -187,10 +197,7 @@ class RLVRWorkflow:
         requests = [sample_request(self.gconfig, prompt_ids, seed=ctx.seed + i,
                                    rid=f"{ctx.group_id}/{i}")
                     for i in range(self.n_samples)]
-        if hasattr(client, "agenerate_batch"):  # one HTTP round trip for the whole group
-            responses = await client.agenerate_batch(requests)
-        else:
-            responses = await asyncio.gather(*(client.agenerate(r) for r in requests))
+        responses = await generate_all(client, requests)
         texts = [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in responses]
         rewards = await asyncio.gather(*(
             compute_reward(ctx, self.reward_fn, text, item[self.answer_key], **self.reward_kwargs)
