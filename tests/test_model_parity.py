@@ -262,3 +262,78 @@ def test_query_chunked_attention_matches_transformers(tmp_path, monkeypatch):
     packed = forward(model, jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(segment_ids))
     assert _max_diff(packed[:, :17], hf_logits(path, ids[:, :17])) <= logit_tolerance(path, ids)
     assert _max_diff(packed[:, 17:], hf_logits(path, ids[:, 17:])) <= logit_tolerance(path, ids)
+
+
+def _packed_loss_setup(lora: bool, remat):
+    """A small model (LoRA on every projection or not), a packed batch of 3 segments in
+    one row, and a loss of its hidden states; params split as the learner splits them."""
+    from model_defs import LoraConfig, add_lora
+
+    cfg = ModelConfig.preset("tiny", vocab_size=64, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=3, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16)
+    model = CausalLM(cfg, rngs=nnx.Rngs(0), remat=remat)
+    if lora:
+        add_lora(model, LoraConfig(rank=2, alpha=4.0), rngs=nnx.Rngs(1))
+        # lora_b starts at zero: give the adapters values so every gradient is non-zero
+        state = nnx.state(model, nnx.LoRAParam)
+        nnx.update(model, jax.tree.map(lambda x: x + 0.05, state))
+    graphdef, params, rest = nnx.split(model, nnx.LoRAParam if lora else nnx.Param, ...)
+    ids = jnp.asarray(_ids(1, 24, cfg.vocab_size))
+    seg = jnp.asarray([[1] * 8 + [2] * 10 + [3] * 6], jnp.int32)
+    pos = jnp.asarray([list(range(8)) + list(range(10)) + list(range(6))], jnp.int32)
+    w = jax.random.normal(jax.random.key(2), (1, 24, cfg.hidden_size))
+
+    def loss(p, layer_grad_acc=None, poison=1.0):
+        m = nnx.merge(graphdef, p, rest)
+        h = m.hidden_states(ids, positions=pos, segment_ids=seg, layer_grad_acc=layer_grad_acc)
+        return jnp.sum(h * w * poison)
+
+    return cfg, params, loss
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+def test_layer_grad_acc_adds_each_layers_gradient_to_its_buffer(remat, lora):
+    """``hidden_states(layer_grad_acc=...)``: the gradient of every decoder-layer variable
+    that has a buffer comes out as buffer + gradient (inside each layer's backward step
+    with remat: full), the others as their gradient; packed segments, LoRA adapters only
+    (the frozen base gets no gradient at all) and full fine-tuning alike."""
+    cfg, params, loss = _packed_loss_setup(lora, remat)
+    acc = jax.tree.map(lambda x: jax.random.normal(jax.random.key(3), x.shape, x.dtype), params)
+    layer_acc = [acc["layers"][i] for i in range(cfg.num_hidden_layers)]
+    g_plain = jax.jit(jax.grad(loss))(params)
+    g_acc = jax.jit(jax.grad(lambda p, a: loss(p, a)))(params, layer_acc)
+    n_layer_leaves = 0
+    for (path, plain), with_acc, buf in zip(jax.tree_util.tree_flatten_with_path(g_plain)[0],
+                                            jax.tree.leaves(g_acc), jax.tree.leaves(acc),
+                                            strict=True):
+        plain, with_acc, buf = map(np.asarray, (plain, with_acc, buf))
+        assert np.any(plain != 0), jax.tree_util.keystr(path)
+        in_layer = path[0].key == "layers"
+        n_layer_leaves += in_layer
+        want = plain + buf if in_layer else plain
+        # one extra rounding of the sum, plus the recomputation's rounding in the gradient
+        tol = 4 * np.finfo(np.float32).eps * (np.abs(plain) + np.abs(buf)).max() + \
+            network_tolerance(np.abs(plain).max(), 2 * cfg.num_hidden_layers * 400)
+        np.testing.assert_allclose(with_acc, want, rtol=0, atol=tol,
+                                   err_msg=jax.tree_util.keystr(path))
+    assert n_layer_leaves == (cfg.num_hidden_layers * 14 if lora else
+                              cfg.num_hidden_layers * 12)
+
+
+def test_remat_full_backward_keeps_a_nan_gradient():
+    """The rematerialised layer's backward step runs behind a conditional whose predicate
+    is true for every float: a NaN cotangent gives NaN gradients (so the learner's
+    non-finite check skips the step), never the unused branch's zeros."""
+    cfg, params, loss = _packed_loss_setup(False, "full")
+    g = jax.jit(jax.grad(lambda p: loss(p, poison=jnp.nan)))(params)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(g)[0]:
+        if path[0].key == "layers":
+            assert np.isnan(np.asarray(leaf)).any(), jax.tree_util.keystr(path)
+
+
+def test_layer_grad_acc_rejects_a_wrong_layer_count():
+    cfg, params, loss = _packed_loss_setup(False, "full")
+    with pytest.raises(ValueError, match="layer_grad_acc has 1 entries for 3 layers"):
+        loss(params, [params["layers"][0]])

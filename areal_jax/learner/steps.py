@@ -42,14 +42,20 @@ def cast_params(params: Any, compute_dtype: Any) -> Any:
 def make_logp_fn(graphdef: nnx.GraphDef, compute_dtype: Any, temperature: float,
                  chunk_size: int) -> Callable:
     """(params, rest, batch) -> (logp_bt, entropy_bt), no gradient. ``rest`` holds the
-    frozen weights (LoRA's base), cast to the compute dtype like ``params``."""
+    frozen weights (LoRA's base), cast to the compute dtype.
 
-    def logp_fn(params, rest, batch):
-        model = nnx.merge(graphdef, cast_params(params, compute_dtype),
-                          cast_params(rest, compute_dtype))
+    ``params`` (fp32 master weights) are merged as they are: the graph's modules carry the
+    compute dtype and cast each weight where it is used (inside a rematerialised layer,
+    the output matrix one vocabulary chunk at a time). A bf16 copy of the whole model made
+    up front instead stays alive from the forward to the backward pass: 2 bytes/param more
+    in the gradient program (a Qwen2.5-0.5B shape at 1 x 4096 tokens: ~1 GB), and the tied
+    embedding's gradient was rounded to bf16 on the way back."""
+
+    def logp_fn(params, rest, batch, layer_grad_acc=None):
+        model = nnx.merge(graphdef, params, cast_params(rest, compute_dtype))
         return packed_token_logprobs(model, batch["input_ids"], batch["positions"],
                                      batch["segment_ids"], temperature=temperature,
-                                     chunk_size=chunk_size)
+                                     chunk_size=chunk_size, layer_grad_acc=layer_grad_acc)
 
     return logp_fn
 
@@ -64,6 +70,33 @@ def make_denominator_fn(agg_mode: str) -> Callable:
         return denom, jnp.sum(mask_bt != 0).astype(jnp.float32)
 
     return denominator_fn
+
+
+def _layer_accumulators(grads: Any) -> list[Any] | None:
+    """The decoder layers' parts of the gradient accumulator (``grads["layers"][i]``), or
+    None when it has none."""
+    try:
+        layers = grads["layers"]
+    except (KeyError, TypeError):
+        return None
+    return [layers[i] for i in range(len(layers))]
+
+
+def _is_layer_path(path: tuple) -> bool:
+    return bool(path) and getattr(path[0], "key", None) == "layers"
+
+
+def accumulate(grads: Any, g: Any, layers_done: bool) -> Any:
+    """``grads + g``; with ``layers_done`` the decoder layers' entries of ``g`` already
+    include ``grads`` (they were added inside each layer's backward step) and are taken
+    as they are."""
+    if not layers_done:
+        return jax.tree.map(jnp.add, grads, g)
+    acc_leaves, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    g_leaves = jax.tree.leaves(g)
+    return jax.tree.unflatten(treedef, [
+        gl if _is_layer_path(path) else a + gl
+        for (path, a), gl in zip(acc_leaves, g_leaves, strict=True)])
 
 
 def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, algo: AlgoConfig, *,
@@ -81,8 +114,8 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, algo: AlgoConfig, *
     """
     logp_fn = make_logp_fn(graphdef, compute_dtype, temperature, logp_chunk_size)
 
-    def loss_fn(params, rest, batch, denom, n_loss_tokens, version):
-        logp_bt, entropy_bt = logp_fn(params, rest, batch)
+    def loss_fn(params, rest, batch, denom, n_loss_tokens, version, layer_grad_acc):
+        logp_bt, entropy_bt = logp_fn(params, rest, batch, layer_grad_acc)
         mask_bt = batch["loss_mask"]
         prox_bt = None  # naive PPO: prox = behav
         if algo.decoupled:
@@ -114,10 +147,15 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, algo: AlgoConfig, *
         return loss, (terms, logp_bt, entropy_bt, kl_ref)
 
     def grad_fn(params, rest, grads, sums, batch, denom, n_loss_tokens, version):
+        # The accumulator's layer entries go into the model: each layer's backward step
+        # adds its gradient to them (with remat: full, inside that step, so no layer's
+        # fresh gradient waits for the end of the backward pass; see
+        # model_defs.model._run_layer_remat_full). The rest is added here.
+        layer_acc = _layer_accumulators(grads)
         (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, rest, batch, denom, n_loss_tokens, version)
+            params, rest, batch, denom, n_loss_tokens, version, layer_acc)
         terms, logp_bt, entropy_bt, kl_ref = aux
-        grads = jax.tree.map(jnp.add, grads, g)
+        grads = accumulate(grads, g, layers_done=layer_acc is not None)
 
         mask_bt = batch["loss_mask"] != 0
         diff_bt = jnp.where(mask_bt, logp_bt - batch["behav_logp"], 0.0)

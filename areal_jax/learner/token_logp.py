@@ -12,6 +12,8 @@ then divided by the temperature in fp32.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -32,14 +34,16 @@ def shift_right(x_bt: jax.Array) -> jax.Array:
 
 def packed_token_logprobs(model, input_ids_bt: jax.Array, positions_bt: jax.Array,
                           segment_ids_bt: jax.Array, *, temperature: float, chunk_size: int,
-                          ) -> tuple[jax.Array, jax.Array]:
+                          layer_grad_acc: Any = None) -> tuple[jax.Array, jax.Array]:
     """(logp_bt, entropy_bt), fp32 [B, T], for a ``model_defs.CausalLM``-like model.
 
     ``entropy_bt[r, t]`` is the entropy of the (tempered) distribution that token t was
-    drawn from. Both are 0 where :func:`predicted_mask` is False.
+    drawn from. Both are 0 where :func:`predicted_mask` is False. ``layer_grad_acc``: see
+    ``CausalLM.hidden_states`` (only passed on when given).
     """
+    extra = {} if layer_grad_acc is None else {"layer_grad_acc": layer_grad_acc}
     hidden_btd = model.hidden_states(input_ids_bt, positions=positions_bt,
-                                     segment_ids=segment_ids_bt)
+                                     segment_ids=segment_ids_bt, **extra)
     # FSDP semantics for the output layer: rows stay on their batch shard and the [D, V]
     # matrix is gathered over fsdp (vocab stays split over tensor). Without these, XLA may
     # shard the hidden dim like the weight and reshuffle activations in the backward pass.
