@@ -274,9 +274,18 @@ class CheckpointConfig:
     # Serving weights v{N}, read by the rollout servers: on several hosts a directory they
     # can all read (a shared filesystem or gs://). Default RUN_DIR/weights.
     publish_dir: str | None = None
+    # How a version's serving weights are written. "background": a host copy (serving
+    # dtype: 4 B/param fp32, 2 bf16; process 0 holds the whole model) is taken and written
+    # while the learner trains on. "inline": written straight from the learner's arrays,
+    # one tensor at a time, before the next step (the learner waits for the write; no
+    # host copy). The servers' update runs in the background either way.
+    publish_mode: Literal["background", "inline"] = "background"
 
     def __post_init__(self) -> None:
         check_positive("checkpoint", keep=self.keep, keep_weights=self.keep_weights)
+        if self.publish_mode not in ("background", "inline"):
+            raise ValueError(f"checkpoint.publish_mode must be 'background' or 'inline', "
+                             f"got {self.publish_mode!r}")
         if self.every_versions < 0:
             raise ValueError(f"checkpoint.every_versions must be >= 0, got {self.every_versions}")
 

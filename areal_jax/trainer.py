@@ -13,7 +13,8 @@
 4. Training: the learner (``learner/``): prox_logp recompute + ``ppo_n_minibatches``
    decoupled-PPO steps.
 5. Publishing: a host copy of the weights; ``WeightSync`` (``rollout/weight_sync.py``)
-   writes ``weights/v{N}`` and updates the servers while the learner goes on.
+   writes ``weights/v{N}`` and updates the servers while the learner goes on
+   (``checkpoint.publish_mode: inline``: written from the learner's arrays first, no copy).
 6. Checkpointing: every K versions, Orbax (``checkpoint/``): params, optimizer,
    step/version, the executor's accounting and prompt iterator, asynchronously.
 
@@ -249,10 +250,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ step 5
     def publish(self, version: int) -> None:
-        """A host copy of the params (with several processes, a gather every process joins);
-        process 0 hands it to :class:`WeightSync`, which writes it and updates the servers
-        while the learner trains on its next batch."""
+        """``checkpoint.publish_mode: background``: a host copy of the params (with several
+        processes, a gather every process joins); process 0 hands it to
+        :class:`WeightSync`, which writes it and updates the servers while the learner
+        trains on its next batch. ``inline``: process 0 writes the learner's own arrays
+        now, one tensor at a time (the others join each tensor's gather), and only the
+        servers' update runs in the background."""
         self.wait_published()
+        if self.cfg.checkpoint.publish_mode == "inline":
+            weights = serving_copy(self.cfg, self.learner.model, inline=True)
+            if not self.is_main:
+                from areal_jax.checkpoint.publish import join_inline_publish
+
+                join_inline_publish(weights, self.learner.model_cfg, self.cfg.model.dtype)
+                return
+            from areal_jax.rollout.weight_sync import WeightSyncError
+
+            try:
+                self.rollout.weights.publish_inline(weights, version)
+            except WeightSyncError as e:
+                raise RunStopped(str(e)) from e
+            return
         params = serving_copy(self.cfg, self.learner.model)
         if self.is_main:
             self.rollout.weights.publish(params, version)
@@ -369,15 +387,17 @@ class Trainer:
         return row
 
 
-def serving_copy(cfg: TrainConfig, model: Any) -> Any:
-    """A host copy of what a version publishes (``checkpoint.publish.ServingWeights``): the
-    params, LoRA adapters merged, and with ``model.lora.publish_adapter`` the adapter alone.
-    A collective with several processes."""
-    from areal_jax.checkpoint.publish import serving_weights
+def serving_copy(cfg: TrainConfig, model: Any, inline: bool = False) -> Any:
+    """What a version publishes (``checkpoint.publish.ServingWeights``): the params, LoRA
+    adapters merged, and with ``model.lora.publish_adapter`` the adapter alone. A host
+    copy, or with ``inline`` the merged model on its devices (``serving_model``). A
+    collective with several processes."""
+    from areal_jax.checkpoint.publish import serving_model, serving_weights
 
     lora = cfg.model.lora
-    return serving_weights(model, with_adapter=lora is not None and lora.publish_adapter,
-                           base_model_name_or_path=cfg.model.path, dtype=cfg.model.dtype)
+    make = serving_model if inline else serving_weights
+    return make(model, with_adapter=lora is not None and lora.publish_adapter,
+                base_model_name_or_path=cfg.model.path, dtype=cfg.model.dtype)
 
 
 # ----------------------------------------------------------------------------- advantages

@@ -250,6 +250,37 @@ def _write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], np.
             del array
 
 
+def _hf_entries(model: CausalLM, cfg: ModelConfig, dtype: str | None
+                ) -> list[tuple[str, tuple[int, ...], np.dtype, Any]]:
+    """Every tensor :func:`save_hf` writes, in order, as (HF key, HF shape, dtype, a
+    function that returns the HF tensor on the host); the function all-gathers a tensor
+    spread over several processes (a collective: every process calls it in turn)."""
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    out_dtype = parse_dtype(dtype) if dtype is not None else None
+    entries: list[tuple[str, tuple[int, ...], np.dtype, Any]] = []
+    for hf_key, nnx_path, transform in param_table(cfg):
+        if nnx_path not in flat:
+            continue
+        value = flat[nnx_path].get_value()
+        want = np.dtype(out_dtype if out_dtype is not None else value.dtype)
+
+        def produce(value=value, transform=transform, want=want, gather_only=False) -> Any:
+            if isinstance(value, jax.Array):
+                if gather_only and value.is_fully_addressable:
+                    return None  # no collective: the writer reads its own copy
+                if value.dtype != want:
+                    value = value.astype(want)  # on device, one tensor
+                if not value.is_fully_addressable:
+                    value = multihost_utils.process_allgather(value, tiled=True)
+            if gather_only:
+                return None
+            host = np.asarray(jax.device_get(value)).astype(want, copy=False)
+            return ours_to_hf(host, transform)
+
+        entries.append((hf_key, hf_shape(tuple(value.shape), transform), want, produce))
+    return entries
+
+
 def save_hf(
     model: CausalLM,
     cfg: ModelConfig,
@@ -266,26 +297,7 @@ def save_hf(
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    out_dtype = parse_dtype(dtype) if dtype is not None else None
-    # (HF key, HF shape, dtype, a function that returns the HF tensor on the host)
-    entries: list[tuple[str, tuple[int, ...], np.dtype, Any]] = []
-    for hf_key, nnx_path, transform in param_table(cfg):
-        if nnx_path not in flat:
-            continue
-        value = flat[nnx_path].get_value()
-        want = np.dtype(out_dtype if out_dtype is not None else value.dtype)
-
-        def produce(value=value, transform=transform, want=want) -> np.ndarray:
-            if isinstance(value, jax.Array):
-                if value.dtype != want:
-                    value = value.astype(want)  # on device, one tensor
-                if not value.is_fully_addressable:
-                    value = multihost_utils.process_allgather(value, tiled=True)
-            host = np.asarray(jax.device_get(value)).astype(want, copy=False)
-            return ours_to_hf(host, transform)
-
-        entries.append((hf_key, hf_shape(tuple(value.shape), transform), want, produce))
+    entries = _hf_entries(model, cfg, dtype)
     torch_dtype = entries[0][2].name
 
     shards: list[list[tuple[str, tuple[int, ...], np.dtype, Any]]] = [[]]
@@ -314,3 +326,11 @@ def save_hf(
         (path / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
     (path / "config.json").write_text(json.dumps(cfg.to_hf_dict(torch_dtype), indent=2))
     return path
+
+
+def join_save_gathers(model: CausalLM, cfg: ModelConfig, dtype: str | None = None) -> None:
+    """What :func:`save_hf` on process 0 needs from the other JAX processes: their part of
+    each tensor's all-gather, in the same order, writing nothing. Call it on every
+    process but the writer, with the same model and dtype, while that one saves."""
+    for _, _, _, produce in _hf_entries(model, cfg, dtype):
+        produce(gather_only=True)

@@ -85,8 +85,10 @@ def hf_tensors(path: Path) -> dict[str, np.ndarray]:
 
 # One device per process (fsdp spans the two processes); two devices per process (fsdp across
 # the processes, tensor parallel inside each).
-@pytest.mark.parametrize("devices, mesh", [(1, "fsdp=2"), (2, "fsdp=2,tensor=2")])
-def test_two_processes_train_and_match_one_process(tmp_path, devices, mesh):
+@pytest.mark.parametrize("devices, mesh, publish", [
+    (1, "fsdp=2", "background"), (2, "fsdp=2,tensor=2", "background"),
+    (1, "fsdp=2", "inline")])  # inline: process 1 joins each tensor's gather while 0 writes
+def test_two_processes_train_and_match_one_process(tmp_path, devices, mesh, publish):
     from areal_jax.checkpoint import TrainCheckpointer
     from areal_jax.checkpoint.publish import params_to_hf_dir
     from areal_jax.config import load_config
@@ -101,7 +103,7 @@ def test_two_processes_train_and_match_one_process(tmp_path, devices, mesh):
     # gradient entry near zero turns last-bit reduction-order differences into O(lr) steps.
     args = ["--mesh", mesh, f"run_dir={run_dir}", "train.total_versions=2",
             "checkpoint.every_versions=1", "train.record_batches=true", "optim.warmup_steps=0",
-            "optim.eps=1e-3", "checkpoint.async_save=true"]
+            "optim.eps=1e-3", "checkpoint.async_save=true", f"checkpoint.publish_mode={publish}"]
     codes = wait_all(launch(2, devices, args, tmp_path / "logs"), timeout=900)
     for pid, code in enumerate(codes):
         assert code == 0, f"process {pid} exited {code}:\n{log(tmp_path / 'logs', pid)}"

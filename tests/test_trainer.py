@@ -198,6 +198,51 @@ def test_external_server_with_another_model_fails_with_a_clear_error(tmp_path):
     assert _rows(run_dir) == []
 
 
+def test_inline_publish_serves_the_learners_own_bf16_weights(tmp_path):
+    """checkpoint.publish_mode=inline with model.dtype=bfloat16: the learner writes each
+    version from its own arrays (no host copy); the servers load every version, and the
+    served v2 is, tensor for tensor, the bf16 cast of the checkpointed v2 params."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from areal_jax.checkpoint import TrainCheckpointer
+    from areal_jax.checkpoint.publish import params_to_hf_dir
+    from areal_jax.learner import Learner
+    from areal_jax.run_inputs import resolve_model_path
+    from areal_jax.trainer_setup import learner_configs
+
+    run_dir = tmp_path / "run"
+    res = _run([f"run_dir={run_dir}", "train.total_versions=2", "checkpoint.every_versions=2",
+                "checkpoint.publish_mode=inline", "model.dtype=bfloat16"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = _rows(run_dir)
+    assert [r["version"] for r in rows] == [1, 2]
+    assert all(r["publish_write_s"] > 0 for r in rows[1:])
+    cfg = load_config(run_dir / "config.yaml")
+    optim, algo, loss_kwargs = learner_configs(cfg)
+    learner = Learner.from_hf(str(resolve_model_path(cfg.model.path)), optim, algo, **loss_kwargs)
+    ckpt = TrainCheckpointer(str(run_dir / "checkpoints"), read_only=True)
+    st = learner.state_dict()
+    params, opt_state, meta = ckpt.restore(params_target=st["params"],
+                                           opt_state_target=st["opt_state"])
+    ckpt.close()
+    assert meta["version"] == 2
+    learner.load_state(params, opt_state, step=meta["step"], version=meta["version"])
+    want_dir = params_to_hf_dir(learner.model, learner.model_cfg, tmp_path / "want",
+                                dtype="bfloat16")
+    served, want = (load_file(str(d / "model.safetensors"))
+                    for d in (run_dir / "weights" / "v2", want_dir))
+    assert served.keys() == want.keys()
+    for name, value in want.items():
+        assert served[name].dtype == value.dtype and str(value.dtype) == "bfloat16", name
+        np.testing.assert_array_equal(served[name], value, err_msg=name)
+
+
+def test_publish_mode_is_checked():
+    with pytest.raises(ConfigError, match="checkpoint.publish_mode"):
+        load_config(REPO / "configs" / "tiny_demo.yaml", ["checkpoint.publish_mode=later"])
+
+
 def test_sync_mode_stays_on_policy_with_background_publishing(tmp_path):
     """mode=sync: every batch is generated entirely under the weights of its version,
     although the servers' weight update runs in the background of the learner."""

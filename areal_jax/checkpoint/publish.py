@@ -127,6 +127,29 @@ def serving_weights(model: CausalLM, *, with_adapter: bool = False,
     return ServingWeights(host_params(model, dtype), adapter)
 
 
+def serving_model(model: CausalLM, *, with_adapter: bool = False,
+                  base_model_name_or_path: str | None = None,
+                  dtype: str | None = None) -> ServingWeights:
+    """What an inline publish writes (``checkpoint.publish_mode: inline``): the model
+    itself, LoRA adapters merged on its devices, read one tensor at a time while
+    :meth:`WeightPublisher.publish` writes it (no host copy of the model), and with
+    ``with_adapter`` the adapter's host copy (small). With several processes the adapter
+    is a collective, and while process 0 publishes the others call
+    :func:`join_inline_publish`."""
+    adapter = (peft_adapter(model, base_model_name_or_path, dtype=dtype) if with_adapter
+               else None)
+    return ServingWeights(merge_lora(model), adapter)
+
+
+def join_inline_publish(weights: ServingWeights, model_cfg: ModelConfig | Mapping[str, Any],
+                        dtype: str | None = None) -> None:
+    """On every process but 0, while process 0 publishes ``weights`` (from
+    :func:`serving_model`): their part of each tensor's all-gather, writing nothing."""
+    from model_defs.hf_io import join_save_gathers
+
+    join_save_gathers(weights.params, _as_model_config(model_cfg), dtype)
+
+
 def params_to_model(params: Any, model_cfg: ModelConfig | Mapping[str, Any]) -> CausalLM:
     """A ``CausalLM`` holding ``params`` (a model, an ``nnx.State`` or its pure dict).
 

@@ -3,6 +3,7 @@
     sync = WeightSync(executor, write=lambda params, v: publisher.publish(params, cfg, v),
                       interruptible=True)
     sync.publish(host_params, version)   # returns at once; the learner trains on
+    sync.publish_inline(model, version)  # or: writes now, from the learner's arrays
     ...
     sync.wait()                          # before the next publish, an eval, a checkpoint
 
@@ -49,6 +50,24 @@ class WeightSync:
         self.wait()
         self._pending = (version, self.executor.submit_coroutine(self._write_and_update(
             params, version)))
+
+    def publish_inline(self, model: Any, version: int) -> None:
+        """Writes ``model`` (e.g. the learner's ``CausalLM``, read one tensor at a time)
+        as ``version`` in the calling thread, then starts the servers' update as
+        :meth:`publish` does. A failed write raises :class:`WeightSyncError` here."""
+        self.wait()
+        t0 = time.perf_counter()
+        try:
+            path = self.write(model, version)
+        except Exception as e:  # noqa: BLE001 - a storage error
+            raise WeightSyncError(f"weight update to v{version} failed: "
+                                  f"{type(e).__name__}: {e}") from e
+        write_s = time.perf_counter() - t0
+
+        async def update() -> tuple[float, float]:
+            return write_s, await self.update_servers(str(path), version)
+
+        self._pending = (version, self.executor.submit_coroutine(update()))
 
     def wait(self) -> None:
         """Waits for the last :meth:`publish`; records its seconds in ``write_s`` and
