@@ -102,11 +102,11 @@ def process_local(batches: list, rows: slice) -> list:
             for b in batches]
 
 
-def standard_run(mesh: Any, n_steps: int = 2, process_local_batches: bool = False
-                 ) -> dict[str, Any]:
+def standard_run(mesh: Any, n_steps: int = 2, process_local_batches: bool = False,
+                 remat: Any = None) -> dict[str, Any]:
     """The gradient of the first minibatch, then ``n_steps`` train steps on the standard
     batches: metrics per step, logprobs and params afterwards."""
-    learner = make_learner(mesh, process_local_batches=process_local_batches)
+    learner = make_learner(mesh, process_local_batches=process_local_batches, remat=remat)
     batches = standard_batches()
     if process_local_batches:
         batches = process_local(batches, local_batch_rows(mesh, batches[0].shape[0]))
