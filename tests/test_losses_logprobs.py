@@ -277,3 +277,37 @@ def test_logprobs_from_hidden_rejects_a_bad_vocab_axis():
         logprobs_from_hidden(hidden, w, labels, vocab_axis=2)
     with pytest.raises(ValueError, match=r"w_dv \[V, D\] \(vocab_axis=0\)"):
         logprobs_from_hidden(hidden, w, labels, vocab_axis=0)
+
+
+@pytest.mark.parametrize("vocab_axis", [1, 0])
+@pytest.mark.parametrize("hidden_dtype", [jnp.float32, jnp.bfloat16])
+def test_w_grad_acc_adds_the_gradient_of_w_to_the_buffer(vocab_axis, hidden_dtype):
+    """``w_grad_acc``: the gradient of the matrix comes out as buffer + gradient (chunks of
+    7 over a vocabulary of 30: a short last chunk), the hidden states' gradient as
+    without it; fp32 master matrix, fp32 or bf16 hidden states."""
+    key = jax.random.key(0)
+    n, d, v = 12, 16, 30
+    hidden = jax.random.normal(key, (n, d)).astype(hidden_dtype)
+    w = jax.random.normal(jax.random.key(1), (d, v) if vocab_axis == 1 else (v, d)) * 0.3
+    labels = jax.random.randint(jax.random.key(2), (n,), 0, v)
+    acc = jax.random.normal(jax.random.key(3), w.shape) * 5.0
+
+    def loss(h, w_, a):
+        logp, ent = logprobs_from_hidden(h, w_, labels, 0.8, chunk_size=7,
+                                         vocab_axis=vocab_axis, w_grad_acc=a)
+        return jnp.sum(logp * jnp.arange(n)) + 0.1 * jnp.sum(ent)
+
+    g_h, g_w = jax.jit(jax.grad(loss, argnums=(0, 1)))(hidden, w, None)
+    g_h_acc, g_w_acc = jax.jit(jax.grad(loss, argnums=(0, 1)))(hidden, w, acc)
+    np.testing.assert_array_equal(np.asarray(g_h_acc), np.asarray(g_h))
+    # one more fp32 rounding of each entry's sum
+    bound = 2 * UNIT_ROUNDOFF_F32 * (np.abs(np.asarray(acc)) + np.abs(np.asarray(g_w)))
+    assert np.all(np.abs(np.asarray(g_w_acc) - (np.asarray(acc) + np.asarray(g_w))) <= bound)
+    assert np.any(np.asarray(g_w) != 0)
+
+
+def test_w_grad_acc_of_another_shape_is_refused():
+    hidden, w = jnp.ones((3, 4)), jnp.ones((4, 5))
+    with pytest.raises(ValueError, match="w_grad_acc is float32\\[5, 4\\]; expected w_dv's "
+                                         "float32\\[4, 5\\]"):
+        logprobs_from_hidden(hidden, w, jnp.zeros((3,), jnp.int32), w_grad_acc=jnp.ones((5, 4)))

@@ -168,19 +168,27 @@ def predicted_learner_bytes(cfg: Any, n_params: int, tokens: int, dtype: str,
     ``shards`` = fsdp x tensor), for full fine-tuning with ``model.remat: full``:
 
     * held = 16 B/param / shards: fp32 params 4 + gradient accumulator 4 + AdamW moments 8;
-    * gradient program = output-matrix gradient (fp32 V x D, whole) + 3 fp32 logit chunks
-      (tokens x chunk) + each layer's saved input (L x tokens x D x act) + one layer's
-      recompute and backward (tokens x (6 F + 12 D) x 4: MLP and attention working set);
+    * gradient program = 3 fp32 logit chunks (tokens x chunk) + each layer's saved input
+      (L x tokens x D x act) + one layer's recompute and backward (tokens x (6 F + 12 D)
+      x 4: MLP and attention working set); the gradients themselves go straight into the
+      accumulator (each layer's inside its backward step, the output matrix's chunk by
+      chunk in the logprob kernel), so no second gradient is counted; sharded (shards >
+      1), one layer's gathered weights and its whole gradient before the reduce-scatter
+      (2 x 4 B x the layer's params);
     * optimizer program = the largest parameter's AdamW update (fp32, its shard).
     """
     d, f, v, n_layers = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
                          cfg.num_hidden_layers)
     act = 2 if dtype == "bfloat16" else 4
-    head = 4 * v * d + 3 * tokens * min(chunk, v) * 4
+    head = 3 * tokens * min(chunk, v) * 4
     saved = n_layers * tokens * d * act
     layer = tokens * (6 * f + 12 * d) * 4
     held = 16 * n_params / shards
     grad_temp = head + saved + layer
+    if shards > 1:
+        out_matrices = 1 if cfg.tie_word_embeddings else 2
+        layer_params = (n_params - out_matrices * v * d - d) / n_layers
+        grad_temp += 2 * 4 * layer_params
     apply_temp = 4 * v * d / shards
     return {"held": held, "grad_temp": grad_temp, "apply_temp": apply_temp,
             "peak": held + max(grad_temp, apply_temp)}

@@ -51,11 +51,12 @@ def make_logp_fn(graphdef: nnx.GraphDef, compute_dtype: Any, temperature: float,
     in the gradient program (a Qwen2.5-0.5B shape at 1 x 4096 tokens: ~1 GB), and the tied
     embedding's gradient was rounded to bf16 on the way back."""
 
-    def logp_fn(params, rest, batch, layer_grad_acc=None):
+    def logp_fn(params, rest, batch, layer_grad_acc=None, head_grad_acc=None):
         model = nnx.merge(graphdef, params, cast_params(rest, compute_dtype))
         return packed_token_logprobs(model, batch["input_ids"], batch["positions"],
                                      batch["segment_ids"], temperature=temperature,
-                                     chunk_size=chunk_size, layer_grad_acc=layer_grad_acc)
+                                     chunk_size=chunk_size, layer_grad_acc=layer_grad_acc,
+                                     head_grad_acc=head_grad_acc)
 
     return logp_fn
 
@@ -82,20 +83,44 @@ def _layer_accumulators(grads: Any) -> list[Any] | None:
     return [layers[i] for i in range(len(layers))]
 
 
-def _is_layer_path(path: tuple) -> bool:
-    return bool(path) and getattr(path[0], "key", None) == "layers"
+def _head_key(params: Any, rest: Any) -> str:
+    """The variable the output matrix is: ``lm_head_dv``, or the tied ``embed_vd``."""
+    untied = any(_has_key(tree, "lm_head_dv") for tree in (params, rest))
+    return "lm_head_dv" if untied else "embed_vd"
 
 
-def accumulate(grads: Any, g: Any, layers_done: bool) -> Any:
+def _has_key(tree: Any, key: str) -> bool:
+    try:
+        return key in tree
+    except TypeError:
+        return False
+
+
+def _head_accumulator(grads: Any, key: str) -> Any:
+    """The gradient accumulator's entry for the output matrix (a bare array), or None."""
+    if not _has_key(grads, key):
+        return None
+    leaves = jax.tree.leaves(grads[key])
+    return leaves[0] if len(leaves) == 1 else None
+
+
+def accumulate(grads: Any, g: Any, layers_done: bool, head_done: str | None = None) -> Any:
     """``grads + g``; with ``layers_done`` the decoder layers' entries of ``g`` already
-    include ``grads`` (they were added inside each layer's backward step) and are taken
-    as they are."""
-    if not layers_done:
+    include ``grads`` (they were added inside each layer's backward step), and so does
+    the top-level entry ``head_done`` (the output matrix, added chunk by chunk in the
+    logprob kernel's backward pass): those are taken as they are."""
+    if not layers_done and head_done is None:
         return jax.tree.map(jnp.add, grads, g)
+
+    def done(path: tuple) -> bool:
+        first = getattr(path[0], "key", None) if path else None
+        return (layers_done and first == "layers") or (head_done is not None
+                                                       and first == head_done)
+
     acc_leaves, treedef = jax.tree_util.tree_flatten_with_path(grads)
     g_leaves = jax.tree.leaves(g)
     return jax.tree.unflatten(treedef, [
-        gl if _is_layer_path(path) else a + gl
+        gl if done(path) else a + gl
         for (path, a), gl in zip(acc_leaves, g_leaves, strict=True)])
 
 
@@ -114,8 +139,9 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, algo: AlgoConfig, *
     """
     logp_fn = make_logp_fn(graphdef, compute_dtype, temperature, logp_chunk_size)
 
-    def loss_fn(params, rest, batch, denom, n_loss_tokens, version, layer_grad_acc):
-        logp_bt, entropy_bt = logp_fn(params, rest, batch, layer_grad_acc)
+    def loss_fn(params, rest, batch, denom, n_loss_tokens, version, layer_grad_acc,
+                head_grad_acc):
+        logp_bt, entropy_bt = logp_fn(params, rest, batch, layer_grad_acc, head_grad_acc)
         mask_bt = batch["loss_mask"]
         prox_bt = None  # naive PPO: prox = behav
         if algo.decoupled:
@@ -151,11 +177,17 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, algo: AlgoConfig, *
         # adds its gradient to them (with remat: full, inside that step, so no layer's
         # fresh gradient waits for the end of the backward pass; see
         # model_defs.model._run_layer_remat_full). The rest is added here.
+        # Likewise the output matrix's entry goes into the logprob kernel, which adds its
+        # gradient chunk by chunk (no second [V, D] matrix; with a tied embedding the
+        # lookup's gradient is then scattered into the same buffer).
         layer_acc = _layer_accumulators(grads)
+        head_key = _head_key(params, rest)
+        head_acc = _head_accumulator(grads, head_key)
         (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, rest, batch, denom, n_loss_tokens, version, layer_acc)
+            params, rest, batch, denom, n_loss_tokens, version, layer_acc, head_acc)
         terms, logp_bt, entropy_bt, kl_ref = aux
-        grads = accumulate(grads, g, layers_done=layer_acc is not None)
+        grads = accumulate(grads, g, layers_done=layer_acc is not None,
+                           head_done=head_key if head_acc is not None else None)
 
         mask_bt = batch["loss_mask"] != 0
         diff_bt = jnp.where(mask_bt, logp_bt - batch["behav_logp"], 0.0)

@@ -34,12 +34,15 @@ def shift_right(x_bt: jax.Array) -> jax.Array:
 
 def packed_token_logprobs(model, input_ids_bt: jax.Array, positions_bt: jax.Array,
                           segment_ids_bt: jax.Array, *, temperature: float, chunk_size: int,
-                          layer_grad_acc: Any = None) -> tuple[jax.Array, jax.Array]:
+                          layer_grad_acc: Any = None, head_grad_acc: Any = None,
+                          ) -> tuple[jax.Array, jax.Array]:
     """(logp_bt, entropy_bt), fp32 [B, T], for a ``model_defs.CausalLM``-like model.
 
     ``entropy_bt[r, t]`` is the entropy of the (tempered) distribution that token t was
     drawn from. Both are 0 where :func:`predicted_mask` is False. ``layer_grad_acc``: see
-    ``CausalLM.hidden_states`` (only passed on when given).
+    ``CausalLM.hidden_states`` (only passed on when given); ``head_grad_acc``: a gradient
+    buffer for the output matrix as stored (``model.unembed_weight()``: the embedding
+    table when tied), see ``logprobs_from_hidden(w_grad_acc=...)``.
     """
     extra = {} if layer_grad_acc is None else {"layer_grad_acc": layer_grad_acc}
     hidden_btd = model.hidden_states(input_ids_bt, positions=positions_bt,
@@ -56,7 +59,7 @@ def packed_token_logprobs(model, input_ids_bt: jax.Array, positions_bt: jax.Arra
     next_ids_bt = jnp.pad(input_ids_bt[:, 1:], ((0, 0), (0, 1)))  # label of position t is t+1
     logp_next_bt, entropy_next_bt = logprobs_from_hidden(
         hidden_btd, w, next_ids_bt, temperature=temperature, chunk_size=chunk_size,
-        vocab_axis=vocab_axis)
+        vocab_axis=vocab_axis, w_grad_acc=head_grad_acc)
     valid_bt = predicted_mask(segment_ids_bt)
     logp_bt = jnp.where(valid_bt, shift_right(logp_next_bt), 0.0)
     entropy_bt = jnp.where(valid_bt, shift_right(entropy_next_bt), 0.0)

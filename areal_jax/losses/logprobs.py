@@ -135,9 +135,10 @@ _logits_kernel.defvjp(_logits_kernel_fwd, _logits_kernel_bwd)
 _W_SPECS = {1: ("nd,dc->nc", "nc,dc->nd", "nd,nc->dc"), 0: ("nd,cd->nc", "nc,cd->nd", "nd,nc->cd")}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _hidden_kernel(hidden_nd, w, labels_n, temperature, chunk_size, vocab_axis):
-    out, _ = _hidden_kernel_fwd(hidden_nd, w, labels_n, temperature, chunk_size, vocab_axis)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _hidden_kernel(hidden_nd, w, w_acc, labels_n, temperature, chunk_size, vocab_axis):
+    out, _ = _hidden_kernel_fwd(hidden_nd, w, w_acc, labels_n, temperature, chunk_size,
+                                vocab_axis)
     return out
 
 
@@ -157,16 +158,20 @@ def _hidden_chunk_fn(hidden_nd, w, temperature, vocab_axis) -> ChunkFn:
     return chunk
 
 
-def _hidden_kernel_fwd(hidden_nd, w, labels_n, temperature, chunk_size, vocab_axis):
+def _hidden_kernel_fwd(hidden_nd, w, w_acc, labels_n, temperature, chunk_size, vocab_axis):
     n = hidden_nd.shape[0]
     chunk = _hidden_chunk_fn(hidden_nd, w, temperature, vocab_axis)
     logp_n, entropy_n, lse_n = _online_forward(chunk, labels_n, n, w.shape[vocab_axis],
                                                chunk_size)
-    return (logp_n, entropy_n), (hidden_nd, w, labels_n, lse_n, entropy_n)
+    return (logp_n, entropy_n), (hidden_nd, w, w_acc, labels_n, lse_n, entropy_n)
 
 
 def _hidden_kernel_bwd(temperature, chunk_size, vocab_axis, residuals, cotangents):
-    hidden_nd, w, labels_n, lse_n, entropy_n = residuals
+    """Chunk by chunk: the hidden states' gradient accumulates in fp32; ``w``'s gradient
+    is written into a [V, D] / [D, V] buffer one chunk at a time: zeros, or with ``w_acc``
+    that buffer itself (each chunk added to it), so the gradient comes out as
+    ``w_acc`` + gradient without a second matrix."""
+    hidden_nd, w, w_acc, labels_n, lse_n, entropy_n = residuals
     g_logp_n, g_ent_n = cotangents
     chunk = _hidden_chunk_fn(hidden_nd, w, temperature, vocab_axis)
     _, hidden_spec, w_spec = _W_SPECS[vocab_axis]
@@ -179,13 +184,17 @@ def _hidden_kernel_bwd(temperature, chunk_size, vocab_axis, residuals, cotangent
         g_hidden_nd = g_hidden_nd + jnp.einsum(
             hidden_spec, g_logits_nc, w_chunk, preferred_element_type=jnp.float32)
         g_w_chunk = jnp.einsum(w_spec, hidden_nd, g_logits_nc,
-                               preferred_element_type=jnp.float32).astype(w.dtype)
-        return g_hidden_nd, jax.lax.dynamic_update_slice_in_dim(g_w, g_w_chunk, start,
-                                                                axis=vocab_axis)
+                               preferred_element_type=jnp.float32)
+        if w_acc is not None:
+            g_w_chunk = g_w_chunk + jax.lax.dynamic_slice_in_dim(g_w, start, size,
+                                                                 axis=vocab_axis)
+        return g_hidden_nd, jax.lax.dynamic_update_slice_in_dim(
+            g_w, g_w_chunk.astype(g_w.dtype), start, axis=vocab_axis)
 
-    init = (jnp.zeros(hidden_nd.shape, jnp.float32), jnp.zeros_like(w))
+    init = (jnp.zeros(hidden_nd.shape, jnp.float32),
+            jnp.zeros_like(w) if w_acc is None else w_acc)
     g_hidden_nd, g_w = _for_each_chunk(w.shape[vocab_axis], chunk_size, body, init)
-    return g_hidden_nd.astype(hidden_nd.dtype), g_w, None
+    return g_hidden_nd.astype(hidden_nd.dtype), g_w, None, None
 
 
 _hidden_kernel.defvjp(_hidden_kernel_fwd, _hidden_kernel_bwd)
@@ -260,6 +269,7 @@ def logprobs_from_hidden(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     *,
     vocab_axis: int = 1,
+    w_grad_acc: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of ``labels`` and entropy under softmax(hidden @ w_dv / temperature).
 
@@ -276,6 +286,10 @@ def logprobs_from_hidden(
         vocab_axis: 1 (default) for ``w_dv`` [D, V]; 0 for a [V, D] matrix, e.g. a tied
             embedding table passed as is, which saves a transposed copy of it (and of its
             gradient).
+        w_grad_acc: optional gradient buffer shaped like ``w_dv`` (a learner's gradient
+            accumulator): the gradient of ``w_dv`` then comes out as ``w_grad_acc`` plus
+            this call's gradient, each chunk added into the buffer in the backward pass,
+            so no second [V, D] matrix is made (the buffer is donated in practice).
 
     ``w_dv`` may be wider than ``hidden`` (fp32 master weights, bf16 hidden states): each
     chunk is cast to ``hidden``'s dtype for the matmul, and the gradient of ``w_dv`` is
@@ -304,6 +318,11 @@ def logprobs_from_hidden(
         )
     lead, dim = hidden_arr.shape[:-1], hidden_arr.shape[-1]
     labels_n = _labels(fn, labels, lead, "hidden")
-    logp_n, entropy_n = _hidden_kernel(hidden_arr.reshape(-1, dim), w_arr, labels_n,
-                                       temperature, chunk_size, vocab_axis)
+    if w_grad_acc is not None:
+        w_grad_acc = _checks.as_array(fn, "w_grad_acc", w_grad_acc)
+        if w_grad_acc.shape != w_arr.shape or w_grad_acc.dtype != w_arr.dtype:
+            raise ValueError(f"{fn}: w_grad_acc is {w_grad_acc.dtype}{list(w_grad_acc.shape)}; "
+                             f"expected w_dv's {w_arr.dtype}{list(w_arr.shape)}")
+    logp_n, entropy_n = _hidden_kernel(hidden_arr.reshape(-1, dim), w_arr, w_grad_acc,
+                                       labels_n, temperature, chunk_size, vocab_axis)
     return logp_n.reshape(lead), entropy_n.reshape(lead)
