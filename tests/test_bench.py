@@ -139,3 +139,21 @@ def test_a_tiny_memory_run_completes_versions_with_fsdp1_and_two_processes(tmp_p
     assert len(result["rows"]) == 3 and all(len(r) == len(result["columns"])
                                             for r in result["rows"])
     assert result["n_params"] > 0
+
+
+def test_a_train_run_on_the_demo_models_shape_writes_both_systems(tmp_path):
+    """``bench train --model-path``: the shape comes from the HF directory's config (here
+    the demo's model), ours and transformers + torch AdamW side by side."""
+    out = tmp_path / "train.json"
+    assert main(["train", "--model-path", str(REPO / "areal_jax" / "data" / "assets" /
+                                              "arith_sft"),
+                 "--tokens", "768", "--rows", "8", "--repeats", "1", "--threads", "1",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert "arith_sft" in result["title"]
+    assert len(result["rows"]) == 2  # ours and the peer
+
+
+def test_train_refuses_a_preset_and_a_model_path_together():
+    with pytest.raises(SystemExit, match="--preset or --model-path"):
+        main(["train", "--preset", "tiny", "--model-path", "x", "--no-torch"])

@@ -172,9 +172,12 @@ def predicted_learner_bytes(cfg: Any, n_params: int, tokens: int, dtype: str,
       (L x tokens x D x act) + one layer's recompute and backward (tokens x (6 F + 12 D)
       x 4: MLP and attention working set); the gradients themselves go straight into the
       accumulator (each layer's inside its backward step, the output matrix's chunk by
-      chunk in the logprob kernel), so no second gradient is counted; sharded (shards >
-      1), one layer's gathered weights and its whole gradient before the reduce-scatter
-      (2 x 4 B x the layer's params);
+      chunk in the logprob kernel), so no second gradient is counted. Sharded (shards >
+      1) there are two phases and the larger counts: the output layer's, with the output
+      matrix gathered whole and its whole gradient before the reduce-scatter (2 x 4 B x
+      V x D) next to the logit chunks, and the layers', with one layer's gathered weights
+      and gradient (2 x 4 B x the layer's params) next to its working set; the saved
+      layer inputs are alive in both;
     * optimizer program = the largest parameter's AdamW update (fp32, its shard).
     """
     d, f, v, n_layers = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
@@ -188,7 +191,7 @@ def predicted_learner_bytes(cfg: Any, n_params: int, tokens: int, dtype: str,
     if shards > 1:
         out_matrices = 1 if cfg.tie_word_embeddings else 2
         layer_params = (n_params - out_matrices * v * d - d) / n_layers
-        grad_temp += 2 * 4 * layer_params
+        grad_temp = saved + max(head + 2 * 4 * v * d, layer + 2 * 4 * layer_params)
     apply_temp = 4 * v * d / shards
     return {"held": held, "grad_temp": grad_temp, "apply_temp": apply_temp,
             "peak": held + max(grad_temp, apply_temp)}

@@ -4,6 +4,8 @@
     python -m areal_jax.bench train                       # CPU: Qwen2-shaped 512 hidden, 4 layers
     python -m areal_jax.bench train --preset qwen2.5-0.5b --dtype bfloat16 --tokens 4096 \\
         --rows 1 --no-torch                             # GPU: MFU of a 4k-token packed micro-batch
+    taskset -c 1 python -m areal_jax.bench train --model-path areal_jax/data/assets/arith_sft \\
+        --tokens 384 --rows 4 --threads 1               # the demo's model and micro-batch, 1 core
 
 Default model: Qwen2-shaped (hidden 512, 8/2 heads, mlp 2048, vocab 32000, tied), 4 layers;
 batch 4 x 512 tokens, fp32. Both systems start from the same random weights (ours loads the
@@ -41,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None,
                         help="ModelConfig preset (e.g. qwen2.5-0.5b); default: the small "
                              "Qwen2 shape")
+    parser.add_argument("--model-path", default=None,
+                        help="take the model shape from this HF directory's config.json "
+                             "(e.g. areal_jax/data/assets/arith_sft, the demo's model); "
+                             "weights stay random")
     parser.add_argument("--layers", type=int, default=None, help="override the layer count")
     parser.add_argument("--tokens", type=int, default=2048,
                         help="tokens per micro-batch (rows x seq)")
@@ -59,7 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _model_config(args: argparse.Namespace) -> Any:
     from model_defs import ModelConfig
 
-    if args.preset:
+    if args.preset and args.model_path:
+        raise SystemExit("bench train: give --preset or --model-path, not both")
+    if args.model_path:
+        cfg = ModelConfig.from_pretrained_dir(args.model_path)
+    elif args.preset:
         cfg = ModelConfig.preset(args.preset)
     else:
         cfg = ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=32000, hidden_size=512,
@@ -233,7 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary.update(first_call_s=round(compile_s, 2), jax_backend=jax.default_backend(),
                    device=jax.devices()[0].device_kind, params_matmul=matmul_params(cfg),
                    mesh=args.mesh, dtype=args.dtype, remat=args.remat)
-    shape = args.preset or "qwen2-shaped h512"
+    shape = args.model_path or args.preset or "qwen2-shaped h512"
     return {
         "title": f"train step (fwd+bwd+AdamW) tokens/s: ours vs transformers+torch AdamW, "
                  f"{shape}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}, "
