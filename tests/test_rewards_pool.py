@@ -226,3 +226,34 @@ def test_reward_range_is_configurable():
         assert value is None and "outside [-10, 10]" in problem
     with pytest.raises(ValueError, match="max_abs"):
         RewardPool(max_abs=0.0)
+
+
+def test_a_waiter_cancelled_after_its_worker_arrived_gives_it_back_without_hanging():
+    """A waiting call cancelled after a worker was handed to it but before it resumed (a
+    shutdown cancelling every rollout) returns the worker to the pool. This path took the
+    pool's lock twice and hung the shutdown for good (it ended CI runs of the watchdog
+    test by the shutdown timeout)."""
+    result: dict[str, object] = {}
+
+    async def scenario(p: RewardPool) -> None:
+        assert await p.score(square, 3.0) == 9.0  # starts the one worker; now idle
+        held = await p._acquire()  # a running call holds it
+        waiter = asyncio.ensure_future(p._acquire())  # the next call waits for it
+        await asyncio.sleep(0)
+        p._release(held)  # hands it to the waiter: delivered on the next loop turn
+        await asyncio.sleep(0)  # delivered; the waiter has not resumed yet
+        assert not waiter.done()
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        result["again"] = await p.score(square, 4.0)  # the worker is back
+
+    def run() -> None:
+        with RewardPool(num_workers=1, timeout_s=10.0) as p:
+            asyncio.run(scenario(p))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the pool hung: its lock was taken twice"
+    assert result["again"] == 16.0

@@ -223,11 +223,18 @@ class RewardPool:
         try:
             return await fut
         except asyncio.CancelledError:
+            # Cancelled after a worker was handed over (the future done, the task not yet
+            # resumed): give the worker back. _release takes the lock itself, so it is
+            # called after this block: the lock is not re-entrant, and calling it inside
+            # hung the cancelling shutdown forever.
+            handed = None
             with self._lock:
                 if fut in self._waiters:
                     self._waiters.remove(fut)
                 elif fut.done() and not fut.cancelled():
-                    self._release(fut.result())
+                    handed = fut.result()
+            if handed is not None:
+                self._release(handed)
             raise
 
     def _release(self, worker: _Worker) -> None:
