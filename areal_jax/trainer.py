@@ -35,6 +35,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,12 +265,8 @@ class Trainer:
 
                 join_inline_publish(weights, self.learner.model_cfg, self.cfg.model.dtype)
                 return
-            from areal_jax.rollout.weight_sync import WeightSyncError
-
-            try:
+            with _weight_sync_stops_the_run():
                 self.rollout.weights.publish_inline(weights, version)
-            except WeightSyncError as e:
-                raise RunStopped(str(e)) from e
             return
         params = serving_copy(self.cfg, self.learner.model)
         if self.is_main:
@@ -278,12 +275,8 @@ class Trainer:
     def wait_published(self) -> None:
         """The last publish has reached the servers (before an eval, a checkpoint, the end)."""
         if self.is_main:
-            from areal_jax.rollout.weight_sync import WeightSyncError
-
-            try:
+            with _weight_sync_stops_the_run():
                 self.rollout.weights.wait()
-            except WeightSyncError as e:
-                raise RunStopped(str(e)) from e
 
     # ------------------------------------------------------------------ step 6
     def save_checkpoint(self) -> None:
@@ -385,6 +378,18 @@ class Trainer:
                           ("staleness_max", "staleness_max")):
             row[key] = train_metrics.get(name, float("nan"))
         return row
+
+
+@contextlib.contextmanager
+def _weight_sync_stops_the_run() -> Iterator[None]:
+    """A failed weight write or server update (``WeightSyncError``) stops the run with its
+    message."""
+    from areal_jax.rollout.weight_sync import WeightSyncError
+
+    try:
+        yield
+    except WeightSyncError as e:
+        raise RunStopped(str(e)) from e
 
 
 def serving_copy(cfg: TrainConfig, model: Any, inline: bool = False) -> Any:

@@ -12,7 +12,6 @@ PEFT module name (``q_proj`` ... ``down_proj``); ``model_defs.lora.add_lora`` fi
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -233,14 +232,20 @@ def _plus_gradient(value: Array, acc: Array) -> Array:
 _plus_gradient.defvjp(lambda value, acc: (value, acc), lambda acc, ct: (ct + acc, None))
 
 
+def _as_pure_layer(layer: Any) -> tuple[Any, list[Array], Any]:
+    """(state, its leaves, rebuild): the layer's variables as plain arrays, and
+    ``rebuild(leaves)`` -> the same layer holding the given arrays."""
+    graphdef, state = nnx.split(layer)
+    leaves, treedef = jax.tree.flatten(state)
+    return state, leaves, lambda new: nnx.merge(graphdef, jax.tree.unflatten(treedef, new))
+
+
 def _with_gradient_buffers(layer: Any, grad_acc: Any) -> Any:
     """The layer with each variable that has a buffer in ``grad_acc`` passed through
     ``_plus_gradient`` (for the layer runs other than ``_run_layer_remat_full``)."""
-    graphdef, state = nnx.split(layer)
-    leaves, treedef = jax.tree.flatten(state)
-    leaves = [v if a is None else _plus_gradient(v, a)
-              for v, a in zip(leaves, _accumulators_for(state, grad_acc), strict=True)]
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    state, leaves, rebuild = _as_pure_layer(layer)
+    return rebuild([v if a is None else _plus_gradient(v, a)
+                    for v, a in zip(leaves, _accumulators_for(state, grad_acc), strict=True)])
 
 
 def _run_layer(layer, x_btd, cos_sin, segment_ids_bt):
@@ -250,12 +255,10 @@ def _run_layer(layer, x_btd, cos_sin, segment_ids_bt):
 def _run_layer_checkpointed(policy: Any, layer, x_btd, cos_sin, segment_ids_bt):
     """The layer under ``jax.checkpoint(policy)``, on its variables as plain arrays (so a
     layer rebuilt by ``_with_gradient_buffers`` in this trace goes through as well)."""
-    graphdef, state = nnx.split(layer)
-    leaves, treedef = jax.tree.flatten(state)
+    _, leaves, rebuild = _as_pure_layer(layer)
 
     def pure(leaves_, x_):
-        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves_))(
-            x_, cos_sin, segment_ids_bt)
+        return rebuild(leaves_)(x_, cos_sin, segment_ids_bt)
 
     return jax.checkpoint(pure, policy=policy)(leaves, x_btd)
 
@@ -284,14 +287,12 @@ def _run_layer_remat_full(layer, x_btd, cos_sin, segment_ids_bt, grad_acc=None):
     the conditional. Gradients are taken only for the inputs the caller differentiates
     (``symbolic_zeros`` says which): with LoRA the frozen base weights get none.
     """
-    graphdef, state = nnx.split(layer)
-    leaves, treedef = jax.tree.flatten(state)
+    state, leaves, rebuild = _as_pure_layer(layer)
     accs = _accumulators_for(state, grad_acc)
     wanted: list[bool] = []  # set by the forward rule: which leaves (and x) are perturbed
 
     def apply(leaves_, x_):
-        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves_))(
-            x_, cos_sin, segment_ids_bt)
+        return rebuild(leaves_)(x_, cos_sin, segment_ids_bt)
 
     @jax.custom_vjp
     def run(leaves_, x_, accs_):
@@ -327,8 +328,8 @@ def _run_layer_remat_full(layer, x_btd, cos_sin, segment_ids_bt, grad_acc=None):
 
         def zeros(operands):
             diff_, acc_, x_, _ = operands
-            return ([jnp.zeros_like(v) if a is None else a for v, a in zip(diff_, acc_)],
-                    jnp.zeros_like(x_))
+            return ([jnp.zeros_like(v) if a is None else a
+                     for v, a in zip(diff_, acc_, strict=True)], jnp.zeros_like(x_))
 
         c = ct_btd.reshape(-1)[0]
         d_diff, d_x = jax.lax.cond((c == c) | (c != c), grads, zeros,
@@ -455,23 +456,21 @@ class CausalLM(nnx.Module):
         x_btd = shard(self.embed(input_ids_bt), ("batch", "seq", "act_embed"))
         cos_sin = self.rope(positions_bt)
         policy = remat_policy_name(self.remat)
-        if policy == "none":
-            run = _run_layer
-        elif policy == "full":
-            run = _run_layer_remat_full
-        else:
-            run = functools.partial(_run_layer_checkpointed, REMAT_POLICIES[policy])
         accs = [None] * len(self.layers) if layer_grad_acc is None else list(layer_grad_acc)
         if len(accs) != len(self.layers):
             raise ValueError(f"layer_grad_acc has {len(accs)} entries for "
                              f"{len(self.layers)} layers")
         for layer, acc in zip(self.layers, accs, strict=True):
-            if policy == "full":
-                x_btd = run(layer, x_btd, cos_sin, seg_bt, acc)
+            if policy == "full":  # adds into acc itself, inside each layer's backward step
+                x_btd = _run_layer_remat_full(layer, x_btd, cos_sin, seg_bt, acc)
+                continue
+            if acc is not None:
+                layer = _with_gradient_buffers(layer, acc)
+            if policy == "none":
+                x_btd = _run_layer(layer, x_btd, cos_sin, seg_bt)
             else:
-                if acc is not None:
-                    layer = _with_gradient_buffers(layer, acc)
-                x_btd = run(layer, x_btd, cos_sin, seg_bt)
+                x_btd = _run_layer_checkpointed(REMAT_POLICIES[policy], layer, x_btd,
+                                                cos_sin, seg_bt)
         return self.final_norm(x_btd)
 
     def logits_from_hidden(self, hidden_btd: Array) -> Array:

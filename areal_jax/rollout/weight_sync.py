@@ -33,6 +33,10 @@ class WeightSyncError(RuntimeError):
     """Writing the weights or updating a server failed; the message says which version."""
 
 
+def _failed(version: int, e: BaseException) -> WeightSyncError:
+    return WeightSyncError(f"weight update to v{version} failed: {type(e).__name__}: {e}")
+
+
 class WeightSync:
     def __init__(self, executor: Any, write: Callable[[Any, int], Any], *,
                  interruptible: bool = True, adapter_subdir: str | None = None) -> None:
@@ -60,14 +64,9 @@ class WeightSync:
         try:
             path = self.write(model, version)
         except Exception as e:  # noqa: BLE001 - a storage error
-            raise WeightSyncError(f"weight update to v{version} failed: "
-                                  f"{type(e).__name__}: {e}") from e
-        write_s = time.perf_counter() - t0
-
-        async def update() -> tuple[float, float]:
-            return write_s, await self.update_servers(str(path), version)
-
-        self._pending = (version, self.executor.submit_coroutine(update()))
+            raise _failed(version, e) from e
+        self._pending = (version, self.executor.submit_coroutine(self._update_written(
+            path, version, time.perf_counter() - t0)))
 
     def wait(self) -> None:
         """Waits for the last :meth:`publish`; records its seconds in ``write_s`` and
@@ -79,13 +78,16 @@ class WeightSync:
         try:
             self.write_s[version], self.update_s[version] = future.result()
         except Exception as e:  # noqa: BLE001 - a storage, transport or server error
-            raise WeightSyncError(f"weight update to v{version} failed: "
-                                  f"{type(e).__name__}: {e}") from e
+            raise _failed(version, e) from e
 
     async def _write_and_update(self, params: Any, version: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         path = await asyncio.to_thread(self.write, params, version)
-        write_s = time.perf_counter() - t0
+        return await self._update_written(path, version, time.perf_counter() - t0)
+
+    async def _update_written(self, path: Any, version: int, write_s: float
+                              ) -> tuple[float, float]:
+        """(write seconds, update seconds) once ``path`` holds ``version``."""
         return write_s, await self.update_servers(str(path), version)
 
     async def update_servers(self, path: str, version: int) -> float:
