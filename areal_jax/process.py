@@ -13,6 +13,12 @@ import threading
 from typing import Any
 
 from areal_jax.config import TrainConfig
+from areal_jax.interrupt import (
+    Interrupted,
+    interrupt_requested,
+    request_interrupt,
+    wait_for_interrupt,
+)
 from areal_jax.run_inputs import TrainerError
 
 __all__ = ["EXIT_CODES", "LIVE_SERVERS", "Interrupted", "arm_shutdown_deadline",
@@ -28,20 +34,13 @@ EXIT_CODES = {
 }  # and 128 + signal number after SIGINT (130) or SIGTERM (143)
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM: the run shuts down gracefully."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 LIVE_SERVERS: list[Any] = []  # embedded servers of the running trainer (for a hard exit)
 
 
 def _hard_exit(code: int, why: str) -> None:
     """Kills the embedded servers and leaves at once (no cleanup handlers run)."""
-    print(f"{why}; exiting now with status {code}", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):  # may run in a signal handler: no print
+        os.write(2, f"{why}; exiting now with status {code}\n".encode())
     for handle in list(LIVE_SERVERS):
         with contextlib.suppress(Exception):
             handle.kill()
@@ -67,23 +66,44 @@ def arm_shutdown_deadline(seconds: float, code: int) -> None:
     timer.start()
 
 
-def install_signal_handlers(shutdown_timeout_s: float) -> None:
-    """SIGINT and SIGTERM: the first raises :class:`Interrupted` in the main thread (a
-    graceful shutdown, bounded by ``shutdown_timeout_s``); a second one exits at once."""
+_shutdown_timeout_s = [120.0]  # the run's watchdog.shutdown_timeout_s, once its config is read
+
+
+def install_signal_handlers(shutdown_timeout_s: float | None = None) -> None:
+    """SIGINT and SIGTERM: the first only records the request (``interrupt.py``); the
+    main thread raises :class:`Interrupted` at its next safe point, and the graceful
+    shutdown is bounded by ``shutdown_timeout_s``. A second signal exits at once.
+    Idempotent: scripts/train.py installs them first thing, and again with the
+    config's timeout."""
+    if shutdown_timeout_s is not None:
+        _shutdown_timeout_s[0] = shutdown_timeout_s
     received: list[int] = []
 
     def handler(signum: int, _frame: Any) -> None:
+        # Only os.write and recording here: the main thread may be anywhere (inside a GC
+        # callback, a write to sys.stderr, a lock), so no exception, print or lock.
+        name = signal.Signals(signum).name
         if received:
-            _hard_exit(128 + signum, f"second signal ({signal.Signals(signum).name})")
+            _hard_exit(128 + signum, f"second signal ({name})")
         received.append(signum)
-        print(f"{signal.Signals(signum).name}: stopping (servers, executor, files; at most "
-              f"{shutdown_timeout_s:g}s); send it again to exit at once",
-              file=sys.stderr, flush=True)
-        arm_shutdown_deadline(shutdown_timeout_s, 128 + signum)
-        raise Interrupted(signum)
+        request_interrupt(signum)
+        with contextlib.suppress(OSError):
+            os.write(2, f"{name}: stopping (servers, executor, files; at most "
+                        f"{_shutdown_timeout_s[0]:g}s); send it again to exit at once\n".encode())
 
+    current = signal.getsignal(signal.SIGINT)
+    if getattr(current, "_areal_jax", False):
+        return
+    handler._areal_jax = True  # type: ignore[attr-defined]
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+
+    def arm_on_request() -> None:  # the deadline's timer starts outside the handler
+        wait_for_interrupt()
+        signum = interrupt_requested() or signal.SIGTERM
+        arm_shutdown_deadline(_shutdown_timeout_s[0], 128 + signum)
+
+    threading.Thread(target=arm_on_request, name="signal-deadline", daemon=True).start()
 
 
 def main_guarded(cfg: TrainConfig, resume: bool | None) -> int:

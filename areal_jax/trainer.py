@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from areal_jax.config import TrainConfig, to_dict
+from areal_jax.interrupt import raise_if_interrupted
 from areal_jax.run_inputs import TrainerError
 
 __all__ = ["RunStopped", "Trainer", "TrainerError", "run_training"]
@@ -151,6 +152,7 @@ class Trainer:
             row = self.rollout.writer.log({"version": 0, "step": 0, **evaluated,
                                            "eval_s": time.perf_counter() - t0})
         for version in range(start, cfg.train.total_versions):
+            raise_if_interrupted()  # SIGINT/SIGTERM are acted on at safe points like this
             row = self.step(version) or row
         if self.learner.version != self.progress.last_saved_version:
             self.save_checkpoint()
@@ -164,12 +166,14 @@ class Trainer:
         # Steps 1-3: generation has been going on all along; take the next packed batch.
         batch = self.next_batch(version)
         wait_s = time.perf_counter() - t_step
+        raise_if_interrupted()
         if first:
             self.mark_startup("first_batch_s")
         # Step 4: train.
         train_metrics = self.train(batch, version)
         if first:
             self.mark_startup("first_step_s")
+        raise_if_interrupted()
         # Step 5: publish version + 1; rollouts continue under it.
         t0 = time.perf_counter()
         self.publish(version + 1)
@@ -188,6 +192,7 @@ class Trainer:
             t0 = time.perf_counter()
             row.update(self.evaluate())
             row["eval_s"] = time.perf_counter() - t0
+            raise_if_interrupted()
         row = self.rollout.writer.log(row)
         if version + 1 == self.progress.last_saved_version:
             self.rollout.run_files.sync()  # gs:// run dirs: the checkpointed row is uploaded

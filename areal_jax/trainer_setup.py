@@ -18,6 +18,7 @@ import yaml
 
 from areal_jax import storage
 from areal_jax.config import TrainConfig, to_dict
+from areal_jax.interrupt import raise_if_interrupted
 from areal_jax.process import LIVE_SERVERS
 from areal_jax.run_inputs import (
     CHECKPOINT_DIR_NAMES,
@@ -73,6 +74,7 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
                      if cfg.model.tokenizer_path else model_path)
     if cfg.rollout.servers and is_main:
         check_servers_reachable(list(cfg.rollout.servers), cfg.rollout.api_key)
+    raise_if_interrupted()  # a safe point for SIGINT/SIGTERM
     run_dir, ckpt_dir, has_ckpt = prepare_run_dir(cfg, resume)
     if not is_main:  # a learner only: its rows of every batch come from process 0
         from areal_jax.data.trajectories import ProcessRowsDataset
@@ -117,6 +119,7 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     # Learner on its mesh (spanning every process's devices), checkpoint restored.
     learner_side = _build_learner_side(cfg, resume, stack, model_path, ckpt_dir, has_ckpt)
     learner, mesh = learner_side["learner"], learner_side.pop("mesh")
+    raise_if_interrupted()  # a safe point for SIGINT/SIGTERM
     progress, meta = learner_side["progress"], learner_side.pop("meta")
     start_version = progress.start_version
 
@@ -136,6 +139,7 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
         if learner_side["ref_learner"] is not None:
             learner_side["ref_learner"].precompile(rows, seq_len)
     startup["learner_compiled_s"] = time.time() - t_process
+    raise_if_interrupted()  # a safe point for SIGINT/SIGTERM
 
     # Rollout side (process 0): reward pool, workflow, metrics files, prompts, executor,
     # built while the servers may still be compiling (the metrics writer's TensorBoard
@@ -158,6 +162,7 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
         _wait_for_servers(cfg, handles)
         startup["servers_ready_s"] = time.time() - t_process
     executor.set_version(start_version)
+    raise_if_interrupted()  # a safe point for SIGINT/SIGTERM
     load_first = bool(cfg.rollout.servers) or adapter_mode
     if load_first:
         executor.pause()  # nothing is generated before the servers hold this version

@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
 
+    from areal_jax.process import install_signal_handlers
+
+    install_signal_handlers()  # from now on SIGINT/SIGTERM stop the run gracefully
     from areal_jax.config import ConfigError, load_config
 
     overrides = list(args.overrides)

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from areal_jax.engine.config import CPU_DEVICE_COUNT_FLAG
+from areal_jax.interrupt import raise_if_interrupted
 
 API_KEY_ENV = "AREAL_JAX_API_KEY"  # the server reads its key from here (see server.py)
 
@@ -244,6 +245,7 @@ def wait_healthy(handles: Sequence[ServerHandle], timeout: float = 180.0) -> Non
                     error.index = list(handles).index(handle)
                     raise error
             if pending:
+                raise_if_interrupted()  # SIGINT/SIGTERM during a training run's start-up
                 time.sleep(0.25)
 
 

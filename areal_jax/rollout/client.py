@@ -329,6 +329,15 @@ class RolloutClient:
                         f"{server.url}: {server.last_error}")
                 server = None
                 continue
+            sent_adapter = payload.get("lora_path")
+            if (resp.status_code == 400 and sent_adapter is not None
+                    and self._latest_adapter is not None
+                    and self._latest_adapter[0] != sent_adapter):
+                # The adapter it named was replaced while it waited (a version update):
+                # the server refused to run it on other weights; resubmit on the new one.
+                for i in pending:
+                    interruptions[i] += 1
+                continue
             if resp.status_code >= 400:
                 raise RolloutRequestError(
                     f"{server.url} rejected {what} (HTTP {resp.status_code}): "
@@ -424,27 +433,35 @@ class RolloutClient:
             return fallback
 
     async def _call(self, server: ServerState, route: str, body: dict[str, Any],
-                    timeout: float | None, vary_rid: bool = False) -> _Reply:
+                    timeout: float | None, vary_rid: bool = False,
+                    total_s: float | None = None) -> _Reply:
         """POSTs ``body`` to one server, retrying transient trouble (see the module doc).
 
         Returns any reply below 500. Raises _ServerDown if the server refuses connections
         or is still failing when its retries run out. ``vary_rid`` gives each retry its own
-        rid (the abandoned attempt may still hold the old one on the server).
+        rid (the abandoned attempt may still hold the old one on the server). ``total_s``
+        (control calls) bounds the whole call, every attempt and wait included.
         """
         url = f"{server.url}{route}"
         first_failure: float | None = None
         in_a_row = 0
         delay = self.retry_backoff_s
+        end = None if total_s is None else time.monotonic() + total_s
         for attempt in itertools.count():
             if vary_rid and attempt:
                 rid = body["rid"]
                 body = {**body, "rid": [f"{r}~{attempt}" for r in rid] if isinstance(rid, list)
                         else f"{rid}~{attempt}"}
+            waited = timeout if timeout is not None else self.request_timeout
+            if end is not None:
+                waited = max(min(waited, end - time.monotonic()), 0.001)
             try:
-                reply = await self._http.post(url, json=body, timeout=timeout)
+                reply = await self._http.post(url, json=body, timeout=waited)
             except TimeoutError:  # slow, not dead (aiohttp's timeouts subclass it)
-                waited = timeout if timeout is not None else self.request_timeout
-                reason, counted = f"{route}: no reply within {waited}s", False
+                if end is not None and time.monotonic() >= end:
+                    raise _ServerDown(f"{route}: no reply within {total_s:g}s (the retry "
+                                      "deadline bounds every control call)") from None
+                reason, counted = f"{route}: no reply within {waited:g}s", False
             except aiohttp.ClientConnectorError as e:  # nothing listens: the server is gone
                 raise _ServerDown(f"{route}: cannot connect: {e}") from None
             except TRANSPORT_ERRORS as e:  # dropped or reset connection
@@ -457,7 +474,8 @@ class RolloutClient:
             now = time.monotonic()
             first_failure = now if first_failure is None else first_failure
             in_a_row += counted
-            if in_a_row > self.max_retries or now + delay - first_failure > self.retry_deadline_s:
+            if (in_a_row > self.max_retries or now + delay - first_failure > self.retry_deadline_s
+                    or (end is not None and now + delay >= end)):
                 raise _ServerDown(reason)
             logger.warning("rollout server %s: %s; retrying in %.1fs (gives up %.0fs after the "
                            "first failure)", server.url, reason, delay, self.retry_deadline_s)
@@ -557,10 +575,17 @@ class RolloutClient:
         return self._latest_weights[1] if self._latest_weights is not None else None
 
     # ================================================================== fleet control
+    @property
+    def control_deadline_s(self) -> float:
+        """What one control call (pause, continue, weight update, adapter load, server
+        info) may take in total, retries included: the retry deadline (``control_timeout``
+        when that is 0)."""
+        return min(self.control_timeout, self.retry_deadline_s or self.control_timeout)
+
     async def _post(self, server: ServerState, route: str, body: dict[str, Any] | None = None
                     ) -> _Reply:
         return await self._http.post(f"{server.url}{route}", json=body or {},
-                                     timeout=self.control_timeout)
+                                     timeout=self.control_deadline_s)
 
     async def _broadcast(self, route: str, body: dict[str, Any] | None = None
                          ) -> list[dict[str, Any]]:
@@ -571,7 +596,8 @@ class RolloutClient:
 
         async def one(s: ServerState) -> dict[str, Any] | None:
             try:
-                r = await self._call(s, route, body or {}, self.control_timeout)
+                r = await self._call(s, route, body or {}, self.control_timeout,
+                                     total_s=self.control_deadline_s)
             except _ServerDown as e:
                 self._mark_down(s, e.reason)
                 return None
@@ -589,7 +615,9 @@ class RolloutClient:
 
         replies = [r for r in await asyncio.gather(*(one(s) for s in up)) if r is not None]
         if not replies:
-            raise NoServerAvailableError(f"{route}: every rollout server failed")
+            detail = "; ".join(f"{s.url}: {s.last_error}" for s in up)
+            raise NoServerAvailableError(f"{route}: every rollout server failed and was dropped "
+                                         f"({detail})")
         failed = [r for r in replies if r.get("success") is False]
         if failed:
             detail = "; ".join(f"{r['url']}: {r.get('message')}" for r in failed)
@@ -645,8 +673,13 @@ class RolloutClient:
             if not s.up:
                 return {"url": s.url, "up": False, "last_error": s.last_error}
             try:
-                r = await self._http.get(f"{s.url}/get_server_info", timeout=self.control_timeout)
+                r = await self._http.get(f"{s.url}/get_server_info",
+                                         timeout=self.control_deadline_s)
                 info = r.json() if r.status_code == 200 else {"error": _error_message(r)}
+            except TimeoutError:
+                self._mark_down(s, "/get_server_info: no reply within "
+                                   f"{self.control_deadline_s:g}s")
+                return {"url": s.url, "up": False, "last_error": s.last_error}
             except (*TRANSPORT_ERRORS, ValueError) as e:
                 self._mark_down(s, f"/get_server_info: {type(e).__name__}: {e}")
                 return {"url": s.url, "up": False, "last_error": s.last_error}

@@ -68,6 +68,7 @@ from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from areal_jax.interrupt import POLL_S, raise_if_interrupted
 from areal_jax.rewards.pool import RewardPool
 from areal_jax.rollout.staleness import StalenessGate
 from areal_jax.rollout.workflows import WorkflowContext, as_workflow_fn
@@ -292,7 +293,9 @@ class RolloutExecutor:
         Async clients hold connections bound to one loop; use this for every call the
         trainer makes on the client while the executor runs.
         """
-        return self.submit_coroutine(coro).result(timeout)
+        from areal_jax.interrupt import wait_future
+
+        return wait_future(self.submit_coroutine(coro), timeout)  # SIGINT/SIGTERM end the wait
 
     def submit_coroutine(self, coro: Coroutine) -> concurrent.futures.Future:
         """Schedules ``coro`` on the executor's loop; the executor must be running."""
@@ -513,6 +516,7 @@ class RolloutExecutor:
         deadline = None if timeout is None else t_wait + timeout
         with self._cond:
             while True:
+                raise_if_interrupted()  # a safe point for SIGINT/SIGTERM (main thread only)
                 self._raise_if_dead_locked()
                 self._requeue_stale_locked()
                 if len(self._accepted) >= n and not self._old_runs_in_flight_locked():
@@ -531,7 +535,7 @@ class RolloutExecutor:
                         f"prepare_batch({n}) timed out after {timeout}s: {len(self._accepted)} "
                         f"accepted, {len(self._running)} running, paused={self._paused}, "
                         f"capacity={self._capacity_locked()}")
-                self._cond.wait(min(remaining, 1.0) if remaining is not None else 1.0)
+                self._cond.wait(min(remaining, POLL_S) if remaining is not None else POLL_S)
             self._accepted.sort(key=lambda a: a.order)
             batch, self._accepted = self._accepted[:n], self._accepted[n:]
             self._counts["consumed"] += len(batch)

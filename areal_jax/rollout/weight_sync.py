@@ -23,6 +23,7 @@ exactly on-policy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import posixpath
 import time
 from collections.abc import Callable
@@ -73,12 +74,15 @@ class WeightSync:
         ``update_s``. Raises :class:`WeightSyncError` if the write or the update failed."""
         if self._pending is None:
             return
+        from areal_jax.interrupt import wait_future
+
         version, future = self._pending
-        self._pending = None
-        try:
-            self.write_s[version], self.update_s[version] = future.result()
+        try:  # SIGINT/SIGTERM end the wait; the publish stays pending (a checkpoint waits)
+            self.write_s[version], self.update_s[version] = wait_future(future)
         except Exception as e:  # noqa: BLE001 - a storage, transport or server error
+            self._pending = None
             raise _failed(version, e) from e
+        self._pending = None
 
     async def _write_and_update(self, params: Any, version: int) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -108,8 +112,13 @@ class WeightSync:
                 await client.load_lora_adapter(
                     f"v{version}", posixpath.join(path, self.adapter_subdir), version)
             ex.set_version(version)
-        finally:
-            if self.interruptible:
-                await client.continue_()
+        except BaseException:
+            if self.interruptible:  # the servers left (if any) go on; the first error stands
+                with contextlib.suppress(Exception):
+                    await client.continue_()
             ex.resume()
+            raise
+        if self.interruptible:
+            await client.continue_()
+        ex.resume()
         return time.perf_counter() - t0
