@@ -353,6 +353,10 @@ class TrainConfig:
     seed: int = 0
     mode: Literal["async", "sync"] = "async"
     mesh: str = "data=-1"  # data=D,fsdp=F,tensor=T; one -1 means "the rest"
+    # The hardware this config is sized for: "cpu", a TPU slice (v5e:2x2, v5e:2x4, v4:2x2x1,
+    # v5p:2x2x1, v6e:2x2) or N GPUs of one host (h100:N, h200:N). Documentation that
+    # scripts/plan.py checks (its default --target); training runs on whatever JAX finds.
+    hardware: str | None = None
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -371,6 +375,16 @@ class TrainConfig:
     compilation_cache_dir: str | None = "~/.cache/areal_jax/jax_compilation_cache"
 
     def __post_init__(self) -> None:
+        if self.hardware is not None and self.hardware != "cpu":
+            from areal_jax.parallel.targets import check_target
+
+            try:
+                check_target(self.hardware)
+            except ValueError:
+                from areal_jax.parallel.targets import TARGET_HELP
+
+                raise ValueError(f"hardware: {self.hardware!r} is not a known target; use cpu, "
+                                 f"{TARGET_HELP} (or leave it out)") from None
         if self.rollout.max_new_tokens >= self.rollout.max_seq_len:
             raise ValueError(
                 f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) must be smaller than "

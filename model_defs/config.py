@@ -272,6 +272,13 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True, attention_bias=False, qk_norm=True,
         max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
     ),
+    "qwen3-1.7b": ModelConfig(  # Qwen/Qwen3-1.7B's config.json
+        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, attention_bias=False, qk_norm=True,
+        max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
+    ),
     "llama3.2-1b": ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=2048,
         intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # name -> (topology_name, chip_config_name, chips_per_host_bounds, TPU_ACCELERATOR_TYPE)
 _TPU_TARGETS = {
@@ -29,6 +29,57 @@ _TPU_TARGETS = {
     "v5p:2x2x1": ("v5p:2x2x1", "megacore", (2, 2, 1), "v5p-8"),
 }
 _GPU_SPECS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
+TARGET_HELP = "v5e:2x2, v5e:2x4, v4:2x2x1, v5p:2x2x1, v6e:2x2, h100:N or h200:N"
+
+
+class Chip(NamedTuple):
+    """One chip's published figures: dense bf16 peak, HBM capacity and bandwidth."""
+
+    name: str
+    peak_bf16_flops: float  # FLOP/s, dense (no sparsity)
+    hbm_bytes: int
+    hbm_bytes_per_s: float
+
+
+# Sources: the vendors' product pages (Google Cloud TPU docs "TPU v4/v5e/v5p/v6e" system
+# architecture tables; NVIDIA's H100 and H200 datasheets, SXM form factor).
+CHIPS: dict[str, Chip] = {
+    # cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2, 1,200 GB/s
+    "v4": Chip("TPU v4", 275e12, 32 * 2**30, 1200e9),
+    # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GiB HBM2, 819 GB/s
+    "v5e": Chip("TPU v5e", 197e12, 16 * 2**30, 819e9),
+    # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM2e, 2,765 GB/s
+    "v5p": Chip("TPU v5p", 459e12, 95 * 2**30, 2765e9),
+    # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GiB HBM, 1,640 GB/s
+    "v6e": Chip("TPU v6e", 918e12, 32 * 2**30, 1640e9),
+    # nvidia.com/en-us/data-center/h100: H100 SXM 989 TFLOP/s bf16 dense (1,979 with
+    # sparsity), 80 GB HBM3, 3.35 TB/s; the memory is the device_memory_size XLA's spec holds
+    "h100": Chip("NVIDIA H100 SXM", 989e12, 84942979072, 3.35e12),
+    # nvidia.com/en-us/data-center/h200: 989 TFLOP/s bf16 dense, 141 GB HBM3e, 4.8 TB/s
+    "h200": Chip("NVIDIA H200 SXM", 989e12, 151397597184, 4.8e12),
+}
+
+
+def check_target(target: str) -> str:
+    """``target`` if it names a known target, else ValueError listing them. Needs no jax
+    plugin (configs validate their ``hardware`` with it)."""
+    if target in _TPU_TARGETS:
+        return target
+    match = re.fullmatch(r"(h100|h200):(\d+)", str(target))
+    if match is None or int(match.group(2)) < 1:
+        raise ValueError(f"unknown target {target!r}; use one of {TARGET_HELP}")
+    return target
+
+
+def target_chip(target: str) -> Chip:
+    """The chip of a target name (its part before the colon)."""
+    return CHIPS[check_target(target).split(":")[0]]
+
+
+def target_platform(target: str) -> str:
+    """"tpu" or "gpu"."""
+    return "tpu" if check_target(target) in _TPU_TARGETS else "gpu"
+
 # GpuDeviceInfoProto fields newer XLA specs carry that jaxlib 0.10's proto does not know
 # (the parse fails on an unknown field); they do not affect code generation.
 _FIELDS_UNKNOWN_TO_JAXLIB = ("collective_memory_granularity",)
@@ -49,8 +100,11 @@ def compile_only_devices(target: str) -> list[Any]:
         if platforms != "cpu":
             raise RuntimeError(f"compile_only_devices({target!r}) needs JAX_PLATFORMS=cpu "
                                f"set before jax starts (it is {platforms!r})")
+        # ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu otherwise takes a host-wide lock file that
+        # makes a second compiling process fail; compile-only devices touch no chip.
         os.environ.update(TPU_SKIP_MDS_QUERY="1", TPU_ACCELERATOR_TYPE=accelerator,
-                          TPU_WORKER_HOSTNAMES="localhost", TPU_WORKER_ID="0")
+                          TPU_WORKER_HOSTNAMES="localhost", TPU_WORKER_ID="0",
+                          ALLOW_MULTIPLE_LIBTPU_LOAD="1")
         try:
             import libtpu  # noqa: F401
         except ImportError as e:
