@@ -35,7 +35,7 @@ def enable_compilation_cache(path: str | Path | None) -> str | None:
     jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     with contextlib.suppress(ImportError, AttributeError):
         # Compilations earlier in this process may have found the cache off; look again.
-        from jax._src import compilation_cache
+        from jax.experimental.compilation_cache import compilation_cache
 
         compilation_cache.reset_cache()
     return str(directory)

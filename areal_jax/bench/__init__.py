@@ -11,6 +11,7 @@ measured side by side in the same run.
     python -m areal_jax.bench memory    [options]   # learner compiled memory vs T, bytes/param
     python -m areal_jax.bench memory-run [options]  # peak RSS of real runs, fsdp=1 vs fsdp=2
     python -m areal_jax.bench startup   [options]   # process start to first batch / first step
+    python -m areal_jax.bench process-rows [options] # process 0 -> each process's rows of a batch
     python -m areal_jax.bench trl       [options]   # areal-jax vs TRL GRPOTrainer on the demo
 
 (``python scripts/bench.py ...`` is the same command.) Each benchmark is the module
@@ -40,6 +41,7 @@ def benchmarks() -> dict[str, Benchmark]:
         losses,
         memory,
         memory_run,
+        process_rows,
         staleness,
         startup,
         train,
@@ -49,7 +51,8 @@ def benchmarks() -> dict[str, Benchmark]:
     return {"forward": forward, "train": train, "generate": generate,
             "async-vs-sync": async_vs_sync, "staleness": staleness, "losses": losses,
             "executor": executor, "memory": memory, "memory-run": memory_run,
-            "startup": startup, "trl": trl}
+            "startup": startup, "trl": trl,
+            "process-rows": process_rows}
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Benchmark]]:

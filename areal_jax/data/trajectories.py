@@ -176,9 +176,6 @@ def load_batch(path: str) -> TrainBatch:
         return decode_rows(f.read())
 
 
-_END = b"end"
-
-
 class ProcessRowsIterator(grain.DatasetIterator):
     """Iterator of :class:`ProcessRowsDataset`."""
 
@@ -189,26 +186,23 @@ class ProcessRowsIterator(grain.DatasetIterator):
         self._step = ds.start_step
 
     def __next__(self) -> TrainBatch:
-        from areal_jax.parallel import receive_bytes, send_bytes
+        from areal_jax.parallel import scatter_from_main
 
         ds, key = self._ds, f"batch/{self._step}"
         if self._source is None:  # a receiving process
-            data = receive_bytes(f"{key}/{ds.process_id}")
-            if data == _END:
+            data = scatter_from_main(key)
+            if data is None:
                 raise StopIteration
             self._step += 1
             return decode_rows(data)
         try:
             batch = next(self._source)
         except StopIteration:
-            for pid in ds.rows_of:
-                if pid != ds.process_id:
-                    send_bytes(f"{key}/{pid}", _END)
+            scatter_from_main(key, end=True)
             raise
         rows_of = ds.rows_of_batch(batch.micro_batches[0].shape[0])
-        for pid, rows in rows_of.items():
-            if pid != ds.process_id:
-                send_bytes(f"{key}/{pid}", encode_rows(batch, rows))
+        scatter_from_main(key, {pid: encode_rows(batch, rows) for pid, rows in rows_of.items()
+                                if pid != ds.process_id})
         own = rows_of[ds.process_id]
         local = [PackedBatch(**{k: v[own] for k, v in mb.arrays().items()},
                              minibatch_id=mb.minibatch_id,
@@ -233,9 +227,9 @@ class ProcessRowsDataset(grain.IterDataset):
     """Each JAX process's rows of a trajectory stream that runs on one process.
 
     On the sending process (``source`` given: process 0, the one staleness authority), each
-    :class:`TrainBatch` of ``source`` is split by rows: every other process is sent, through
-    the ``jax.distributed`` coordination service, the rows its devices hold of every
-    micro-batch (:func:`~areal_jax.parallel.process_batch_rows`), and this process keeps its
+    :class:`TrainBatch` of ``source`` is split by rows: every other process is sent (in one
+    collective, :func:`~areal_jax.parallel.scatter_from_main`) the rows its devices hold of
+    every micro-batch (:func:`~areal_jax.parallel.process_batch_rows`), and this process keeps its
     own. On a receiving process (``source=None``) each element is those rows, with the
     batch's version and stats but no groups. Every process therefore gets micro-batches of
     the same count and shape, holding different rows; the learner takes them with

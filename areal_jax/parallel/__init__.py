@@ -2,12 +2,11 @@
 
 from areal_jax.parallel.distributed import (
     JobGuard,
+    board_client,
     detected_cluster,
     initialize_distributed,
     is_main_process,
     job_guard,
-    receive_bytes,
-    send_bytes,
     start_job_guard,
 )
 from areal_jax.parallel.mesh import (
@@ -25,6 +24,7 @@ from areal_jax.parallel.mesh import (
     put_batch,
     replicated,
 )
+from areal_jax.parallel.transfer import scatter_from_main
 
 __all__ = [
     "BATCH_AXES",
@@ -32,6 +32,7 @@ __all__ = [
     "MESH_AXES",
     "MeshSpecError",
     "batch_sharding",
+    "board_client",
     "detected_cluster",
     "format_mesh_spec",
     "initialize_distributed",
@@ -44,8 +45,7 @@ __all__ = [
     "parse_mesh_spec",
     "process_batch_rows",
     "put_batch",
-    "receive_bytes",
     "replicated",
-    "send_bytes",
+    "scatter_from_main",
     "start_job_guard",
 ]

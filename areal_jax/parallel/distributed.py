@@ -71,6 +71,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
       cpu_collectives: cross-process collectives on CPU ("gloo" or "mpi").
     """
     if _is_initialized():
+        _start_board(None)
         return jax.process_count() > 1
     address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
     n = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
@@ -80,6 +81,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         if not auto_detect:
             return False
         jax.distributed.initialize()
+        _start_board(None)
         return jax.process_count() > 1
     if n is not None and n < 1:
         raise ValueError(f"num_processes ({ENV_NUM_PROCESSES}) must be >= 1, got {n}")
@@ -104,6 +106,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         raise RuntimeError(f"jax.distributed.initialize(coordinator_address={address!r}, "
                            f"num_processes={n}, process_id={pid}) failed: {e}. It must run before "
                            "any JAX computation or device query in this process.") from e
+    _start_board(address.rsplit(":", 1)[0])
     return jax.process_count() > 1
 
 
@@ -112,15 +115,59 @@ def is_main_process() -> bool:
 
 
 # ----------------------------------------------------------------------------- one job, one fate
-# Keys in the coordination service's key-value store (hosted by process 0).
+# Keys on the job's board (areal_jax.parallel.board, served by process 0).
 _KV_PREFIX = "areal_jax"
 
 
-def _kv_client() -> Any:
-    """The ``jax.distributed`` client (its key-value store); None when single-process."""
-    from jax._src import distributed as jax_distributed
+_board: Any = None  # (BoardServer on process 0 or None, BoardClient)
 
-    return jax_distributed.global_state.client
+
+def _start_board(coordinator_host: str | None) -> None:
+    """Starts the job's notice board (:mod:`areal_jax.parallel.board`) on process 0 and tells
+    every process its address, in one collective; a no-op single-process or when started.
+
+    Every process calls it right after ``jax.distributed.initialize`` (so all arrive within
+    seconds). The board listens on the coordinator's host when one was given (process 0 runs
+    the coordinator), else on every interface of process 0, found by its host name.
+    """
+    global _board
+    if _board is not None or jax.process_count() < 2:
+        return
+    import socket
+
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from areal_jax.parallel.board import BoardClient, BoardServer
+
+    server, address = None, np.zeros(256, np.uint8)
+    if jax.process_index() == 0:
+        host = coordinator_host.strip("[]") if coordinator_host else None
+        try:
+            server = BoardServer(host or "")
+        except OSError:  # e.g. a name that is not this machine's own address
+            server = BoardServer("")
+        if not host or host in ("0.0.0.0", "::"):
+            host = socket.getfqdn()
+        text = f"{host} {server.port}".encode()
+        address[:len(text)] = np.frombuffer(text, np.uint8)
+    address = multihost_utils.broadcast_one_to_all(address, is_source=jax.process_index() == 0)
+    host, port = bytes(np.asarray(address, np.uint8)).rstrip(b"\0").decode().rsplit(" ", 1)
+    _board = (server, BoardClient(host, int(port)))
+
+
+def board_client() -> Any:
+    """This process's client of the job's board; RuntimeError when there is none (a
+    single-process run, or :func:`initialize_distributed` was not used)."""
+    if _board is None:
+        raise RuntimeError("the job's board is started by areal_jax.parallel."
+                           "initialize_distributed with several processes; it was not")
+    return _board[1]
+
+
+def _kv_client() -> Any:
+    """The job's key-value store (the board); None when single-process."""
+    return None if _board is None else _board[1]
 
 
 class JobGuard:
@@ -236,31 +283,3 @@ def start_job_guard(peer_timeout_s: float = 15.0) -> JobGuard | None:
 def job_guard() -> JobGuard | None:
     """The running :class:`JobGuard`, if any."""
     return _guard
-
-
-# ----------------------------------------------------------------------------- process 0 -> all
-def send_bytes(key: str, data: bytes, chunk_bytes: int = 1 << 20) -> None:
-    """Stores ``data`` under ``key`` in the coordination service (in chunks), for
-    :func:`receive_bytes` on another process. Each key is read once."""
-    client = _kv_client()
-    chunks = [data[i:i + chunk_bytes] for i in range(0, len(data), chunk_bytes)] or [b""]
-    for i, chunk in enumerate(chunks):
-        client.key_value_set_bytes(f"{_KV_PREFIX}/data/{key}/{i}", chunk)
-    client.key_value_set(f"{_KV_PREFIX}/data/{key}/n", str(len(chunks)))  # last: complete
-
-
-def receive_bytes(key: str, poll_ms: int = 5000) -> bytes:
-    """Waits (as long as it takes; the :class:`JobGuard` ends a failed job) for
-    :func:`send_bytes`'s ``key``, returns it and deletes it from the store."""
-    client = _kv_client()
-    while True:
-        try:
-            n = int(client.blocking_key_value_get(f"{_KV_PREFIX}/data/{key}/n", poll_ms))
-            break
-        except Exception as e:  # noqa: BLE001 - a timeout: keep waiting
-            if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
-                raise
-    data = b"".join(client.blocking_key_value_get_bytes(f"{_KV_PREFIX}/data/{key}/{i}", poll_ms)
-                    for i in range(n))
-    client.key_value_delete(f"{_KV_PREFIX}/data/{key}/")
-    return data
