@@ -25,9 +25,20 @@ Two masks, both built per block and never as a [T, S] array in memory:
   so that attention over two key sets (the engine's cache prefix and the keys of the
   current call) can be combined exactly with :func:`merge_attention`.
 
-On every backend the blockwise XLA form is used: ``jax.nn.dot_product_attention``'s XLA
-fallback materialises the full [B, N, T, S] scores (quadratic again), and the cuDNN /
-Pallas kernels need an accelerator this code is not tested on.
+The self-attention (learner and engine prefill) can instead run as a fused kernel,
+``impl`` = ``model.attention``: ``auto`` (splash on TPU, cuDNN or Pallas-Triton on GPU, this
+XLA form on CPU), ``xla``, ``splash``, ``cudnn``, ``pallas_gpu``; the kernels and their
+sharding are in :mod:`model_defs.fused_attention`. ``jax.nn.dot_product_attention``'s XLA
+implementation is not used anywhere: it materialises the full [B, N, T, S] scores.
+
+Cache attention (the engine's decode) stays on this XLA form on every platform. The cache
+keeps keys transposed per slot, [B_slots, K, Dh, S_max], and a decode call attends to the
+cache prefix and to a small local buffer of its own steps, merged by lse. JAX's decode
+kernels want other layouts: TPU ``paged_attention`` / ``ragged_paged_attention`` read a
+paged cache ([pages, page_size, ...] with page tables), and the GPU ``decode_attention``
+kernel keys [S, Dh] (head dim minor), one query token per row. A decode step is bound by
+reading the cache once; the two plain matrix products per (slot, kv head) already read it
+in its natural layout, so a kernel would first need a paged cache.
 """
 
 from __future__ import annotations
@@ -38,6 +49,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from model_defs.fused_attention import (
+    active_platform,
+    fused_self_attention,
+    resolve_attention_impl,
+)
+
 Array = jax.Array
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Query (and key) rows per block of the blockwise path. Rows of at most BLOCK tokens are
@@ -47,9 +64,11 @@ BLOCK = 256
 
 def attention(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, *,
               segment_ids_bt: Array | None = None, kv_limit_bt: Array | None = None,
-              keys_transposed: bool = False, return_lse: bool = False) -> Any:
+              keys_transposed: bool = False, return_lse: bool = False,
+              impl: str = "xla", interpret: bool = False) -> Any:
     """Grouped-query attention; returns [B, K, G, T, Dh] in the queries' dtype, or with
-    ``return_lse`` the fp32 output and the fp32 log-sum-exp [B, K, G, T].
+    ``return_lse`` the output (fp32 on the XLA path, the queries' dtype from a kernel) and
+    the fp32 log-sum-exp [B, K, G, T].
 
     Args:
       q_bkgtd: queries, pre-scaled.
@@ -57,7 +76,11 @@ def attention(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, *,
       segment_ids_bt: self-attention only: packed-segment ids (default: one segment).
       kv_limit_bt: cache attention: the last key index each query may read.
       keys_transposed: keys are [B, K, Dh, S].
-      return_lse: also return the log-sum-exp of each query's scores (cache attention).
+      return_lse: also return the log-sum-exp of each query's scores (forward only).
+      impl: self-attention kernel, a ``model.attention`` value (``auto``, ``xla``,
+        ``splash``, ``cudnn``, ``pallas_gpu``; see :mod:`model_defs.fused_attention`),
+        resolved for the active mesh's platform. Cache attention is always XLA.
+      interpret: run a Pallas kernel in Pallas' interpreter (tests on CPU).
     """
     if kv_limit_bt is not None:
         if segment_ids_bt is not None:
@@ -69,17 +92,24 @@ def attention(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, *,
         acc, m, l_sum = _block(q_bkgtd, k_bksd, v_bksd, q_idx_bt, kv_idx_bs, None, None,
                                keys_transposed)
         return _finish(acc, m, l_sum, q_bkgtd.dtype, return_lse)
-    if return_lse:
-        raise ValueError("attention: return_lse is only offered with kv_limit_bt")
     b, _, _, t, _ = q_bkgtd.shape
     if keys_transposed:
         k_bksd = k_bksd.swapaxes(2, 3)
+    kernel = resolve_attention_impl(impl, active_platform(), interpret=interpret)
+    if kernel != "xla":
+        seg_bt = None if segment_ids_bt is None else jnp.asarray(segment_ids_bt, jnp.int32)
+        return fused_self_attention(kernel, q_bkgtd, k_bksd, v_bksd, seg_bt,
+                                    return_lse=return_lse, interpret=interpret)
     seg_bt = (jnp.zeros((b, t), jnp.int32) if segment_ids_bt is None
               else jnp.asarray(segment_ids_bt, jnp.int32))
     if t <= BLOCK:
         idx_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         acc, m, l_sum = _block(q_bkgtd, k_bksd, v_bksd, idx_bt, idx_bt, seg_bt, seg_bt, False)
-        return _finish(acc, m, l_sum, q_bkgtd.dtype, False)
+        return _finish(acc, m, l_sum, q_bkgtd.dtype, return_lse)
+    if return_lse:  # forward only (the engine's prefill): no custom_vjp needed
+        q_pad, k_pad, v_pad, seg_pad = _pad_to_block(q_bkgtd, k_bksd, v_bksd, seg_bt, BLOCK)
+        out_bkgtd, lse_bkgt = _flash_forward(q_pad, k_pad, v_pad, seg_pad, BLOCK)
+        return out_bkgtd[:, :, :, :t], lse_bkgt[..., :t]
     return _blockwise_self_attention(q_bkgtd, k_bksd, v_bksd, seg_bt, BLOCK)
 
 
@@ -143,8 +173,8 @@ def _finish(acc: Array, m: Array, l_sum: Array, dtype: Any, return_lse: bool) ->
     return out, jnp.where(l_sum > 0, m + jnp.log(safe_l), -jnp.inf)
 
 
-def _blockwise_self_attention(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, seg_bt: Array,
-                              block: int) -> Array:
+def _pad_to_block(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, seg_bt: Array,
+                  block: int) -> tuple[Array, Array, Array, Array]:
     t = q_bkgtd.shape[3]
     pad = -(-t // block) * block - t
     if pad:  # padded tokens get segment -1: they read only each other and are sliced off
@@ -152,7 +182,13 @@ def _blockwise_self_attention(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, seg_
         k_bksd = jnp.pad(k_bksd, ((0, 0),) * 2 + ((0, pad), (0, 0)))
         v_bksd = jnp.pad(v_bksd, ((0, 0),) * 2 + ((0, pad), (0, 0)))
         seg_bt = jnp.pad(seg_bt, ((0, 0), (0, pad)), constant_values=-1)
-    return _flash(q_bkgtd, k_bksd, v_bksd, seg_bt, block)[:, :, :, :t]
+    return q_bkgtd, k_bksd, v_bksd, seg_bt
+
+
+def _blockwise_self_attention(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, seg_bt: Array,
+                              block: int) -> Array:
+    t = q_bkgtd.shape[3]
+    return _flash(*_pad_to_block(q_bkgtd, k_bksd, v_bksd, seg_bt, block), block)[:, :, :, :t]
 
 
 # Flash attention (Dao et al.; FlashAttention-2's loop order) in plain JAX. The forward pass
