@@ -300,11 +300,11 @@ def _cost(compiled: Any, platform: str) -> dict[str, float]:
     if isinstance(cost, list):
         cost = cost[0] if cost else None
     if not cost and platform == "gpu":
-        from jax._src import xla_bridge
-        from jax._src.lib import xla_client
+        import jax.extend.backend
+        from jaxlib import _jax  # no public wrapper of XLA's HloCostAnalysis (jax 0.10)
 
         module = compiled.runtime_executable().hlo_modules()[0]
-        cost = xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+        cost = _jax.hlo_module_cost_analysis(jax.extend.backend.get_backend("cpu"), module)
     cost = cost or {}
     return {"flops": float(cost.get("flops", 0.0)),
             "bytes_accessed": float(cost.get("bytes accessed", 0.0))}

@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=1536)
     p.add_argument("--rows-per-micro-batch", type=int, default=8)
     p.add_argument("--batches", type=int, default=5)
+    p.add_argument("--first-delay-s", type=float, default=0.0,
+                   help="process 0 waits this long before its first batch (as if generating), "
+                        "while the others wait for it")
     p.add_argument("--baseline-repo", default=None,
                    help="another checkout whose areal_jax runs the same workers, for the ratio")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per set of workers")
@@ -89,6 +92,7 @@ def rows_digest(micro_batches: list[Any]) -> str:
 def worker(argv: list[str]) -> None:
     pid, n, port, out = int(argv[0]), int(argv[1]), argv[2], argv[3]
     samples, tokens, seq_len, rpm, batches = (int(x) for x in argv[4:9])
+    first_delay_s = float(argv[9])
     import time
 
     from areal_jax.parallel import initialize_distributed
@@ -106,6 +110,8 @@ def worker(argv: list[str]) -> None:
     times, digests = [], []
     while True:
         multihost_utils.sync_global_devices("areal_jax bench process-rows")
+        if pid == 0 and not times and first_delay_s:
+            time.sleep(first_delay_s)
         t0 = time.perf_counter()
         try:
             batch = next(it)
@@ -135,7 +141,8 @@ def run_workers(args: argparse.Namespace, repo: Path | None, tmp: Path) -> list[
         outs.append(out)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(pid),
                str(args.processes), str(port), str(out), str(args.samples), str(args.tokens),
-               str(args.seq_len), str(args.rows_per_micro_batch), str(args.batches)]
+               str(args.seq_len), str(args.rows_per_micro_batch), str(args.batches),
+               str(args.first_delay_s)]
         log = (tmp / f"{out.stem}.log").open("w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
