@@ -185,6 +185,108 @@ def test_client_adapter_mode_sets_versions_and_sends_lora_path(published, base_s
         http.post("/update_weight_version", json={"new_version": "0"})
 
 
+def _wait_for(http, condition, what, deadline_s=120.0):
+    """Polls /get_server_info until ``condition(info)`` (a deadline for a state the server
+    must reach, not a timing assertion)."""
+    import time
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        info = http.get("/get_server_info").json()
+        if condition(info):
+            return info
+        time.sleep(0.05)
+    pytest.fail(f"the server never reached: {what}")
+
+
+@pytest.mark.parametrize("change", ["replace", "unload"])
+def test_a_queued_request_runs_on_the_adapter_it_named_or_gets_a_400_naming_it(
+        published, base_server, change):
+    """Issue 33 item 4: a request naming adapter a4 waits (paused); a4 is then replaced by
+    b8 (or unloaded). It must not run on b8 or the base: a 400 naming a4. A request naming
+    b8, sent after the load, runs on b8."""
+    import concurrent.futures
+
+    _, v1, root = published
+    adapter = f"{v1}/{ADAPTER_SUBDIR}"
+    with http_client(base_server.url, None) as http, \
+            concurrent.futures.ThreadPoolExecutor(2) as pool:
+        assert http.post("/load_lora_adapter",
+                         json={"lora_name": "a4", "lora_path": adapter}).status_code == 200
+        assert http.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+        body = {"input_ids": PROMPTS[0], "lora_path": "a4", "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+        queued = pool.submit(http.post, "/generate", json=body)
+        _wait_for(http, lambda i: i["num_waiting_reqs"] == 1, "one queued request")
+        if change == "replace":
+            r = http.post("/load_lora_adapter", json={"lora_name": "b8", "lora_path": adapter})
+            assert r.status_code == 200, r.text
+            on_b8 = pool.submit(http.post, "/generate", json={**body, "lora_path": "b8"})
+            _wait_for(http, lambda i: i["num_waiting_reqs"] == 2, "two queued requests")
+        else:
+            assert http.post("/unload_lora_adapter", json={"lora_name": "a4"}).status_code == 200
+        assert http.post("/continue_generation").status_code == 200
+        r = queued.result(timeout=120)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert "lora_path 'a4'" in error and (
+            "replaced by 'b8'" if change == "replace" else "unloaded") in error, error
+        if change == "replace":
+            r = on_b8.result(timeout=120)
+            assert r.status_code == 200 and len(r.json()["output_ids"]) == 4, r.text
+            assert http.post("/unload_lora_adapter", json={"lora_name": "b8"}).status_code == 200
+        assert http.get("/health").status_code == 200
+
+
+def test_client_resubmits_on_the_new_adapter_when_its_adapter_was_replaced(
+        published, base_server):
+    """The rollout client in adapter mode: a request resubmitted during a pause names the
+    old adapter; the version's load replaces it, the server refuses to run it on the new
+    one, and the client resubmits it naming the new adapter: tokens of the new version."""
+    _, v1, _ = published
+    adapter = f"{v1}/{ADAPTER_SUBDIR}"
+
+    async def scenario():
+        async with RolloutClient([base_server.url]) as client:
+            await client.load_lora_adapter("v1", adapter, 1)
+            await client.pause()
+            req = GenerateRequest(PROMPTS[1], SamplingParams(max_new_tokens=4, temperature=0.0))
+            task = asyncio.create_task(client.agenerate(req))
+            while not (await client.server_infos())[0]["num_waiting_reqs"]:
+                await asyncio.sleep(0.05)
+            await client.load_lora_adapter("v2", adapter, 2)
+            await client.continue_()
+            return await task
+
+    resp = asyncio.run(scenario())
+    assert resp.output_versions == [2] * 4 and resp.n_interruptions == 1
+    with http_client(base_server.url, None) as http:
+        assert http.post("/unload_lora_adapter", json={"lora_name": "v2"}).status_code == 200
+        http.post("/update_weight_version", json={"new_version": "0"})
+
+
+def test_an_adapter_that_overflows_in_use_is_refused(published, base_server):
+    """Issue 33 item 5: finite adapter values whose merge overflows in a forward pass
+    (lora_alpha 1e38) are refused with a 400 saying so; the old weights keep serving."""
+    import json
+
+    _, v1, root = published
+    src = root / "weights" / "v1" / ADAPTER_SUBDIR
+    huge = root / "huge_alpha"
+    if not huge.exists():
+        shutil.copytree(src, huge)
+        cfg = json.loads((huge / "adapter_config.json").read_text())
+        cfg["lora_alpha"] = 1e38
+        (huge / "adapter_config.json").write_text(json.dumps(cfg))
+    with http_client(base_server.url, None) as http:
+        before = [greedy(http, p)[0] for p in PROMPTS]
+        r = http.post("/load_lora_adapter", json={"lora_name": "huge", "lora_path": str(huge)})
+        assert r.status_code == 400, r.text
+        assert "overflow" in r.json()["error"] and str(huge) in r.json()["error"], r.text
+        assert r.json()["loaded_adapters"] == {}
+        assert [greedy(http, p)[0] for p in PROMPTS] == before
+
+
 @pytest.mark.slow
 def test_train_run_in_adapter_mode_serves_each_version_adapter(tmp_path):
     """``model.lora.serving: adapter`` end to end (sync mode: every batch is generated

@@ -108,6 +108,11 @@ class GenerationEngine:
         del model
         self._base_state = self.runner.state  # what LoRA adapters merge onto
         self._adapter: tuple[str, str] | None = None  # the active adapter (name, path)
+        # Each adapter load gets an id. A request naming an adapter pins the id current at
+        # submit and runs only while the runner serves that load (guarded by _lock).
+        self._adapter_loads = 0
+        self._adapter_load_id: int | None = None  # the load that new requests pin
+        self._served_load_id: int | None = None  # the load in the runner (engine thread)
         self.weight_version = config.weight_version
         self._seed_rng = np.random.default_rng(config.seed)
 
@@ -123,7 +128,8 @@ class GenerationEngine:
         # request in each slot when it was dispatched). Engine thread only.
         self._in_flight: tuple[Any, Any, list[EngineRequest | None]] | None = None
         self._paused = False
-        self._pending_update: tuple[nnx.State, str | None, Future, int] | None = None
+        # (params, weight version, reply future, aborted count, adapter load id or None)
+        self._pending_update: tuple[nnx.State, str | None, Future, int, int | None] | None = None
         self._update_lock = threading.Lock()
         self._stop = False
         self.fatal_error: str | None = None
@@ -194,6 +200,9 @@ class GenerationEngine:
                 raise EngineRequestError(
                     f"lora_path {lora_name!r} names no loaded LoRA adapter (loaded: "
                     f"{loaded or 'none'}); load it with /load_lora_adapter first")
+            if lora_name is not None:
+                assert self._adapter_load_id is not None
+                req.lora = (lora_name, self._adapter_load_id)
             self._inflight[rid] = req
             self._waiting.append(req)
             self._lock.notify_all()
@@ -321,12 +330,17 @@ class GenerationEngine:
                 aborted = aborted_early
                 if abort_all_requests:
                     aborted += self._abort_running("aborted for a weight update")
-                self._pending_update = (new_state, weight_version, done, aborted)
                 # Requests submitted from now on run after the swap: they see the new names.
                 with self._lock:
                     if adapter is None:
                         self._base_state = new_state
+                        load_id = None
+                    else:
+                        self._adapter_loads += 1
+                        load_id = self._adapter_loads
                     self._adapter = adapter
+                    self._adapter_load_id = load_id
+                self._pending_update = (new_state, weight_version, done, aborted, load_id)
 
             try:
                 self._call(begin)
@@ -463,9 +477,10 @@ class GenerationEngine:
     def _maybe_swap_weights(self) -> None:
         if self._pending_update is None or any(s is not None for s in self._slots):
             return
-        state, version, done, aborted = self._pending_update
+        state, version, done, aborted, load_id = self._pending_update
         self._pending_update = None
         self.runner.swap_params(state)
+        self._served_load_id = load_id
         self.runner.reset()  # nothing computed under the old weights is reused
         if version is not None:
             self.weight_version = version
@@ -484,6 +499,7 @@ class GenerationEngine:
             return
         with self._lock:
             batch = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+        batch = [req for req in batch if self._adapter_still_served(req)]
         if not batch:
             return
         by_bucket: dict[int, list[tuple[int, EngineRequest]]] = {}
@@ -518,6 +534,20 @@ class GenerationEngine:
                     self._slots[slot] = req
                     req.first_token_time = now
                     self._append_token(slot, int(token), float(logprob))
+
+    def _adapter_still_served(self, req: EngineRequest) -> bool:
+        """False (and the request failed with a 400 naming the adapter) if it named a LoRA
+        adapter that was unloaded or replaced while it waited: it never runs on other weights."""
+        if req.lora is None or req.lora[1] == self._served_load_id:
+            return True
+        with self._lock:
+            now = self._adapter[0] if self._adapter is not None else None
+        what = f"replaced by {now!r}" if now is not None else "unloaded"
+        self._release(req, {"type": "abort", "message": "LoRA adapter gone"}, error_status=400,
+                      error=f"lora_path {req.lora[0]!r}: that LoRA adapter was {what} before "
+                            "this request started (nothing was generated); resubmit it naming a "
+                            f"loaded adapter (loaded: {[now] if now is not None else 'none'})")
+        return False
 
     def _dispatch_decode(self, previous: tuple[Any, Any, list] | None
                          ) -> tuple[Any, Any, list[EngineRequest | None]]:
@@ -577,7 +607,8 @@ class GenerationEngine:
         self._release(req, reason)
 
     def _release(
-        self, req: EngineRequest, reason: dict[str, Any], error: str | None = None
+        self, req: EngineRequest, reason: dict[str, Any], error: str | None = None,
+        error_status: int = 500,
     ) -> None:
         with self._lock:
             self._inflight.pop(req.rid, None)
@@ -585,6 +616,7 @@ class GenerationEngine:
         if reason["type"] == "abort":
             self.stats["aborted_requests"] += 1
         req.error = error
+        req.error_status = error_status
         try:
             req.finish(reason, self.weight_version)
         except Exception:  # noqa: BLE001 - a caller's callback must not kill the loop

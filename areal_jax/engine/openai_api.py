@@ -23,6 +23,7 @@ field.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -33,10 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from areal_jax.engine.request import EngineRequest
-from areal_jax.sampling_params import SamplingParams
+from areal_jax.sampling_params import SEED_MAX, SamplingParams
 
 TokenCallback = Callable[[list[int], list[float]], None]
 # backend(key, input_ids, params, on_tokens) -> Generated. ``key`` is the route's {key} path
@@ -52,6 +53,7 @@ CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "t
                                 "parallel_tool_calls", "response_format", "metadata", "store"}
 logger = logging.getLogger(__name__)
 POLL_S = 0.02  # how often a streaming request looks for new tokens
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is there
 
 
 class OpenAIError(Exception):
@@ -145,6 +147,18 @@ def _refuse_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
         raise OpenAIError("tool_choice is not supported (only 'none')", "tool_choice")
 
 
+def _check_unicode(text: str, where: str, param: str) -> str:
+    """``text`` if it is encodable Unicode; JSON's ``\\ud800`` escapes can carry a lone
+    UTF-16 surrogate, which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise OpenAIError(f"{where} holds a lone UTF-16 surrogate ({text[e.start]!r} at "
+                          f"character {e.start}), which is not text; send valid Unicode",
+                          param) from None
+    return text
+
+
 def _message_text(i: int, m: Any) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise OpenAIError(f"messages[{i}] must be an object with role and content", "messages")
@@ -166,6 +180,7 @@ def _message_text(i: int, m: Any) -> dict[str, Any]:
     if not isinstance(content, str):
         raise OpenAIError(f"messages[{i}].content must be a string or text parts, got "
                           f"{type(content).__name__}", "messages")
+    _check_unicode(content, f"messages[{i}].content", "messages")
     return {"role": "system" if role == "developer" else role, "content": content}
 
 
@@ -194,7 +209,7 @@ def completion_prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
             raise OpenAIError("this model has no tokenizer; send the prompt as token ids", "prompt")
         if not prompt:
             raise OpenAIError("prompt is empty", "prompt")
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(_check_unicode(prompt, "prompt", "prompt"))
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return list(prompt)
     raise OpenAIError("prompt must be a non-empty string, one string in a list, or a list of "
@@ -368,10 +383,32 @@ class OpenAIRoutes:
             if parsed.stream:
                 return StreamingResponse(self._stream(key, parsed, chat),
                                          media_type="text/event-stream")
-            gen = await self.backend(key, parsed.input_ids, parsed.params, None)
+            gen = await self._until_disconnected(
+                request, self.backend(key, parsed.input_ids, parsed.params, None))
         except OpenAIError as e:
             return e.response()
+        if gen is None:  # the client went away; its generation was aborted
+            return Response(status_code=499)
         return JSONResponse(self._reply(parsed, gen, chat))
+
+    @staticmethod
+    async def _until_disconnected(request: Request, work: Awaitable[Generated]
+                                  ) -> Generated | None:
+        """``work``'s result, or None once the client has disconnected: then ``work`` is
+        cancelled, which aborts its generation (nobody would read the tokens)."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    return None
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, OpenAIError):
+                    await task
 
     def _reply(self, parsed: ParsedRequest, gen: Generated, chat: bool) -> dict[str, Any]:
         ids, lps = _visible(gen.output_ids, gen.logprobs, set(self.stop_token_ids))
@@ -484,7 +521,8 @@ def engine_backend(engine: Any) -> Backend:
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
 
             remaining = params.max_new_tokens - len(out_ids)
-            seed = None if params.seed is None else params.seed + len(versions)
+            # Each resumed piece samples with the next seed, wrapping within the seed range.
+            seed = None if params.seed is None else (params.seed + len(versions)) % (SEED_MAX + 1)
             sub = SamplingParams(**{**params.__dict__, "max_new_tokens": remaining, "seed": seed})
             try:
                 req = engine.submit(input_ids + out_ids, sub, on_finish=on_finish)
@@ -504,6 +542,8 @@ def engine_backend(engine: Any) -> Backend:
             except asyncio.CancelledError:
                 await asyncio.to_thread(engine.abort, req.rid)
                 raise
+            if req.error is not None and req.error_status < 500:
+                raise OpenAIError(req.error, status=req.error_status)
             if req.error is not None:
                 raise OpenAIError(f"generation failed: {req.error}", status=500,
                                   kind="server_error")

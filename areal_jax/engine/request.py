@@ -23,7 +23,10 @@ class EngineRequest:
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     weight_version: str = ""
-    error: str | None = None  # set when the engine failed internally (HTTP 500)
+    error: str | None = None  # set when the request failed (HTTP ``error_status``)
+    error_status: int = 500  # 500: the engine failed; 4xx: the request can no longer run
+    # (name, load id) of the LoRA adapter the request named; it runs on that load only.
+    lora: tuple[str, int] | None = None
     seed: int = 0  # the seed actually used (params.seed or engine-drawn)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

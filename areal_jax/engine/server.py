@@ -272,9 +272,9 @@ def create_app(engine: GenerationEngine, *, api_key: str | None = None,
                 for req in reqs:
                     await asyncio.to_thread(engine.abort, req.rid)
                 return Response(status_code=499)
-        failed = [req.error for req in reqs if req.error is not None]
-        if failed:
-            return _error(failed[0], 500)
+        failed = [req for req in reqs if req.error is not None]
+        if failed:  # 4xx: the request could not run as asked; 500: the engine failed
+            return _error(failed[0].error or "", failed[0].error_status)
         replies = [generate_reply(req, call, engine.decode_text)
                    for req, call in zip(reqs, calls, strict=True)]
         return replies if batched else replies[0]

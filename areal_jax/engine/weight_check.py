@@ -6,12 +6,14 @@ one; shapes and the parameter tree are checked by ``load_hf`` and
 a floating-point tensor, never an integer or bool one that would be silently cast) and
 finiteness of every value after the cast to the served dtype (a NaN or Inf weight
 poisons every request, and an fp64 value beyond the fp32 range becomes Inf only once
-cast).
+cast). Finite weights can still overflow in use (weights near the fp32 limit, a LoRA
+``lora_alpha`` of 1e38): a forward pass on a probe prompt must give finite log-probs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +70,32 @@ def check_finite(state: object) -> None:
                 f"(NaN or Inf) in the served dtype {leaf.dtype}")
 
 
+PROBE_TOKENS = 16  # length of the probe prompt, spread over the vocabulary
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _probe_flags(graphdef: Any, state: nnx.State, ids_bt: jax.Array) -> jax.Array:
+    """[2] bool: the probe's logits are finite; its log-probs are finite."""
+    logits_btv = nnx.merge(graphdef, state)(ids_bt).astype(jnp.float32)
+    return jnp.stack([jnp.all(jnp.isfinite(logits_btv)),
+                      jnp.all(jnp.isfinite(jax.nn.log_softmax(logits_btv, axis=-1)))])
+
+
+def check_probe_forward(state: nnx.State, runner: Any) -> None:
+    """Raises WeightCheckError unless a forward pass of ``state`` on a probe prompt (token
+    ids spread over the vocabulary) gives finite logits and log-probs: finite weights that
+    overflow would otherwise be served and fail every request."""
+    ids_bt = jnp.linspace(0, runner.cfg.vocab_size - 1, PROBE_TOKENS).astype(jnp.int32)[None, :]
+    logits_ok, logprobs_ok = (bool(f) for f in jax.device_get(
+        _probe_flags(runner.graphdef, state, ids_bt)))
+    if not (logits_ok and logprobs_ok):
+        raise WeightCheckError(
+            f"a forward pass on a probe prompt gives non-finite "
+            f"{'logits' if not logits_ok else 'log-probs'}: the values are finite but "
+            "overflow float32 in use (weights too large, or a LoRA scale lora_alpha/r too "
+            "large); the served weights were kept")
+
+
 def load_update(model_path: str, served: ModelConfig, dtype: str, runner: Any,
                 check: bool = True) -> nnx.State:
     """The params of ``model_path``, cast and placed like ``runner``'s, ready to swap in.
@@ -101,6 +129,7 @@ def ready_to_serve(state: nnx.State, runner: Any, check: bool, where: str) -> nn
     if check:
         try:
             check_finite(state)
+            check_probe_forward(state, runner)
         except WeightCheckError as e:
             raise WeightCheckError(f"{where}: {e}") from None
     return state
