@@ -10,6 +10,7 @@ executor, weight sync and metrics writer.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -321,7 +322,8 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
     except ValueError as e:
         raise TrainerError(str(e)) from None
     optim, algo, loss_kw = learner_configs(cfg)
-    model_kw = dict(mesh=mesh, compute_dtype=cfg.model.dtype, remat=cfg.model.remat)
+    model_kw = dict(mesh=mesh, compute_dtype=cfg.model.dtype, remat=cfg.model.remat,
+                    attention=cfg.model.attention)
     lora = cfg.model.lora.spec() if cfg.model.lora is not None else None
     # With several processes each one feeds only the rows its devices hold.
     learner = Learner.from_hf(str(model_path), optim, algo, process_local_batches=multi,
@@ -345,8 +347,7 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
     meta: dict[str, Any] = {}
     if has_ckpt and resume is not False:
         st = learner.state_dict()
-        params, opt_state, meta = checkpointer.restore(params_target=st["params"],
-                                                       opt_state_target=st["opt_state"])
+        params, opt_state, meta = _restore_newest(checkpointer, st, is_main)
         learner.load_state(params, opt_state, step=meta["step"], version=meta["version"])
         if critic is not None:
             cst = critic.state_dict()
@@ -361,6 +362,35 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
                 critic_checkpointer=critic_ckpt, checkpointer=checkpointer,
                 progress=Progress.from_meta(meta), mesh=mesh, meta=meta,
                 first_params=serving_copy(cfg, learner.model))
+
+
+def _restore_newest(checkpointer: Any, state: dict[str, Any], is_main: bool
+                    ) -> tuple[Any, Any, dict[str, Any]]:
+    """The newest checkpoint that restores. Newer ones that do not (truncated or missing
+    files) are named with their cause and renamed ``<step>.unrestorable``, kept; none
+    restoring is a TrainerError."""
+    import jax
+
+    from areal_jax.checkpoint.orbax_ckpt import CheckpointError
+
+    try:
+        step, params, opt_state, meta, skipped = checkpointer.restore_newest(
+            params_target=state["params"], opt_state_target=state["opt_state"])
+    except CheckpointError as e:
+        raise TrainerError(f"{e}. The run dir is left as it is: start the run in another "
+                           "run_dir (or fix or move the checkpoints)") from None
+    for bad, why in skipped:
+        if is_main:
+            kept = checkpointer.set_aside(bad)
+            print(f"checkpoint {bad} cannot be restored ({why}); resuming from checkpoint "
+                  f"{step} instead (the broken one is kept as {kept})", file=sys.stderr,
+                  flush=True)
+    if skipped and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("areal_jax: unrestorable checkpoints set aside")
+        checkpointer.reload()
+    return params, opt_state, meta
 
 
 def learner_configs(cfg: TrainConfig) -> tuple[Any, Any, dict[str, Any]]:

@@ -287,3 +287,71 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
         assert ckpt.latest_step() == latest + 1
         assert ckpt.restore_meta()["version"] == latest + 1
         assert not any("tmp" in n for n in os.listdir(ckpt_dir)), os.listdir(ckpt_dir)
+
+
+# ----------------------------------------------------------------------------- corruption
+def _truncate(path, fraction: float) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * fraction)])
+
+
+def _files(root) -> list:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+_CORRUPTIONS = {  # what a full disk, a killed copy or a lost file leaves behind
+    "meta_truncated": lambda d: _truncate(d / "meta" / "metadata", 0.5),
+    "meta_empty": lambda d: _truncate(d / "meta" / "metadata", 0.0),
+    "every_file_half": lambda d: [_truncate(p, 0.5) for p in _files(d)],
+    "params_d_missing": lambda d: [p.unlink() for p in _files(d / "params" / "d")],
+    "array_data_missing": lambda d: [p.unlink() for p in _files(d / "params")
+                                     if p.parent.name == "d" and "ocdbt" in str(p)],
+    "array_data_half": lambda d: [_truncate(p, 0.5) for p in _files(d / "params")
+                                  if p.parent.name == "d" and "ocdbt" in str(p)],
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(_CORRUPTIONS))
+def test_restore_newest_skips_a_corrupt_latest_checkpoint(tmp_path, corruption):
+    """Issue 33: a corrupt latest checkpoint ended the run with a JSONDecodeError traceback
+    while the previous one was intact. The newest one that restores is used, and the
+    skipped one is named with its cause; reading removes nothing."""
+    params, opt = _params_and_opt(0)
+    newer, _ = _params_and_opt(1)
+    ckpt = TrainCheckpointer(tmp_path / "ck", keep=3, async_save=False)
+    ckpt.save(10, params, opt, {"version": 10})
+    ckpt.save(20, newer, opt, {"version": 20})
+    ckpt.wait()
+    _CORRUPTIONS[corruption](tmp_path / "ck" / "20")
+    files = _files(tmp_path / "ck")
+    step, got, got_opt, meta, skipped = ckpt.restore_newest(params_target=params,
+                                                            opt_state_target=opt)
+    assert step == 10 and meta["version"] == 10
+    assert [s for s, _ in skipped] == [20] and skipped[0][1], skipped
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # a copy: bit-exact
+    assert got_opt is not None
+    assert _files(tmp_path / "ck") == files
+    # Set aside (kept under another name), the run can save version 20 again.
+    kept = ckpt.set_aside(20)
+    assert os.path.isdir(kept) and ckpt.all_steps() == [10]
+    ckpt.save(20, newer, opt, {"version": 20})
+    ckpt.wait()
+    assert ckpt.restore_newest(params_target=params, opt_state_target=opt)[0] == 20
+    ckpt.close()
+
+
+def test_restore_newest_when_none_restores_names_each(tmp_path):
+    params, opt = _params_and_opt(0)
+    ckpt = TrainCheckpointer(tmp_path / "ck", keep=3, async_save=False)
+    for step in (1, 2):
+        ckpt.save(step, params, opt, {"version": step})
+    ckpt.wait()
+    _CORRUPTIONS["meta_truncated"](tmp_path / "ck" / "2")
+    _CORRUPTIONS["params_d_missing"](tmp_path / "ck" / "1")
+    files = _files(tmp_path / "ck")
+    with pytest.raises(CheckpointError, match=r"can be restored \(step 2: JSONDecodeError: .*; "
+                                              r"step 1: "):
+        ckpt.restore_newest(params_target=params, opt_state_target=opt)
+    assert _files(tmp_path / "ck") == files
+    ckpt.close()

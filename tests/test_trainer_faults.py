@@ -211,6 +211,46 @@ def test_signals_at_random_moments_always_stop_gracefully(tmp_path, n, seed):
         _signal_at(tmp_path, i, sig, delay, version)
 
 
+# ----------------------------------------------------------------------------- corrupt checkpoints
+def _tree(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+
+def test_corrupt_latest_checkpoint_resumes_from_the_previous_one(tmp_path):
+    """Issue 33: array files missing from the latest checkpoint ended the resume with 26
+    tracebacks (a truncated meta with a JSONDecodeError) although the previous checkpoint
+    was intact. The run resumes from it, saying which one was skipped and why, keeps the
+    broken one, and saves that version again; with none restorable it stops with one
+    ``error:`` line and exit 2, the run dir untouched."""
+    run_dir = tmp_path / "run"
+    args = [f"run_dir={run_dir}", "checkpoint.every_versions=2", "checkpoint.keep=3"]
+    res = _run(args + ["train.total_versions=4"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    ckpts = run_dir / "checkpoints"
+    for p in (ckpts / "4" / "params").rglob("*"):
+        if p.is_file() and p.parent.name == "d":
+            p.unlink()
+    res = _run(args + ["train.total_versions=5"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "checkpoint 4 cannot be restored (" in res.stderr, res.stderr[-3000:]
+    assert "resuming from checkpoint 2 instead" in res.stderr
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "at version 2 (step" in res.stdout, res.stdout[-2000:]
+    assert [r["version"] for r in _rows(run_dir)] == [1, 2, 3, 4, 5]  # 3 and 4 redone
+    assert (ckpts / "4.unrestorable").is_dir()  # kept for a look
+    assert {p.name for p in ckpts.iterdir() if p.name.isdigit()} >= {"4", "5"}  # saved again
+
+    for step in (p for p in ckpts.iterdir() if p.name.isdigit()):
+        (step / "meta" / "metadata").write_text('{"step": ')  # truncated
+    before = _tree(run_dir)
+    res = _run(args + ["train.total_versions=6"])
+    assert res.returncode == BAD_INPUT, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: no checkpoint in {ckpts} can be restored (step 5: "), last
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert _tree(run_dir) == before
+
+
 # ----------------------------------------------------------------------------- no progress
 @pytest.mark.parametrize("fn, cause", [
     ("always_raises", "ZeroDivisionError: cannot score"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -301,6 +302,52 @@ class TrainCheckpointer:
         opt_state = _back_to_target(restored[OPT_STATE], opt_state_target) if has_opt else None
         return params, opt_state, meta
 
+    def restore_newest(self, **kwargs: Any) -> tuple[int, Any, Any, dict[str, Any],
+                                                      list[tuple[int, str]]]:
+        """Restores the newest checkpoint that restores (``restore``'s keyword arguments):
+        ``(step, params, opt_state, meta, skipped)``, ``skipped`` the newer steps that did
+        not, each with why (a truncated file, a missing array file, a broken metadata
+        file...). Raises CheckpointError naming every step and its cause when none
+        restores. Reads only: nothing is removed."""
+        skipped: list[tuple[int, str]] = []
+        _quiet_closed_loop_callbacks()  # what a failing restore leaves behind
+        for step in reversed(self.all_steps()):
+            try:
+                params, opt_state, meta = self.restore(step, **kwargs)
+            except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
+                cause = e.__cause__ if isinstance(e, CheckpointError) and e.__cause__ else e
+                text = " ".join(str(cause).split())
+                skipped.append((step, f"{type(cause).__name__}: {text[:300]}"))
+                continue
+            return step, params, opt_state, meta, skipped
+        if not skipped:
+            raise CheckpointError(f"no checkpoint found in {self.directory}")
+        detail = "; ".join(f"step {s}: {why}" for s, why in skipped)
+        raise CheckpointError(f"no checkpoint in {self.directory} can be restored ({detail})")
+
+    def reload(self) -> None:
+        """Re-reads the directory's steps (after another process changed them)."""
+        self._manager.reload()
+
+    def set_aside(self, step: int) -> str:
+        """Renames checkpoint ``step`` to ``<step>.unrestorable`` (kept, for a look; no
+        longer a step, so the run can save that version again). Returns the new path."""
+        from areal_jax import storage
+
+        src = storage.join(self.directory, str(step))
+        dst = f"{src}.unrestorable"
+        n = 1
+        while storage.exists(dst):
+            n += 1
+            dst = f"{src}.unrestorable{n}"
+        if _is_url(self.directory):
+            fs, path = storage.filesystem(src)
+            fs.mv(path, storage.filesystem(dst)[1], recursive=True)
+        else:
+            os.rename(src, dst)
+        self.reload()
+        return dst
+
     def close(self) -> None:
         """Waits for pending saves, then releases the manager."""
         self._manager.wait_until_finished()
@@ -311,6 +358,23 @@ class TrainCheckpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """After a failed Orbax restore, tensorstore reads still in flight complete into the
+    restore's event loop, closed by then; Python prints each as an "Exception ignored ...
+    Event loop is closed" traceback. Those (and only those) are dropped from now on."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_drops_closed_loop", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        e = unraisable.exc_value
+        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook._drops_closed_loop = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def _back_to_target(restored_pure: Any, target: Any) -> Any:
