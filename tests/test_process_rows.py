@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from areal_jax.parallel.board import BoardClient, BoardError, BoardServer
@@ -82,6 +83,36 @@ def test_scatter_sizes_are_few_and_padding_small():
     assert len(sizes) <= 3
     for n in (4097, 10_000, 1 << 20, (1 << 20) + 1, 11_534_337):
         assert n <= _bucket(n) <= n * 1.125 + 1
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_board_serves_ipv4_and_ipv6_hosts(host):
+    import socket
+
+    if host == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    try:
+        server = BoardServer(host)
+    except OSError as e:
+        pytest.skip(f"cannot listen on {host}: {e}")
+    try:
+        client = BoardClient(host, server.port, timeout_s=5)
+        client.key_value_set("k", "v")
+        assert client.key_value_try_get("k") == "v"
+    finally:
+        server.close()
+
+
+def test_synthetic_batch_has_the_learner_dtypes():
+    from areal_jax.bench.process_rows import synthetic_batch
+    from areal_jax.learner.packing import PACKED_FIELDS
+
+    batch = synthetic_batch(3, samples=8, tokens=5, seq_len=8, rows_per_micro_batch=4)
+    assert len(batch.micro_batches) == 2
+    for mb in batch.micro_batches:
+        assert {k: v.dtype for k, v in mb.arrays().items()} == {
+            k: np.dtype(t) for k, t in PACKED_FIELDS.items()}
+        assert mb.shape == (4, 8) and int(mb.loss_mask.sum()) == 4 * 5
 
 
 def _bench_args(**kw) -> argparse.Namespace:

@@ -71,8 +71,8 @@ def synthetic_batch(index: int, samples: int, tokens: int, seq_len: int,
             input_ids=rng.integers(0, 150_000, shape, dtype=np.int32) * real,
             positions=np.broadcast_to(np.arange(seq_len, dtype=np.int32), shape) * real,
             segment_ids=real.copy(), loss_mask=real.copy(),
-            behav_logp=-rng.random(shape, dtype=np.float32) * real,
-            advantages=rng.standard_normal(shape, dtype=np.float32) * real,
+            behav_logp=(-rng.random(shape, dtype=np.float32) * real).astype(np.float32),
+            advantages=(rng.standard_normal(shape, dtype=np.float32) * real).astype(np.float32),
             versions=np.full(shape, index, np.int32) * real,
             minibatch_loss_tokens=samples * tokens, n_shards=1))
     return TrainBatch(mbs, [], index, {"n_trajectories": float(samples)})

@@ -76,11 +76,16 @@ class _Server(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
 
 
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
 class BoardServer:
     """Process 0's board, served from a daemon thread on ``host`` (an ephemeral port)."""
 
     def __init__(self, host: str) -> None:
-        self._server = _Server((host, 0), _Handler)
+        server_cls = _Server6 if ":" in host else _Server  # an IPv6 literal, e.g. "::1"
+        self._server = server_cls((host, 0), _Handler)
         self._server.store = _Store()  # type: ignore[attr-defined]
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever,
