@@ -45,6 +45,16 @@ def poison(value: float):
     return change
 
 
+def overflow(tensors):
+    """Finite float32 weights near the top of its range (max |w| = 3e38): a forward pass
+    overflows, although no value is NaN or Inf."""
+    for key, t in tensors.items():
+        peak = float(np.abs(t).max())
+        if peak > 0:
+            tensors[key] = (t.astype(np.float64) * (3e38 / peak)).astype(np.float32)
+    assert all(np.isfinite(t).all() for t in tensors.values())
+
+
 def to_int(tensors):
     key = sorted(k for k in tensors if k.endswith("mlp.up_proj.weight"))[0]
     tensors[key] = tensors[key].astype(np.int32)
@@ -143,10 +153,28 @@ def test_engine_survives_out_of_range_numbers(http_client, baseline):
 
 
 # ---------------------------------------------------------------------- item 2
+@pytest.mark.parametrize("content", ["[1, 2]", '"text"', "{not json"])
+def test_a_config_json_that_is_not_an_object_is_a_400_naming_the_file(
+        http_client, dirs, baseline, content):
+    """Issue 33 item 7: a JSON list used to answer 400 AttributeError: 'list' object..."""
+    bad = dirs["allowed"] / f"config-{abs(hash(content))}"
+    if not bad.exists():
+        shutil.copytree(dirs["model"], bad)
+        (bad / "config.json").write_text(content)
+    r = http_client.post("/update_weights_from_disk",
+                         json={"model_path": str(bad), "weight_version": "9"})
+    assert r.status_code == 400, r.text
+    message = r.json()["message"]
+    assert str(bad / "config.json") in message and "JSON object" in message, message
+    assert "AttributeError" not in message
+    assert_still_serves(http_client, baseline)
+
+
 @pytest.mark.parametrize(("name", "change", "match"), [
     ("nan", poison(float("nan")), "non-finite"),
     ("inf", poison(float("inf")), "non-finite"),
     ("ints", to_int, "dtype I32"),
+    ("overflow", overflow, "overflow float32"),  # issue 33 item 5: every request was a 500
 ])
 def test_bad_weight_files_are_refused_and_old_weights_keep_serving(
         http_client, dirs, baseline, name, change, match):

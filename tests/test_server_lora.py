@@ -287,6 +287,21 @@ def test_an_adapter_that_overflows_in_use_is_refused(published, base_server):
         assert [greedy(http, p)[0] for p in PROMPTS] == before
 
 
+def test_an_adapter_config_that_is_a_json_list_is_a_400_naming_the_file(published, base_server):
+    """Issue 33 item 7: it used to answer AttributeError: 'list' object has no attribute."""
+    _, v1, root = published
+    bad = root / "list_config"
+    if not bad.exists():
+        shutil.copytree(root / "weights" / "v1" / ADAPTER_SUBDIR, bad)
+        (bad / "adapter_config.json").write_text("[8, 16]")
+    with http_client(base_server.url, None) as http:
+        r = http.post("/load_lora_adapter", json={"lora_name": "l", "lora_path": str(bad)})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert str(bad / "adapter_config.json") in error and "JSON list, not an object" in error
+        assert "AttributeError" not in error and r.json()["loaded_adapters"] == {}
+
+
 @pytest.mark.slow
 def test_train_run_in_adapter_mode_serves_each_version_adapter(tmp_path):
     """``model.lora.serving: adapter`` end to end (sync mode: every batch is generated

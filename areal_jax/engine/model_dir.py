@@ -42,7 +42,21 @@ def check_model_dir(path: str | Path, *, required_file: str = "config.json",
         raise ModelPathError(f"{field} {path} is not a directory")
     if not (path / required_file).is_file():
         raise ModelPathError(f"{field} {path} has no {required_file}")
+    _check_json_object(path / required_file, field)
     return path
+
+
+def _check_json_object(file: Path, field: str) -> None:
+    """Raises ModelPathError naming ``file`` unless it holds a JSON object."""
+    try:
+        data = json.loads(file.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ModelPathError(f"{field}: {file} is not readable JSON ({e}); it must hold a "
+                             "JSON object of settings, as Hugging Face writes it") from None
+    if not isinstance(data, dict):
+        raise ModelPathError(f"{field}: {file} holds a JSON {type(data).__name__}, not an "
+                             "object; it must hold a JSON object of settings ({...}), as "
+                             "Hugging Face writes it")
 
 
 def _download_to_slot(url: str) -> Path:
