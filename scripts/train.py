@@ -18,6 +18,7 @@ SIGTERM (graceful shutdown; a second signal exits at once).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -48,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+
+    if cfg.hardware == "cpu" and not os.environ.get("JAX_PLATFORMS"):
+        # A CPU config: accelerator plugins that happen to be installed (libtpu, the CUDA
+        # plugin of the aot extra) are never opened, so they print nothing and cost nothing.
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
 
     from areal_jax.process import main_guarded
 

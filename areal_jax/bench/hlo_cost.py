@@ -1,0 +1,172 @@
+"""FLOPs and bytes of a compiled program, counting loop bodies once per iteration.
+
+XLA's ``cost_analysis`` counts a ``while`` body once, whatever its trip count, so a
+program whose layers are one ``lax.scan`` (or whose attention, logprob chunks or decode
+steps are scans) reports a fraction of its work. This reads the optimised HLO text:
+
+* FLOPs: 2 x output elements x contracted size for every ``dot`` and ``convolution``
+  (inside fusions too) and cuBLAS gemm custom call;
+* bytes: operands + outputs of every instruction outside fusions (a fusion reads its
+  operands and writes its output once; what happens inside stays on chip), the
+  ``cost_analysis`` model;
+
+each multiplied by the trip counts of the loops around it (XLA's ``known_trip_count``,
+else the one integer constant of the loop's condition); a conditional counts its most
+expensive branch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import cache
+
+import numpy as np
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+             "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+_NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
+               "call", "conditional", "after-all", "partition-id", "replica-id"}
+
+
+def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(d, tuple(int(x) for x in dims.split(",") if x))
+            for d, dims in _ARRAY.findall(type_text) if d in _ITEMSIZE]
+
+
+def _nbytes(type_text: str) -> int:
+    return sum(int(np.prod(s)) * _ITEMSIZE[d] for d, s in _arrays(type_text))
+
+
+def _closing(text: str, start: int) -> int:
+    """The index of the parenthesis closing the one at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += text[i] == "("
+        depth -= text[i] == ")"
+        if depth == 0:
+            return i
+    return len(text) - 1
+
+
+def _split_instruction(line: str) -> tuple[str, str, str, list[str], str] | None:
+    """(name, result type, opcode, operand names, attributes) of an HLO instruction line."""
+    m = re.match(r"^\s*(?:ROOT )?%([\w.\-]+) = ", line)
+    if m is None:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):  # a tuple type
+        end = _closing(rest, 0)
+        type_text, rest = rest[:end + 1], rest[end + 2:]
+    else:
+        type_text, _, rest = rest.partition(" ")
+    op = re.match(r"([\w\-]+)\(", rest)
+    if op is None:
+        return None
+    end = _closing(rest, op.end() - 1)
+    operands = re.findall(r"%([\w.\-]+)", rest[op.end() - 1:end + 1])
+    return m.group(1), type_text, op.group(1), operands, rest[end + 1:]
+
+
+def _dims(attrs: str, key: str) -> list[int]:
+    m = re.search(key + r"=\{([\d,]*)\}", attrs)
+    return [int(x) for x in m.group(1).split(",") if x] if m else []
+
+
+def _dot_flops(out_type: str, lhs_type: str, contracting: list[int]) -> float:
+    out, lhs = _arrays(out_type), _arrays(lhs_type)
+    if not out or not lhs:
+        return 0.0
+    k = int(np.prod([lhs[0][1][d] for d in contracting])) if contracting else 1
+    return 2.0 * float(np.prod(out[0][1])) * k
+
+
+def _conv_flops(out_type: str, rhs_type: str, attrs: str) -> float:
+    m = re.search(r"dim_labels=\w*_(\w+)->", attrs)
+    out, rhs = _arrays(out_type), _arrays(rhs_type)
+    if m is None or not out or not rhs:
+        return 0.0
+    labels, shape = m.group(1), rhs[0][1]
+    k = 1
+    for i, label in enumerate(labels):
+        if label == "i" or label.isdigit():
+            k *= shape[i]
+    return 2.0 * float(np.prod(out[0][1])) * k
+
+
+def hlo_cost(hlo_text: str) -> dict[str, float]:
+    """{"flops", "bytes_accessed"} of the entry computation of ``hlo_text`` (one device's
+    program), loops counted per iteration."""
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = header.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    parsed = {name: [p for p in map(_split_instruction, lines) if p] for name, lines in
+              comps.items()}
+    fused = {m for ins in parsed.values() for _, _, op, _, attrs in ins if op == "fusion"
+             for m in re.findall(r"calls=%([\w.\-]+)", attrs)}
+
+    def trip_count(attrs: str) -> int:
+        m = re.search(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', attrs)
+        if m:
+            return int(m.group(1))
+        cond = re.search(r"condition=%([\w.\-]+)", attrs)
+        consts = ({int(c) for c in re.findall(r"constant\((-?\d+)\)", "\n".join(
+            comps.get(cond.group(1), [])))} if cond else set())
+        consts.discard(0)
+        return consts.pop() if len(consts) == 1 else 1
+
+    @cache
+    def cost(name: str) -> tuple[float, float]:
+        types = {n: t for n, t, _, _, _ in parsed.get(name, [])}
+        flops = traffic = 0.0
+        for _, out_type, op, operands, attrs in parsed.get(name, []):
+            if op == "dot" and operands:
+                flops += _dot_flops(out_type, types.get(operands[0], ""),
+                                    _dims(attrs, "lhs_contracting_dims"))
+            elif op == "convolution" and len(operands) > 1:
+                flops += _conv_flops(out_type, types.get(operands[1], ""), attrs)
+            elif op == "custom-call" and "__cublas" in attrs and operands:
+                m = re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', attrs)
+                dims = [int(x) for x in json.loads(f"[{m.group(1)}]")] if m else []
+                flops += _dot_flops(out_type, types.get(operands[0], ""), dims)
+            if name not in fused and op not in _NO_TRAFFIC:
+                traffic += _nbytes(out_type) + sum(_nbytes(types.get(o, "")) for o in operands)
+            if op == "while":
+                n = trip_count(attrs)
+                for key in ("body", "condition"):
+                    m = re.search(key + r"=%([\w.\-]+)", attrs)
+                    if m:
+                        f, t = cost(m.group(1))
+                        flops, traffic = flops + n * f, traffic + n * t
+            elif op == "conditional":
+                branches = re.findall(r"%([\w.\-]+)", (re.search(
+                    r"branch_computations=\{([^}]*)\}", attrs) or re.search(
+                    r"(true_computation=%[\w.\-]+, false_computation=%[\w.\-]+)", attrs)
+                    or re.search(r"()", "")).group(1))
+                if branches:
+                    f, t = max((cost(b) for b in branches), key=lambda c: c[0])
+                    flops, traffic = flops + f, traffic + t
+            elif op in ("fusion", "call", "async-start") or (
+                    op == "custom-call" and "calls=" in attrs):
+                for m in re.findall(r"calls=%([\w.\-]+)", attrs):
+                    f, t = cost(m)
+                    flops, traffic = flops + f, traffic + t
+        return flops, traffic
+
+    if entry is None:
+        return {"flops": 0.0, "bytes_accessed": 0.0}
+    flops, traffic = cost(entry)
+    return {"flops": flops, "bytes_accessed": traffic}
