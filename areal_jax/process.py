@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -124,6 +125,31 @@ def main_guarded(cfg: TrainConfig, resume: bool | None) -> int:
     return code
 
 
+# What a collective (gloo on CPU; NCCL, ICI elsewhere) says when another process is gone.
+_PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Gloo \w+ failed|"
+                        r"connection (?:refused|closed|reset)", re.IGNORECASE)
+
+
+def is_peer_gone(e: BaseException) -> bool:
+    """Whether ``e`` is a collective failing because another process of the job is gone."""
+    return bool(_PEER_GONE.search(str(e)))
+
+
+def _lost_peer_message(e: BaseException, guard: Any) -> str | None:
+    """One line for a collective that failed because another process of the job died (a
+    bare traceback from deep inside XLA before), naming the peer; None for other errors."""
+    text = " ".join(str(e).split())
+    if not is_peer_gone(e):
+        return None
+    peers = guard.silent_peers(wait_s=3 * guard.interval_s + 1.0)
+    who = (f"process {', '.join(map(str, peers))} of this job is gone" if peers
+           else "another process of this job is gone")
+    return (f"error: {who} (a collective of process {guard.process_id} failed: "
+            f"{type(e).__name__}: {text[:200]}). Look in {'its' if len(peers) == 1 else 'their'} "
+            "log for why it ended, then restart every process of the job: the run resumes "
+            "from its last checkpoint")
+
+
 def _run_for_status(cfg: TrainConfig, resume: bool | None) -> tuple[int, str]:
     from areal_jax.parallel import job_guard
     from areal_jax.trainer import RunStopped, run_training
@@ -143,12 +169,17 @@ def _run_for_status(cfg: TrainConfig, resume: bool | None) -> tuple[int, str]:
     except TrainerError as e:
         message, code = f"error: {e}", EXIT_CODES["bad_input"]
     except Exception as e:  # with several processes the others must hear of it
-        if job_guard() is None:
+        guard = job_guard()
+        if guard is None:
             raise
-        import traceback
+        lost = _lost_peer_message(e, guard)
+        if lost:
+            message, code = lost, EXIT_CODES["crash"]
+        else:
+            import traceback
 
-        traceback.print_exc()
-        message, code = f"error: {type(e).__name__}: {e}", EXIT_CODES["crash"]
+            traceback.print_exc()
+            message, code = f"error: {type(e).__name__}: {e}", EXIT_CODES["crash"]
     else:
         return EXIT_CODES["done"], ""
     print(message, file=sys.stderr, flush=True)

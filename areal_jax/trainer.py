@@ -209,6 +209,10 @@ class Trainer:
         except NoProgressError as e:
             raise RunStopped(str(e)) from None
         except ValueError as e:  # e.g. a trajectory longer than a packed row
+            from areal_jax.process import is_peer_gone
+
+            if is_peer_gone(e):  # another process of the job died (process.py says so)
+                raise
             raise RunStopped(f"cannot pack the batch of version {version + 1}: {e} "
                              f"(train.seq_len={self.cfg.train.seq_len})") from None
         if self.is_main:

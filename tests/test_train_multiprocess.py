@@ -190,6 +190,11 @@ def test_killing_one_process_ends_the_job_within_seconds(tmp_path):
     # gloo words a dropped peer either way, depending on which side of the socket saw it.
     assert ("process 1 stopped responding" in text
             or re.search(r"Connection (reset|closed) by peer", text)), text
+    # Issue 33: one line naming the dead peer and what to do, not a traceback from XLA.
+    assert "Traceback" not in text, text
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert errors and ("process 1 of this job is gone" in errors[-1]
+                       or "process 1 stopped responding" in errors[-1]), text
     assert waited < 120
     time.sleep(1)
     left = [pid for pid in ours if psutil.pid_exists(pid)

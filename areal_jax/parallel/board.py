@@ -62,13 +62,16 @@ class _Store:
 class _Handler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         store: _Store = self.server.store  # type: ignore[attr-defined]
-        for line in self.rfile:
-            try:
-                reply = store.handle(json.loads(line))
-            except (ValueError, KeyError, TypeError) as e:
-                reply = {"error": f"bad board request: {type(e).__name__}: {e}"}
-            self.wfile.write(json.dumps(reply).encode() + b"\n")
-            self.wfile.flush()
+        try:
+            for line in self.rfile:
+                try:
+                    reply = store.handle(json.loads(line))
+                except (ValueError, KeyError, TypeError) as e:
+                    reply = {"error": f"bad board request: {type(e).__name__}: {e}"}
+                self.wfile.write(json.dumps(reply).encode() + b"\n")
+                self.wfile.flush()
+        except ConnectionError:  # the process at the other end is gone: the job guard says so
+            return
 
 
 class _Server(socketserver.ThreadingTCPServer):

@@ -200,6 +200,7 @@ class JobGuard:
         if self._client is None:
             raise RuntimeError("JobGuard needs jax.distributed to be initialised")
         self._cleanups: list[Callable[[], Any]] = []
+        self._seen: dict[int, tuple[str, float]] = {}  # peer -> (last heartbeat, when it changed)
         self._stop = threading.Event()
         self._exiting = threading.Lock()
         self._thread = threading.Thread(target=self._watch, name="areal-job-guard", daemon=True)
@@ -224,6 +225,20 @@ class JobGuard:
             self._client.key_value_set(f"{_KV_PREFIX}/guard/done/{self.process_id}", "1",
                                        allow_overwrite=True)
 
+    def silent_peers(self, wait_s: float) -> list[int]:
+        """Peers whose heartbeat has not changed for 3 intervals (killed or hung), waiting
+        up to ``wait_s`` for one to show (a collective may notice a death first)."""
+        import time
+
+        end = time.monotonic() + wait_s
+        while True:
+            now = time.monotonic()
+            silent = sorted(p for p, (_, since) in list(self._seen.items())
+                            if now - since > 3 * self.interval_s)
+            if silent or now >= end:
+                return silent
+            time.sleep(self.interval_s / 2)
+
     def _exit(self, exit_code: int, message: str | None) -> NoReturn:
         self._exiting.acquire()  # one exit path; a second caller blocks until the process ends
         if message:
@@ -239,7 +254,7 @@ class JobGuard:
         import time
 
         beat = 0
-        seen: dict[int, tuple[str, float]] = {}  # peer -> (last heartbeat value, when it changed)
+        seen = self._seen
         start = time.monotonic()
         while not self._stop.wait(self.interval_s):
             beat += 1
