@@ -122,16 +122,18 @@ def _bench_args(**kw) -> argparse.Namespace:
 
 
 def _expected_digests(args: argparse.Namespace) -> list[list[str]]:
-    """What each process must receive: its half of every micro-batch's rows (mesh data=2)."""
+    """What each process must receive: its block of every micro-batch's rows (mesh data=N)."""
     from areal_jax.bench.process_rows import rows_digest, synthetic_batch
     from areal_jax.learner.packing import PackedBatch
 
-    half = args.rows_per_micro_batch // 2
-    out: list[list[str]] = [[], []]
+    n = args.processes
+    block = args.rows_per_micro_batch // n
+    out: list[list[str]] = [[] for _ in range(n)]
     for i in range(args.batches):
         batch = synthetic_batch(i, args.samples, args.tokens, args.seq_len,
                                 args.rows_per_micro_batch)
-        for pid, rows in enumerate((slice(0, half), slice(half, None))):
+        for pid in range(n):
+            rows = slice(pid * block, (pid + 1) * block)
             out[pid].append(rows_digest([
                 PackedBatch(**{k: v[rows] for k, v in mb.arrays().items()},
                             minibatch_id=mb.minibatch_id, n_shards=mb.n_shards,
@@ -140,13 +142,15 @@ def _expected_digests(args: argparse.Namespace) -> list[list[str]]:
     return out
 
 
-def test_two_processes_each_get_their_own_rows(tmp_path):
+@pytest.mark.parametrize("processes", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_processes_each_get_their_own_rows(tmp_path, processes):
     from areal_jax.bench.process_rows import run_workers
 
-    args = _bench_args()
+    args = _bench_args(processes=processes, samples=6 * processes,
+                       rows_per_micro_batch=2 * processes)
     reports = run_workers(args, None, tmp_path)
-    # Every batch arrives, and the stream's end reaches process 1 (its loop stopped).
-    assert [len(r["times_s"]) for r in reports] == [args.batches] * 2
+    # Every batch arrives, and the stream's end reaches every process (its loop stopped).
+    assert [len(r["times_s"]) for r in reports] == [args.batches] * processes
     assert [r["digests"] for r in reports] == _expected_digests(args)
 
 

@@ -5,11 +5,11 @@
 
 Process 0 posts the payload lengths on the job's board (:mod:`areal_jax.parallel.board`);
 the others wait there (as long as it takes, outside any collective), then every process
-joins one ``all_to_all`` over a mesh of one device per process, in which process 0's block
-holds every payload (padded to one size) and the others send zeros. Each process gets
-only its own payload: the bytes cross the network once, spread over every link, instead
-of passing through one server. Public JAX API only (``make_array_from_process_local_data``,
-``shard_map``, ``lax.all_to_all``).
+joins one jitted program over a mesh of one device per process, in which process 0's block
+holds every payload (padded to one size) and one ``ppermute`` per process hands it its
+own. Each payload crosses the network once, from process 0 straight to its process, and
+nothing else does. Public JAX API only (``make_array_from_process_local_data``,
+``shard_map``, ``lax.ppermute``).
 """
 
 from __future__ import annotations
@@ -42,12 +42,22 @@ def _process_mesh() -> jax.sharding.Mesh:
 
 
 @functools.cache
-def _all_to_all(mesh: jax.sharding.Mesh):
+def _scatter(mesh: jax.sharding.Mesh):
+    """[sender, receiver, L] split over senders -> [1, L] per process: process 0's block for
+    it. One ``ppermute`` 0 -> p per other process, so only process 0's bytes travel (an
+    ``all_to_all`` would also send every process's zeros to every other)."""
+    n = mesh.devices.size
+
+    def body(x):  # x: this process's block [1, n, L]
+        me = jax.lax.axis_index("process")
+        out = x[:, 0]  # process 0's own payload (zeros elsewhere)
+        for p in range(1, n):
+            got = jax.lax.ppermute(x[:, p], "process", perm=[(0, p)])
+            out = jax.numpy.where(me == p, got, out)
+        return out
+
     spec = jax.sharding.PartitionSpec("process")
-    # [sender, receiver, L] split over senders -> [sender, receiver, L] split over receivers.
-    return jax.jit(jax.shard_map(
-        lambda x: jax.lax.all_to_all(x, "process", split_axis=1, concat_axis=0, tiled=True),
-        mesh=mesh, in_specs=spec, out_specs=jax.sharding.PartitionSpec(None, "process")))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
 
 
 def _board():
@@ -83,8 +93,7 @@ def scatter_from_main(key: str, payloads: dict[int, bytes] | None = None, *,
     mesh = _process_mesh()
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("process"))
     blocks = jax.make_array_from_process_local_data(sharding, local, (n, n, size))
-    out = _all_to_all(mesh)(blocks)
-    own = np.asarray(out.addressable_shards[0].data)  # [sender, 1, size]
+    own = np.asarray(_scatter(mesh)(blocks).addressable_shards[0].data)  # [1, size]
     if me == 0:  # every process has read the header: it joined this collective
         board.key_value_delete(header_key)
-    return own[0, 0, :lengths[me]].tobytes()
+    return own[0, :lengths[me]].tobytes()
