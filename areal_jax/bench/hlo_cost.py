@@ -8,7 +8,9 @@ steps are scans) reports a fraction of its work. This reads the optimised HLO te
   (inside fusions too) and cuBLAS gemm custom call;
 * bytes: operands + outputs of every instruction outside fusions (a fusion reads its
   operands and writes its output once; what happens inside stays on chip), the
-  ``cost_analysis`` model;
+  ``cost_analysis`` model, where a dynamic-slice moves its slice and an in-place
+  dynamic-update-slice its update (also inside a fusion: a loop step that reads one
+  block of a buffer is not charged the whole buffer);
 
 each multiplied by the trip counts of the loops around it (XLA's ``known_trip_count``,
 else the one integer constant of the loop's condition); a conditional counts its most
@@ -113,8 +115,21 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
             current = None
         elif current is not None:
             comps[current].append(line)
-    parsed = {name: [p for p in map(_split_instruction, lines) if p] for name, lines in
-              comps.items()}
+    parsed: dict[str, list] = {}
+    roots: dict[str, tuple] = {}  # computation -> its ROOT instruction
+    param_index: dict[str, dict[str, int]] = {}  # computation -> {parameter name: index}
+    for name, lines in comps.items():
+        parsed[name], param_index[name] = [], {}
+        for line in lines:
+            ins = _split_instruction(line)
+            if ins is None:
+                continue
+            parsed[name].append(ins)
+            if line.lstrip().startswith("ROOT"):
+                roots[name] = ins
+            if ins[2] == "parameter":
+                param_index[name][ins[0]] = int(re.match(r"parameter\((\d+)", line[
+                    line.index("parameter("):]).group(1))
     fused = {m for ins in parsed.values() for _, _, op, _, attrs in ins if op == "fusion"
              for m in re.findall(r"calls=%([\w.\-]+)", attrs)}
 
@@ -127,6 +142,49 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
             comps.get(cond.group(1), [])))} if cond else set())
         consts.discard(0)
         return consts.pop() if len(consts) == 1 else 1
+
+    @cache
+    def fusion_io(name: str) -> tuple[dict[int, int], int | None]:
+        """What a fusion really moves: {parameter index: bytes read} for parameters read
+        only through dynamic-slices (the slices, not the whole buffer), and the bytes
+        written when its root is an in-place dynamic-update-slice (the update; the
+        buffer operand is then not read either)."""
+        ins = parsed.get(name, [])
+        types = {n: t for n, t, _, _, _ in ins}
+        params = param_index.get(name, {})
+        users: dict[str, list[tuple[str, str, int]]] = {n: [] for n in params}
+        for _, out_type, op, operands, _ in ins:
+            for pos, o in enumerate(operands):
+                if o in users:
+                    users[o].append((op, out_type, pos))
+        reads = {}
+        for pname, index in params.items():
+            uses = users[pname]
+            if uses and all(op == "dynamic-slice" and pos == 0 for op, _, pos in uses):
+                reads[index] = sum(_nbytes(t) for _, t, _ in uses)
+        written = None
+        root = roots.get(name)
+        if root is not None and root[2] == "dynamic-update-slice" and len(root[3]) > 1:
+            written = _nbytes(types.get(root[3][1], ""))
+            if root[3][0] in params:
+                reads[params[root[3][0]]] = 0
+        return reads, written
+
+    def traffic_of(out_type: str, op: str, operands: list[str], attrs: str,
+                   types: dict[str, str]) -> float:
+        if op == "dynamic-slice":
+            return 2.0 * _nbytes(out_type)
+        if op == "dynamic-update-slice" and len(operands) > 1:
+            return 2.0 * _nbytes(types.get(operands[1], ""))
+        reads, written = {}, None
+        if op == "fusion":
+            m = re.search(r"calls=%([\w.\-]+)", attrs)
+            if m:
+                reads, written = fusion_io(m.group(1))
+        total = _nbytes(out_type) if written is None else written
+        for i, o in enumerate(operands):
+            total += reads.get(i, _nbytes(types.get(o, "")))
+        return float(total)
 
     @cache
     def cost(name: str) -> tuple[float, float]:
@@ -143,7 +201,7 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
                 dims = [int(x) for x in json.loads(f"[{m.group(1)}]")] if m else []
                 flops += _dot_flops(out_type, types.get(operands[0], ""), dims)
             if name not in fused and op not in _NO_TRAFFIC:
-                traffic += _nbytes(out_type) + sum(_nbytes(types.get(o, "")) for o in operands)
+                traffic += traffic_of(out_type, op, operands, attrs, types)
             if op == "while":
                 n = trip_count(attrs)
                 for key in ("body", "condition"):
