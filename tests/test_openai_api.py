@@ -198,3 +198,105 @@ def test_a_weight_update_mid_request_is_invisible_to_the_client(server, client):
             assert reply.model_extra["weight_version"] == "1"
             return
     pytest.fail("the pause never caught a running request in 8 tries")
+
+
+def _info(server):
+    return httpx.get(f"{server.url}/get_server_info", timeout=60.0,
+                     headers={"Authorization": f"Bearer {API_KEY}"}).json()
+
+
+def _control(server, route, body=None):
+    r = httpx.post(f"{server.url}{route}", json=body or {}, timeout=60.0,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200, r.text
+
+
+def test_a_seed_at_the_top_of_its_range_survives_a_resume(server, client):
+    """Issue 33 item 5: each resumed piece samples with seed + pieces so far; with a seed
+    near 2**64 that left the seed range and every resumed request was a 500. It wraps."""
+    import threading
+
+    for _ in range(8):  # until the pause catches the request while it runs
+        got: dict = {}
+
+        def complete(out: dict = got) -> None:
+            try:
+                out["r"] = client.completions.create(
+                    model="arith", prompt="Q:40-9-8-7+6-5=", max_tokens=80, temperature=1.0,
+                    seed=2**64 - 1, extra_body={"ignore_eos": True})
+            except openai.APIError as e:
+                out["error"] = e
+
+        thread = threading.Thread(target=complete)
+        thread.start()
+        while thread.is_alive() and _info(server).get("num_running_reqs", 0) == 0:
+            pass
+        _control(server, "/pause_generation", {"mode": "abort"})
+        _control(server, "/continue_generation")
+        thread.join()
+        assert "error" not in got, got.get("error")
+        reply = got["r"]
+        assert reply.usage.completion_tokens == 80
+        if len(reply.model_extra.get("weight_versions", [])) == 2:  # it was resumed once
+            return
+    pytest.fail("the pause never caught a running request in 8 tries")
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", b'{"model": "arith", "prompt": "Q:1+\\ud800=", "max_tokens": 2}'),
+    ("/v1/completions", b'{"model": "arith", "prompt": ["\\udfff"], "max_tokens": 2}'),
+    ("/v1/chat/completions",
+     b'{"model": "arith", "messages": [{"role": "user", "content": "Q:\\ud83d"}]}'),
+    ("/v1/chat/completions", b'{"model": "arith", "messages": [{"role": "user", "content": '
+                             b'[{"type": "text", "text": "\\udc00"}]}]}'),
+])
+def test_a_lone_surrogate_is_an_openai_400(server, client, route, body):
+    """Issue 33 item 5: a lone UTF-16 surrogate (valid JSON, not text) was a 500
+    (TypeError: TextInputSequence must be str)."""
+    r = httpx.post(f"{server.url}{route}", content=body, timeout=60.0,
+                   headers={"Authorization": f"Bearer {API_KEY}",
+                            "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "lone UTF-16 surrogate" in err["message"] and err["type"] == "invalid_request_error"
+    assert err["param"] in ("prompt", "messages")
+    assert client.completions.create(model="arith", prompt="Q:1+1=", max_tokens=2).choices
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_requests_whose_client_went_away_are_aborted(server, stream):
+    """Issue 33 item 6: non-streaming OpenAI requests whose client gave up (here during a
+    pause) stayed queued and, after /continue_generation, generated for nobody. Every
+    route now aborts them: the queue empties while the server is still paused."""
+    import concurrent.futures
+
+    bodies = [("/v1/completions", {"model": "arith", "prompt": "Q:7+8=", "max_tokens": 40,
+                                   "stream": stream}),
+              ("/v1/chat/completions", {"model": "arith", "max_tokens": 40, "stream": stream,
+                                        "messages": [{"role": "user", "content": "Q:2+2="}]})]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def give_up(route: str, body: dict) -> str:
+        try:
+            with httpx.Client(timeout=0.5, headers=headers) as http:
+                with http.stream("POST", f"{server.url}{route}", json=body) as r:
+                    for _ in r.iter_bytes():
+                        pass
+        except httpx.TimeoutException:
+            return "gave up"
+        return "answered"
+
+    _control(server, "/pause_generation", {"mode": "abort"})
+    try:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            outcomes = list(pool.map(lambda i: give_up(*bodies[i % 2]), range(6)))
+        assert outcomes == ["gave up"] * 6  # paused: nothing could answer
+        import time
+
+        deadline = time.monotonic() + 60.0  # a state to reach, not a timing assertion
+        while _info(server)["num_waiting_reqs"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        info = _info(server)
+        assert info["num_waiting_reqs"] == 0, info
+    finally:
+        _control(server, "/continue_generation")
