@@ -309,3 +309,69 @@ def test_bad_arguments_are_named():
 
     with pytest.raises(RuntimeError, match="not running; call start"):
         ex.run_coroutine(nothing())
+
+
+class ReleasedWorkflow:
+    """Each run waits until the test releases its prompt, so runs finish in a chosen order."""
+
+    def __init__(self):
+        self.released: set[str] = set()
+
+    async def arun(self, client, item, ctx):
+        while item["prompt_id"] not in self.released:
+            await asyncio.sleep(0.002)
+        return make_group(ctx)
+
+
+def _finish(executor, workflow, *prompt_ids):
+    workflow.released.update(prompt_ids)
+    deadline = time.monotonic() + 60
+    while any(item["prompt_id"] in prompt_ids for item in _running_items(executor)):
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+
+
+def _running_items(executor):
+    with executor._cond:
+        return [r.item for r in executor._running.values()]
+
+
+def test_a_batch_taken_while_the_servers_update_is_judged_at_the_learners_version():
+    """Issue 33: the demo warned "accepted groups became older than max_staleness=2 ...
+    regenerated" at its eval versions. The servers' update to version v runs in the
+    background while the learner takes its batch for v, so the executor judged that batch
+    at v - 1: it skipped a group still in flight that was fine at v - 1, and at the next
+    version, which the learner had waited for (an eval), that group was too stale and was
+    thrown away. The batch is now judged at the learner's version (announce_version): it
+    waits for the group, and nothing is regenerated."""
+    eta, b = 2, 2
+    workflow = ReleasedWorkflow()
+    ex = RolloutExecutor(None, workflow, iter(items(40)), batch_size=b, max_concurrent=64,
+                         max_staleness=eta).start()
+    try:
+        def batch(learner_version):
+            groups = ex.prepare_batch(b, timeout=30)
+            starts = [g[0].start_version for g in groups]
+            assert min(starts) >= learner_version - eta, (learner_version, starts)
+            return groups
+
+        _finish(ex, workflow, "p0", "p1")  # (eta + 1) * B = 6 runs started at version 0
+        batch(0)
+        ex.announce_version(1)  # the update to v1 runs in the background...
+        _finish(ex, workflow, "p2", "p3")
+        batch(1)
+        ex.set_version(1)  # ...and lands: two more runs, p6 and p7, start at version 1
+        ex.announce_version(2)  # the update to v2 is under way; p5 (version 0) still runs
+        _finish(ex, workflow, "p4", "p6")
+        released = threading.Timer(0.2, workflow.released.add, ("p5",))
+        released.start()
+        batch(2)  # waits for p5 rather than skipping it for p6
+        released.join()
+        ex.set_version(2)
+        ex.set_version(3)  # the learner waited for v3 here (an eval): the gate is current
+        ex.announce_version(3)
+        workflow.released.update(f"p{i}" for i in range(40))
+        batch(3)
+        assert ex.metrics()["stale_requeued"] == 0
+    finally:
+        ex.stop()

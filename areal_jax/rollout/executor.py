@@ -177,6 +177,7 @@ class RolloutExecutor:
         self._cause_example: dict[str, str] = {}  # _cause_key -> the latest full message
         self._last_progress = time.monotonic()
 
+        self._learner_version = 0  # announce_version
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._wakeup: asyncio.Event | None = None
@@ -448,24 +449,43 @@ class RolloutExecutor:
             self._paused = False
         self._wake()
 
+    def announce_version(self, version: int) -> None:
+        """The learner is at ``version`` (its next batch trains there), while the servers
+        may still be updating to it (``set_version`` follows then). ``prepare_batch`` judges
+        staleness by the learner's version: judged by the servers' version, one behind
+        while an update runs in the background, a batch could skip a group still in flight
+        that the next check, at a version the learner had waited for (an eval, a
+        checkpoint), found too stale and regenerated."""
+        with self._cond:
+            self._learner_version = max(self._learner_version, version)
+            self._cond.notify_all()
+
+    def _batch_version_locked(self) -> int:
+        """The version the next batch trains at (see :meth:`announce_version`)."""
+        return max(self._gate.version, self._learner_version)
+
+    def _is_stale_locked(self, start_version: int) -> bool:
+        eta = self._gate.max_staleness
+        return eta is not None and start_version < self._batch_version_locked() - eta
+
     def _requeue_stale_locked(self) -> None:
-        stale = [a for a in self._accepted if self._gate.is_stale(a.start_version)]
+        stale = [a for a in self._accepted if self._is_stale_locked(a.start_version)]
         if not stale:
             return
-        self._accepted = [a for a in self._accepted if not self._gate.is_stale(a.start_version)]
+        self._accepted = [a for a in self._accepted if not self._is_stale_locked(a.start_version)]
         for a in sorted(stale, key=lambda a: a.order):
             self._pending.append((a.item, 0))
         self._gate.release(len(stale))
         self._counts["stale_requeued"] += len(stale)
         logger.warning("%d accepted groups became older than max_staleness=%d at version %d; "
                        "their prompts are regenerated", len(stale), self.max_staleness,
-                       self._gate.version)
+                       self._batch_version_locked())
         self._wake()
 
     def _old_runs_in_flight_locked(self) -> bool:
-        oldest_allowed = self._gate.oldest_allowed
-        if oldest_allowed is None:
+        if self._gate.max_staleness is None:
             return False
+        oldest_allowed = self._batch_version_locked() - self._gate.max_staleness
         return any(r.start_version <= oldest_allowed for r in self._running.values())
 
     def _raise_if_dead_locked(self) -> None:
@@ -540,7 +560,7 @@ class RolloutExecutor:
             batch, self._accepted = self._accepted[:n], self._accepted[n:]
             self._counts["consumed"] += len(batch)
             for a in batch:
-                self._staleness_hist[self._gate.version - a.start_version] += 1
+                self._staleness_hist[self._batch_version_locked() - a.start_version] += 1
         self._wake()
         return [a.group for a in batch]
 

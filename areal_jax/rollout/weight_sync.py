@@ -53,6 +53,7 @@ class WeightSync:
         """Starts writing ``params`` as ``version`` and updating the servers to it (after the
         previous publish is done)."""
         self.wait()
+        self.executor.announce_version(version)  # the learner's next batch trains at it
         self._pending = (version, self.executor.submit_coroutine(self._write_and_update(
             params, version)))
 
@@ -61,6 +62,7 @@ class WeightSync:
         as ``version`` in the calling thread, then starts the servers' update as
         :meth:`publish` does. A failed write raises :class:`WeightSyncError` here."""
         self.wait()
+        self.executor.announce_version(version)
         t0 = time.perf_counter()
         try:
             path = self.write(model, version)
