@@ -38,3 +38,16 @@ def pin_process_to_cpus(cpus: Iterable[int]) -> set[int]:
         with contextlib.suppress(ProcessLookupError, FileNotFoundError, PermissionError):
             os.sched_setaffinity(int(tid), wanted)  # a thread may end meanwhile
     return wanted
+
+
+def check_cpus_available(cpus: Iterable[int]) -> None:
+    """Raises ValueError if any of ``cpus`` is not a core this process may run on (where
+    the OS has an affinity call). For cores another process will pin itself to (the
+    embedded servers), checked here, where the error can name the setting."""
+    if not hasattr(os, "sched_getaffinity"):
+        return
+    usable = os.sched_getaffinity(0)
+    missing = sorted({int(c) for c in cpus} - usable)
+    if missing:
+        raise ValueError(f"cannot pin to CPU cores {missing}: this process may run on cores "
+                         f"{sorted(usable)} only")

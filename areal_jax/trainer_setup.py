@@ -37,6 +37,15 @@ from areal_jax.trainer import Progress, RolloutSide, Trainer, group_advantages_f
 def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitStack) -> Trainer:
     """Everything a run needs, in dependency order; registers shutdown on ``stack``."""
     t_process = process_start_time()
+    if cfg.rollout.server_cpu_cores and not cfg.rollout.servers:
+        # Checked here, before the learner pins this process, so the error names the key
+        # (the servers would report their own flag, --cpu-affinity).
+        from areal_jax.cpu_affinity import check_cpus_available
+
+        try:
+            check_cpus_available(cfg.rollout.server_cpu_cores)
+        except ValueError as e:
+            raise TrainerError(f"rollout.server_cpu_cores: {e}") from None
     if cfg.rollout.learner_cpu_cores:
         # Before JAX starts its CPU backend: XLA sizes its thread pools to these cores, and
         # every thread of the process stays on them (cpu_affinity.py).

@@ -71,6 +71,8 @@ def test_config_errors_name_the_key():
         ("train.seq_len=50", "train.seq_len (50) is shorter than the longest prompt"),
         ("reward.fn=no_such_module_xyz:fn", "reward.fn 'no_such_module_xyz:fn'"),
         ("rollout.learner_cpu_cores=[4096]", "rollout.learner_cpu_cores: cannot pin to CPU"),
+        # issue 33 item 7: the server's failure named its flag --cpu-affinity instead
+        ("rollout.server_cpu_cores=[4096]", "rollout.server_cpu_cores: cannot pin to CPU"),
     ],
 )
 def test_cli_fails_early_with_a_clear_message(tmp_path, override, message):
