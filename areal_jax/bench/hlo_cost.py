@@ -8,7 +8,8 @@ steps are scans) reports a fraction of its work. This reads the optimised HLO te
   (inside fusions too) and cuBLAS gemm custom call;
 * bytes: operands + outputs of every instruction outside fusions (a fusion reads its
   operands and writes its output once; what happens inside stays on chip), the
-  ``cost_analysis`` model, where a dynamic-slice moves its slice and an in-place
+  ``cost_analysis`` model, where a (dynamic-)slice or gather moves what it returns (an
+  embedding lookup does not read the table) and an in-place
   dynamic-update-slice its update (also inside a fusion: a loop step that reads one
   block of a buffer is not charged the whole buffer);
 
@@ -30,6 +31,8 @@ _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 
              "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+# Ops that read only the part of their first operand they return.
+_PARTIAL_READS = {"dynamic-slice", "slice", "gather"}
 _NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
                "call", "conditional", "after-all", "partition-id", "replica-id"}
 
@@ -146,7 +149,7 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
     @cache
     def fusion_io(name: str) -> tuple[dict[int, int], int | None]:
         """What a fusion really moves: {parameter index: bytes read} for parameters read
-        only through dynamic-slices (the slices, not the whole buffer), and the bytes
+        only through slices or gathers (those, not the whole buffer), and the bytes
         written when its root is an in-place dynamic-update-slice (the update; the
         buffer operand is then not read either)."""
         ins = parsed.get(name, [])
@@ -160,7 +163,7 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
         reads = {}
         for pname, index in params.items():
             uses = users[pname]
-            if uses and all(op == "dynamic-slice" and pos == 0 for op, _, pos in uses):
+            if uses and all(op in _PARTIAL_READS and pos == 0 for op, _, pos in uses):
                 reads[index] = sum(_nbytes(t) for _, t, _ in uses)
         written = None
         root = roots.get(name)
@@ -172,7 +175,7 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
 
     def traffic_of(out_type: str, op: str, operands: list[str], attrs: str,
                    types: dict[str, str]) -> float:
-        if op == "dynamic-slice":
+        if op in _PARTIAL_READS:
             return 2.0 * _nbytes(out_type)
         if op == "dynamic-update-slice" and len(operands) > 1:
             return 2.0 * _nbytes(types.get(operands[1], ""))

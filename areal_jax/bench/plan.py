@@ -283,13 +283,16 @@ def attention_kernel(hlo_text: str) -> str:
     """The fused kernels a compiled program calls (Mosaic/Triton/cuDNN custom calls, by
     name, comma-separated), or "xla" when attention is left to XLA."""
     names = []
-    for m in re.finditer(r"%([\w.\-]+) = [^\n]*custom_call_target=\"([^\"]+)\"", hlo_text):
+    for m in re.finditer(r"%([\w.\-]+) = [^\n]*custom_call_target=\"([^\"]+)\"[^\n]*",
+                         hlo_text):
         instr, target = m.group(1), m.group(2)
         family = _KERNEL_TARGETS.get(target) or ("cudnn" if target.startswith("__cudnn$")
                                                   else None)
         if family is None:
             continue
-        kernel = target if family == "cudnn" else re.sub(r"\.\d+$", "", instr)
+        named = re.search(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)', m.group(0))
+        kernel = (target if family == "cudnn" else named.group(1) if named
+                  else re.sub(r"\.\d+$", "", instr))
         label = f"{family}:{kernel}"
         if label not in names:
             names.append(label)
