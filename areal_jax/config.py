@@ -101,6 +101,10 @@ class ModelSection:
     # Gradient checkpointing per decoder layer: false/"none", true/"full" (keep only each
     # layer's input), "dots" (keep matmul outputs), "dots_no_batch" (keep weight matmuls).
     remat: bool | Literal["none", "full", "dots", "dots_no_batch"] = False
+    # Self-attention kernel of the learner and the embedded engines' prefill: "auto" is
+    # splash (Pallas) on TPU, cuDNN or Pallas-Triton on GPU and the XLA blockwise path on
+    # CPU; "xla" forces the portable path everywhere.
+    attention: Literal["auto", "xla", "splash", "cudnn", "pallas_gpu"] = "auto"
     lora: LoraSection | None = None  # LoRA adapters (see LoraSection); null: full fine-tuning
 
     def __post_init__(self) -> None:

@@ -1,6 +1,8 @@
 """HF checkpoint I/O: ``load_hf`` and ``save_hf`` driven by one mapping table.
 
-``HF_PARAM_TABLE`` rows are (HF key, NNX path, transform). ``{i}`` stands for the layer.
+``HF_PARAM_TABLE`` rows are (HF key, NNX path, transform). ``{i}`` in an HF key stands for
+the layer; the decoder layers' variables are stacked [L, ...] under ``layers`` (see
+``model_defs.model.stack_layers``), so HF tensor ``model.layers.{i}.X`` is row ``i`` of ours.
 Transforms (data, applied in both directions):
 - ``None``: same shape;
 - ``"reshape"``: HF flattens the trailing dims of ours (bias [H*Dh] <-> [H, Dh]);
@@ -35,20 +37,20 @@ HF_PARAM_TABLE: tuple[tuple[str, str, Transform], ...] = (
     ("model.embed_tokens.weight", "embed_vd", None),
     ("model.norm.weight", "final_norm.scale", None),
     ("lm_head.weight", "lm_head_dv", ("transpose", 1)),
-    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_norm.scale", None),
-    ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attn_norm.scale", None),
-    ("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.attn.q_kernel_dhk", ("transpose", 1)),
-    ("model.layers.{i}.self_attn.k_proj.weight", "layers.{i}.attn.k_kernel_dkh", ("transpose", 1)),
-    ("model.layers.{i}.self_attn.v_proj.weight", "layers.{i}.attn.v_kernel_dkh", ("transpose", 1)),
-    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.attn.o_kernel_hkd", ("transpose", 2)),
-    ("model.layers.{i}.self_attn.q_proj.bias", "layers.{i}.attn.q_bias", "reshape"),
-    ("model.layers.{i}.self_attn.k_proj.bias", "layers.{i}.attn.k_bias", "reshape"),
-    ("model.layers.{i}.self_attn.v_proj.bias", "layers.{i}.attn.v_bias", "reshape"),
-    ("model.layers.{i}.self_attn.q_norm.weight", "layers.{i}.attn.q_norm.scale", None),
-    ("model.layers.{i}.self_attn.k_norm.weight", "layers.{i}.attn.k_norm.scale", None),
-    ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_kernel_df", ("transpose", 1)),
-    ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up_kernel_df", ("transpose", 1)),
-    ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_kernel_fd", ("transpose", 1)),
+    ("model.layers.{i}.input_layernorm.weight", "layers.input_norm.scale", None),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers.post_attn_norm.scale", None),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers.attn.q_kernel_dhk", ("transpose", 1)),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers.attn.k_kernel_dkh", ("transpose", 1)),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers.attn.v_kernel_dkh", ("transpose", 1)),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers.attn.o_kernel_hkd", ("transpose", 2)),
+    ("model.layers.{i}.self_attn.q_proj.bias", "layers.attn.q_bias", "reshape"),
+    ("model.layers.{i}.self_attn.k_proj.bias", "layers.attn.k_bias", "reshape"),
+    ("model.layers.{i}.self_attn.v_proj.bias", "layers.attn.v_bias", "reshape"),
+    ("model.layers.{i}.self_attn.q_norm.weight", "layers.attn.q_norm.scale", None),
+    ("model.layers.{i}.self_attn.k_norm.weight", "layers.attn.k_norm.scale", None),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers.mlp.gate_kernel_df", ("transpose", 1)),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers.mlp.up_kernel_df", ("transpose", 1)),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers.mlp.down_kernel_fd", ("transpose", 1)),
 )
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -90,14 +92,17 @@ def ours_to_hf(array: np.ndarray, transform: Transform) -> np.ndarray:
     return np.ascontiguousarray(array.reshape(in_size, -1).T)
 
 
-def param_table(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str | int, ...], Transform]]:
-    """Rows of HF_PARAM_TABLE expanded over layers, keeping only the ones this config has."""
+def param_table(cfg: ModelConfig
+                ) -> Iterator[tuple[str, tuple[str | int, ...], Transform, int | None]]:
+    """Rows of HF_PARAM_TABLE expanded over layers: (HF key, NNX path, transform, layer),
+    where ``layer`` is the row of the stacked variable (None outside the layers)."""
     for hf_key, nnx_path, transform in HF_PARAM_TABLE:
-        layers = range(cfg.num_hidden_layers) if "{i}" in hf_key else [None]
-        for i in layers:
-            key = hf_key.format(i=i) if i is not None else hf_key
-            path = nnx_path.format(i=i) if i is not None else nnx_path
-            yield key, tuple(int(p) if p.isdigit() else p for p in path.split(".")), transform
+        path = tuple(nnx_path.split("."))
+        if "{i}" not in hf_key:
+            yield hf_key, path, transform, None
+            continue
+        for i in range(cfg.num_hidden_layers):
+            yield hf_key.format(i=i), path, transform, i
 
 
 # --------------------------------------------------------------------------- load
@@ -159,38 +164,46 @@ def load_hf(
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
 
+    rows_by_path: dict[tuple[str | int, ...], list[tuple[str, Transform, int | None]]] = {}
+    for hf_key, nnx_path, transform, layer in param_table(cfg):
+        if nnx_path in flat:  # else a tensor this config does not have (bias, qk-norm, head)
+            rows_by_path.setdefault(nnx_path, []).append((hf_key, transform, layer))
     handles: dict[Path, Any] = {}
     try:
         new_flat = []
-        for hf_key, nnx_path, transform in param_table(cfg):
-            if nnx_path not in flat:
-                continue  # a tensor this config does not have (bias, qk-norm, untied head)
+        for nnx_path, rows in rows_by_path.items():
             variable = flat.pop(nnx_path)
             abstract_value = variable.get_value()
-            our_shape = tuple(abstract_value.shape)
-            fpath = files.get(hf_key)
-            if fpath is None:
-                where = path / (SAFETENSORS_INDEX if (path / SAFETENSORS_INDEX).is_file()
-                                else SINGLE_SAFETENSORS)
-                raise CheckpointError(
-                    f"{where}: missing tensor {hf_key} (expected shape "
-                    f"{list(hf_shape(our_shape, transform))}) for {cfg.architecture}"
-                )
-            if fpath not in handles:
-                handles[fpath] = safe_open(str(fpath), framework="numpy").__enter__()
-            handle = handles[fpath]
-            actual_shape = tuple(handle.get_slice(hf_key).get_shape())
-            expected_shape = hf_shape(our_shape, transform)
-            if actual_shape != expected_shape:
-                raise CheckpointError(
-                    f"{fpath}: tensor {hf_key} has shape {list(actual_shape)}, expected "
-                    f"{list(expected_shape)} for {cfg.architecture} per config.json"
-                )
-            host = hf_to_ours(handle.get_tensor(hf_key), our_shape, transform)
+            stacked_shape = tuple(abstract_value.shape)
+            our_shape = stacked_shape if rows[0][2] is None else stacked_shape[1:]
+            hosts = []
+            for hf_key, transform, _ in rows:
+                fpath = files.get(hf_key)
+                if fpath is None:
+                    where = path / (SAFETENSORS_INDEX if (path / SAFETENSORS_INDEX).is_file()
+                                    else SINGLE_SAFETENSORS)
+                    raise CheckpointError(
+                        f"{where}: missing tensor {hf_key} (expected shape "
+                        f"{list(hf_shape(our_shape, transform))}) for {cfg.architecture}"
+                    )
+                if fpath not in handles:
+                    handles[fpath] = safe_open(str(fpath), framework="numpy").__enter__()
+                handle = handles[fpath]
+                actual_shape = tuple(handle.get_slice(hf_key).get_shape())
+                expected_shape = hf_shape(our_shape, transform)
+                if actual_shape != expected_shape:
+                    raise CheckpointError(
+                        f"{fpath}: tensor {hf_key} has shape {list(actual_shape)}, expected "
+                        f"{list(expected_shape)} for {cfg.architecture} per config.json"
+                    )
+                hosts.append(np.asarray(hf_to_ours(handle.get_tensor(hf_key), our_shape,
+                                                   transform), dtype=jdtype))
+            host = hosts[0] if rows[0][2] is None else np.stack(hosts)
+            del hosts
             sharding = None
             if mesh is not None:
                 axes = variable.get_metadata().get("logical_axes")
-                sharding = sharding_for_array(our_shape, axes, mesh)
+                sharding = sharding_for_array(stacked_shape, axes, mesh)
             new_flat.append((nnx_path, variable.replace(_place(host, jdtype, sharding))))
     finally:
         for handle in handles.values():
@@ -258,26 +271,32 @@ def _hf_entries(model: CausalLM, cfg: ModelConfig, dtype: str | None
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     out_dtype = parse_dtype(dtype) if dtype is not None else None
     entries: list[tuple[str, tuple[int, ...], np.dtype, Any]] = []
-    for hf_key, nnx_path, transform in param_table(cfg):
+    for hf_key, nnx_path, transform, layer in param_table(cfg):
         if nnx_path not in flat:
             continue
         value = flat[nnx_path].get_value()
         want = np.dtype(out_dtype if out_dtype is not None else value.dtype)
+        shape = tuple(value.shape) if layer is None else tuple(value.shape[1:])
 
-        def produce(value=value, transform=transform, want=want, gather_only=False) -> Any:
+        def produce(value=value, layer=layer, transform=transform, want=want,
+                    gather_only=False) -> Any:
             if isinstance(value, jax.Array):
                 if gather_only and value.is_fully_addressable:
                     return None  # no collective: the writer reads its own copy
+                if layer is not None:
+                    value = value[layer]  # on device, one layer's tensor
                 if value.dtype != want:
                     value = value.astype(want)  # on device, one tensor
                 if not value.is_fully_addressable:
                     value = multihost_utils.process_allgather(value, tiled=True)
+            elif layer is not None:
+                value = value[layer]
             if gather_only:
                 return None
             host = np.asarray(jax.device_get(value)).astype(want, copy=False)
             return ours_to_hf(host, transform)
 
-        entries.append((hf_key, hf_shape(tuple(value.shape), transform), want, produce))
+        entries.append((hf_key, hf_shape(shape, transform), want, produce))
     return entries
 
 

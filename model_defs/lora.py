@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -35,7 +36,7 @@ LORA_TARGETS: dict[str, tuple[str, str, int, str, str]] = {
     "up_proj": ("mlp", "up_kernel_df", 1, "embed", "mlp"),
     "down_proj": ("mlp", "down_kernel_fd", 1, "mlp", "embed"),
 }
-# The HF module path of each owner inside ``model.layers.{i}``.
+# The HF module path of each owner inside HF's ``model.layers.{i}``.
 HF_OWNER = {"attn": "self_attn", "mlp": "mlp"}
 
 
@@ -74,34 +75,41 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
-def _owner(model: CausalLM, layer: int, name: str) -> tuple[nnx.Module, nnx.Param]:
+def _owner(model: CausalLM, name: str) -> tuple[nnx.Module, nnx.Param]:
+    """The module holding projection ``name`` in the stacked decoder layers, and its
+    stacked kernel [L, in..., out...]."""
     owner_attr, kernel_attr = LORA_TARGETS[name][:2]
-    owner = getattr(model.layers[layer], owner_attr)
+    owner = getattr(model.layers, owner_attr)
     return owner, getattr(owner, kernel_attr)
 
 
 def add_lora(model: CausalLM, lora: LoraConfig, *, rngs: nnx.Rngs) -> CausalLM:
-    """Attaches fresh adapters (A he-uniform, B zero) to ``lora.target_modules`` of every
-    layer, in place; returns ``model``. Adapter params have the kernels' dtype."""
+    """Attaches fresh adapters (A he-uniform per layer, B zero) to ``lora.target_modules``
+    of every layer, in place; returns ``model``. Like the layers' own variables, the
+    adapters are stacked: A [L, in, r], B [L, r, out]. Adapter params have the kernels'
+    dtype."""
     if not isinstance(lora, LoraConfig):
         raise TypeError(f"lora must be a LoraConfig, got {type(lora).__name__}")
     if lora_config(model) is not None:
         raise ValueError("the model already has LoRA adapters")
-    for i in range(len(model.layers)):
-        for name in lora.target_modules:
-            owner, kernel = _owner(model, i, name)
-            _, _, n_in, in_axis, out_axis = LORA_TARGETS[name]
-            shape = tuple(kernel.get_value().shape)
-            adapter = nnx.LoRA(
-                math.prod(shape[:n_in]), lora.rank, math.prod(shape[n_in:]),
-                dtype=model.dtype, param_dtype=kernel.get_value().dtype, rngs=rngs,
-                a_metadata={"logical_axes": (in_axis, None)},
-                b_metadata={"logical_axes": (None, out_axis)},
-            )
-            adapter.scale = lora.scale
-            if owner.lora is None:
-                owner.lora = nnx.Dict()
-            owner.lora[name] = adapter
+    n_layers = model.num_layers
+    init_a = jax.nn.initializers.he_uniform(in_axis=-2, out_axis=-1, batch_axis=(0,))
+    for name in lora.target_modules:
+        owner, kernel = _owner(model, name)
+        _, _, n_in, in_axis, out_axis = LORA_TARGETS[name]
+        shape = tuple(kernel.get_value().shape)[1:]  # one layer's kernel
+        dtype = kernel.get_value().dtype
+        d_in, d_out = math.prod(shape[:n_in]), math.prod(shape[n_in:])
+        adapter = nnx.LoRA(d_in, lora.rank, d_out, dtype=model.dtype, param_dtype=dtype,
+                           rngs=rngs)
+        adapter.lora_a = nnx.LoRAParam(init_a(rngs.params(), (n_layers, d_in, lora.rank), dtype),
+                                       logical_axes=("layers", in_axis, None))
+        adapter.lora_b = nnx.LoRAParam(jnp.zeros((n_layers, lora.rank, d_out), dtype),
+                                       logical_axes=("layers", None, out_axis))
+        adapter.scale = lora.scale
+        if owner.lora is None:
+            owner.lora = nnx.Dict()
+        owner.lora[name] = adapter
     model.lora_config = lora
     return model
 
@@ -111,19 +119,20 @@ def lora_config(model: CausalLM) -> LoraConfig | None:
     return getattr(model, "lora_config", None)
 
 
-def lora_adapters(model: CausalLM) -> Iterator[tuple[int, str, nnx.LoRA]]:
-    """(layer, PEFT module name, adapter) for every adapter of the model."""
+def lora_adapters(model: CausalLM) -> Iterator[tuple[str, nnx.LoRA]]:
+    """(PEFT module name, adapter) for every adapted projection; the adapter's
+    ``lora_a`` [L, in, r] and ``lora_b`` [L, r, out] hold every layer's matrices."""
     lora = lora_config(model)
     if lora is None:
         return
-    for i in range(len(model.layers)):
-        for name in lora.target_modules:
-            owner, _ = _owner(model, i, name)
-            yield i, name, owner.lora[name]
+    for name in lora.target_modules:
+        owner, _ = _owner(model, name)
+        yield name, owner.lora[name]
 
 
 def merged_kernel(kernel: Any, lora_a: Any, lora_b: Any, scale: float) -> Any:
-    """``kernel + scale * A @ B`` in the kernel's shape and dtype, computed in fp32."""
+    """``kernel + scale * A @ B`` in the kernel's shape and dtype, computed in fp32 (stacked
+    layers: A [L, in, r] and B [L, r, out] multiply layer by layer)."""
     delta = (jnp.asarray(lora_a, jnp.float32) @ jnp.asarray(lora_b, jnp.float32)) * scale
     return (jnp.asarray(kernel, jnp.float32) + delta.reshape(kernel.shape)).astype(kernel.dtype)
 
@@ -136,18 +145,17 @@ def merge_lora(model: CausalLM) -> CausalLM:
     if lora is None:
         return model
     merged_values = {}
-    for i, name, adapter in lora_adapters(model):
-        _, kernel = _owner(model, i, name)
-        merged_values[(i, name)] = merged_kernel(kernel.get_value(), adapter.lora_a.get_value(),
-                                                 adapter.lora_b.get_value(), adapter.scale)
+    for name, adapter in lora_adapters(model):
+        _, kernel = _owner(model, name)
+        merged_values[name] = merged_kernel(kernel.get_value(), adapter.lora_a.get_value(),
+                                            adapter.lora_b.get_value(), adapter.scale)
     graphdef, state = nnx.split(model)
     plain = nnx.merge(graphdef, state, copy=False)  # a new module tree sharing the arrays
-    for i in range(len(plain.layers)):
-        for owner_attr in HF_OWNER:
-            getattr(plain.layers[i], owner_attr).lora = None
-    for (i, name), value in merged_values.items():
+    for owner_attr in HF_OWNER:
+        getattr(plain.layers, owner_attr).lora = None
+    for name, value in merged_values.items():
         owner_attr, kernel_attr = LORA_TARGETS[name][:2]
-        owner = getattr(plain.layers[i], owner_attr)
+        owner = getattr(plain.layers, owner_attr)
         setattr(owner, kernel_attr, nnx.Param(value, **_metadata(getattr(owner, kernel_attr))))
     del plain.lora_config
     return plain

@@ -6,6 +6,13 @@ H query heads, K kv heads, G query heads per kv head (H = K*G), Dh head dim, F m
 Weights keep the HF layout up to a transpose/reshape (``q_proj.kernel_dhk`` is HF
 ``q_proj.weight`` transposed to [D, H, Dh]); see ``hf_io.HF_PARAM_TABLE``.
 
+The decoder layers are one ``DecoderLayer`` whose variables are stacked on a leading
+[L] axis (logical axis ``layers``, never sharded), and the forward pass is one
+``lax.scan`` over them: the compiled program holds one layer whatever the depth, so
+compile time and HLO size do not grow with L (the Qwen2.5-0.5B learner compiled 24
+unrolled copies before). ``model.layer(i)`` / ``model.unstacked_layers()`` give single
+layers (the engine unrolls them; see ``areal_jax.engine.forward``).
+
 Attention and MLP hold an optional ``lora`` dict of ``nnx.LoRA`` adapters keyed by the
 PEFT module name (``q_proj`` ... ``down_proj``); ``model_defs.lora.add_lora`` fills it.
 """
@@ -20,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model_defs.attention import attention
+from model_defs.fused_attention import ATTENTION_IMPLS
 from model_defs.config import ModelConfig
 from model_defs.sharding import shard
 
@@ -155,9 +163,10 @@ class Attention(nnx.Module):
         return out_btd if delta_btd is None else out_btd + delta_btd
 
     def __call__(self, x_btd: Array, cos_sin: tuple[Array, Array],
-                 segment_ids_bt: Array | None) -> Array:
+                 segment_ids_bt: Array | None, attention_impl: str = "xla") -> Array:
         q_bkgtd, k_bktd, v_bktd = self.project_qkv(x_btd, cos_sin)
-        out_bkgtd = attention(q_bkgtd, k_bktd, v_bktd, segment_ids_bt=segment_ids_bt)
+        out_bkgtd = attention(q_bkgtd, k_bktd, v_bktd, segment_ids_bt=segment_ids_bt,
+                              impl=attention_impl)
         return self.project_out(out_bkgtd)
 
 
@@ -202,24 +211,37 @@ class DecoderLayer(nnx.Module):
         return shard(x_btd, ("batch", "seq", "act_embed"))
 
     def __call__(self, x_btd: Array, cos_sin: tuple[Array, Array],
-                 segment_ids_bt: Array | None) -> Array:
-        attn_btd = self.attn(self.input_norm(x_btd), cos_sin, segment_ids_bt)
+                 segment_ids_bt: Array | None, attention_impl: str = "xla") -> Array:
+        attn_btd = self.attn(self.input_norm(x_btd), cos_sin, segment_ids_bt, attention_impl)
         x_btd = shard(x_btd + attn_btd, ("batch", "seq", "act_embed"))
         x_btd = x_btd + self.mlp(self.post_attn_norm(x_btd))
         return shard(x_btd, ("batch", "seq", "act_embed"))
 
 
+def _layer_leaves(layers: Any) -> tuple[Any, list[Array], Any]:
+    """(state, its leaves, rebuild) of the stacked layer module: ``rebuild(leaves)`` -> a
+    ``DecoderLayer`` holding the given arrays (stacked [L, ...] or one layer's slice)."""
+    graphdef, state = nnx.split(layers)
+    leaves, treedef = jax.tree.flatten(state)
+    return state, leaves, lambda new: nnx.merge(graphdef, jax.tree.unflatten(treedef, new))
+
+
 def _accumulators_for(state: Any, grad_acc: Any) -> list[Any]:
-    """For each leaf of a layer's ``state`` (``jax.tree.flatten`` order), the leaf of
-    ``grad_acc`` (a tree of some of the same variables, e.g. the trainable ones) at the
+    """For each leaf of the stacked layers' ``state`` (``jax.tree.flatten`` order), the leaf
+    of ``grad_acc`` (a tree of some of the same variables, e.g. the trainable ones) at the
     same path, or None."""
     if grad_acc is None:
         return [None] * len(jax.tree.leaves(state))
     by_path = dict(jax.tree_util.tree_flatten_with_path(grad_acc)[0])
     out = [by_path.pop(path, None) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     if by_path:
-        raise ValueError(f"layer_grad_acc has entries the layer does not: "
+        raise ValueError(f"layer_grad_acc has entries the layers do not: "
                          f"{[jax.tree_util.keystr(p) for p in by_path]}")
+    for (path, leaf), acc in zip(jax.tree_util.tree_flatten_with_path(state)[0], out,
+                                 strict=True):
+        if acc is not None and tuple(acc.shape) != tuple(leaf.shape):
+            raise ValueError(f"layer_grad_acc{jax.tree_util.keystr(path)} has shape "
+                             f"{tuple(acc.shape)}, the layers' variable {tuple(leaf.shape)}")
     return out
 
 
@@ -232,122 +254,120 @@ def _plus_gradient(value: Array, acc: Array) -> Array:
 _plus_gradient.defvjp(lambda value, acc: (value, acc), lambda acc, ct: (ct + acc, None))
 
 
-def _as_pure_layer(layer: Any) -> tuple[Any, list[Array], Any]:
-    """(state, its leaves, rebuild): the layer's variables as plain arrays, and
-    ``rebuild(leaves)`` -> the same layer holding the given arrays."""
-    graphdef, state = nnx.split(layer)
-    leaves, treedef = jax.tree.flatten(state)
-    return state, leaves, lambda new: nnx.merge(graphdef, jax.tree.unflatten(treedef, new))
+def _scan_layers(rebuild: Any, leaves: list[Array], x_btd: Array, cos_sin: Any,
+                 segment_ids_bt: Array | None, policy: Any, attention_impl: str) -> Array:
+    """The layers as one ``lax.scan`` over the stacked leaves (each step one layer), the
+    body under ``jax.checkpoint(policy)`` when a policy is given."""
+
+    def body(x_, layer_leaves):
+        return rebuild(layer_leaves)(x_, cos_sin, segment_ids_bt, attention_impl), None
+
+    if policy is not None:
+        body = jax.checkpoint(body, policy=policy)
+    return jax.lax.scan(body, x_btd, leaves)[0]
 
 
-def _with_gradient_buffers(layer: Any, grad_acc: Any) -> Any:
-    """The layer with each variable that has a buffer in ``grad_acc`` passed through
-    ``_plus_gradient`` (for the layer runs other than ``_run_layer_remat_full``)."""
-    state, leaves, rebuild = _as_pure_layer(layer)
-    return rebuild([v if a is None else _plus_gradient(v, a)
-                    for v, a in zip(leaves, _accumulators_for(state, grad_acc), strict=True)])
+def _scan_layers_remat_full(rebuild: Any, leaves: list[Array], x_btd: Array, cos_sin: Any,
+                            segment_ids_bt: Array | None, accs: list[Any],
+                            attention_impl: str) -> Array:
+    """``remat: full``: the layers as one scan whose backward pass is a reverse scan of
+    per-layer backward steps (a ``custom_vjp`` over the whole stack).
 
+    The forward scan keeps each layer's input only ([L, B, T, D]). Each step of the
+    backward scan recomputes one layer from its input, takes its VJP, and adds the weight
+    gradients into that layer's rows of the stacked gradient buffers, which the loop
+    carries (an in-place update): a layer's recomputed activations, cotangents and fresh
+    weight gradients are temporaries of its own loop iteration and end with it. (With
+    ``jax.checkpoint`` over an unrolled stack, XLA's scheduler deferred every layer's
+    weight-gradient work to the end of the backward pass and kept ~57 MiB a layer alive for
+    a Qwen2.5-0.5B shape at 4096 tokens; a loop body is one unit to the scheduler.)
 
-def _run_layer(layer, x_btd, cos_sin, segment_ids_bt):
-    return layer(x_btd, cos_sin, segment_ids_bt)
-
-
-def _run_layer_checkpointed(policy: Any, layer, x_btd, cos_sin, segment_ids_bt):
-    """The layer under ``jax.checkpoint(policy)``, on its variables as plain arrays (so a
-    layer rebuilt by ``_with_gradient_buffers`` in this trace goes through as well)."""
-    _, leaves, rebuild = _as_pure_layer(layer)
-
-    def pure(leaves_, x_):
-        return rebuild(leaves_)(x_, cos_sin, segment_ids_bt)
-
-    return jax.checkpoint(pure, policy=policy)(leaves, x_btd)
-
-
-def _run_layer_remat_full(layer, x_btd, cos_sin, segment_ids_bt, grad_acc=None):
-    """``remat: full`` as a layer-level ``custom_vjp``: the forward pass keeps the layer's
-    inputs only; the backward pass recomputes the layer and takes its VJP inside a
-    ``lax.cond``, so the whole of one layer's backward (its recomputed activations, the
-    gradient of its input and of every weight, added to ``grad_acc``) runs as one unit,
-    before the layer below.
-
-    Why not ``jax.checkpoint`` (``nnx.remat``): the gradients are the same, but XLA's
-    scheduler sees one flat graph and is free to defer each layer's weight-gradient work
-    (bias reductions, weight products, the accumulation into the gradient buffers) to the
-    end of the backward pass. XLA:CPU does, and each layer's [tokens, hidden] cotangents,
-    recomputed inputs and fresh weight gradients then stay alive until then: ~57 MiB a
-    layer against the 14 MiB layer input for a Qwen2.5-0.5B shape at 4096 tokens (fp32).
-    An ``optimization_barrier`` does not stop it (XLA:CPU removes barriers before
-    scheduling); a conditional is one instruction to the scheduler, whose temporaries end
-    with it. Its predicate ``c == c or c != c`` (``c`` an element of the incoming
-    gradient) is true for every float, NaN included, so the second branch never runs; it
-    is there because XLA inlines a conditional whose predicate it can prove.
-
-    ``grad_acc``: gradient buffers for some of the layer's variables (see
-    ``_accumulators_for``); their gradients come out as buffer + gradient, added inside
-    the conditional. Gradients are taken only for the inputs the caller differentiates
-    (``symbolic_zeros`` says which): with LoRA the frozen base weights get none.
+    ``accs``: per leaf, a gradient buffer of the leaf's stacked shape or None; the
+    gradients of those leaves come out as buffer + gradient. Gradients are taken only for
+    the leaves the caller differentiates (``symbolic_zeros`` says which): with LoRA the
+    frozen base weights get none.
     """
-    state, leaves, rebuild = _as_pure_layer(layer)
-    accs = _accumulators_for(state, grad_acc)
     wanted: list[bool] = []  # set by the forward rule: which leaves (and x) are perturbed
 
-    def apply(leaves_, x_):
-        return rebuild(leaves_)(x_, cos_sin, segment_ids_bt)
+    def layer_apply(layer_leaves, x_):
+        return rebuild(layer_leaves)(x_, cos_sin, segment_ids_bt, attention_impl)
+
+    def forward(leaves_, x_):
+        def body(h, layer_leaves):
+            return layer_apply(layer_leaves, h), h
+        return jax.lax.scan(body, x_, leaves_)
 
     @jax.custom_vjp
     def run(leaves_, x_, accs_):
-        return apply(leaves_, x_)
+        return forward(leaves_, x_)[0]
 
     def fwd(leaves_, x_, accs_):
         wanted[:] = [p.perturbed for p in leaves_] + [x_.perturbed]
         values = [p.value for p in leaves_]
-        return apply(values, x_.value), (values, x_.value,
-                                          [None if a is None else a.value for a in accs_])
+        out, inputs_lbtd = forward(values, x_.value)
+        return out, (values, inputs_lbtd, [None if a is None else a.value for a in accs_])
 
     def bwd(residuals, ct_btd):
-        values, x_, accs_ = residuals
+        values, inputs_lbtd, accs_ = residuals
         if isinstance(ct_btd, jax.custom_derivatives.SymbolicZero):
             ct_btd = jnp.zeros(ct_btd.shape, ct_btd.dtype)
         want_leaf, want_x = wanted[:-1], wanted[-1]
         picked = [i for i, w in enumerate(want_leaf) if w]
-        diff = [values[i] for i in picked]
-        diff_acc = [accs_[i] for i in picked]
+        bufs = [jnp.zeros_like(values[i]) if accs_[i] is None else accs_[i] for i in picked]
+        n_layers = inputs_lbtd.shape[0]
 
-        def grads(operands):
-            diff_, acc_, x_, ct_ = operands
+        def step(carry, layer):
+            ct_, bufs_ = carry
+            layer_values = [jax.lax.dynamic_index_in_dim(v, layer, keepdims=False)
+                            for v in values]
+            x_in = jax.lax.dynamic_index_in_dim(inputs_lbtd, layer, keepdims=False)
 
-            def f(diff_in, x_in):
-                full = list(values)
+            def f(diff_in, x_):
+                full = list(layer_values)
                 for i, v in zip(picked, diff_in, strict=True):
                     full[i] = v
-                return apply(full, x_in)
+                return layer_apply(full, x_)
 
-            _, vjp = jax.vjp(f, diff_, x_)
+            _, vjp = jax.vjp(f, [layer_values[i] for i in picked], x_in)
             d_diff, d_x = vjp(ct_)
-            return [d if a is None else a + d for d, a in zip(d_diff, acc_, strict=True)], d_x
+            bufs_ = [jax.lax.dynamic_update_index_in_dim(
+                         b, jax.lax.dynamic_index_in_dim(b, layer, keepdims=False)
+                         + d.astype(b.dtype), layer, 0)
+                     for b, d in zip(bufs_, d_diff, strict=True)]
+            return (d_x.astype(ct_.dtype), bufs_), None
 
-        def zeros(operands):
-            diff_, acc_, x_, _ = operands
-            return ([jnp.zeros_like(v) if a is None else a
-                     for v, a in zip(diff_, acc_, strict=True)], jnp.zeros_like(x_))
-
-        c = ct_btd.reshape(-1)[0]
-        d_diff, d_x = jax.lax.cond((c == c) | (c != c), grads, zeros,
-                                   (diff, diff_acc, x_, ct_btd))
+        (d_x, bufs), _ = jax.lax.scan(step, (ct_btd, bufs), jnp.arange(n_layers),
+                                      reverse=True)
         d_leaves: list[Any] = [None] * len(values)
-        for i, d in zip(picked, d_diff, strict=True):
-            d_leaves[i] = d
+        for i, b in zip(picked, bufs, strict=True):
+            d_leaves[i] = b
         return d_leaves, (d_x if want_x else None), None
 
     run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run(leaves, x_btd, accs)
 
 
+def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One ``DecoderLayer`` holding the variables of ``layers`` stacked on a new leading
+    axis (logical axis ``"layers"``, never sharded). All must have the same structure."""
+    if not layers:
+        raise ValueError("stack_layers: no layers")
+    graphdef, _ = nnx.split(layers[0])
+    states = [nnx.split(layer)[1] for layer in layers]
+    stacked = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+    for _, node in nnx.iter_graph(stacked):
+        if isinstance(node, nnx.Variable):
+            axes = node.get_metadata().get("logical_axes")
+            if axes is not None:
+                node.set_metadata("logical_axes", ("layers", *axes))
+    return stacked
+
+
 # --------------------------------------------------------------------------- remat
 # What a rematerialised decoder layer keeps for the backward pass (jax.checkpoint policies).
 REMAT_POLICIES = {
     "none": None,  # no rematerialisation: every activation is kept
-    # only each layer's input (not jax.checkpoint: see _run_layer_remat_full)
+    # only each layer's input (not jax.checkpoint: see _scan_layers_remat_full)
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_saveable,  # matmul outputs kept, the rest recomputed
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -379,8 +399,15 @@ class CausalLM(nnx.Module):
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
         remat: bool | str = False,
+        attention_impl: str = "auto",
     ):
         self.cfg = cfg
+        # Self-attention kernel (``model.attention``): resolved per call for the platform of
+        # the active mesh; "auto" is the XLA path on CPU (see model_defs.fused_attention).
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}; "
+                             f"got {attention_impl!r}")
+        self.attention_impl = attention_impl
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
         remat_policy_name(remat)  # fails early on an unknown policy
@@ -388,9 +415,11 @@ class CausalLM(nnx.Module):
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         self.embed_vd = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                                self.param_dtype)
-        self.layers = nnx.List(
-            [DecoderLayer(cfg, rngs=rngs, **kw) for _ in range(cfg.num_hidden_layers)]
-        )
+        # One DecoderLayer whose variables are stacked [L, ...] (logical axis "layers"):
+        # the forward pass is one lax.scan over them, so the compiled program holds one
+        # layer whatever the depth.
+        self.layers = stack_layers(
+            [DecoderLayer(cfg, rngs=rngs, **kw) for _ in range(cfg.num_hidden_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         if cfg.tie_word_embeddings:
             self.lm_head_dv = None
@@ -399,6 +428,22 @@ class CausalLM(nnx.Module):
                                      self.param_dtype)
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_hidden_layers
+
+    def layer(self, i: int | Array) -> DecoderLayer:
+        """Decoder layer ``i`` as a module of its own (its slices of the stacked variables;
+        a static ``i`` in a traced function is a free slice)."""
+        _, leaves, rebuild = _layer_leaves(self.layers)
+        return rebuild([jax.lax.dynamic_index_in_dim(v, i, keepdims=False)
+                        if not isinstance(i, int) else v[i] for v in leaves])
+
+    def unstacked_layers(self) -> list[DecoderLayer]:
+        """Every decoder layer as its own module (``layer(i)`` for i in order)."""
+        _, leaves, rebuild = _layer_leaves(self.layers)
+        return [rebuild([v[i] for v in leaves]) for i in range(self.num_layers)]
+
     def unembed_dv(self) -> Array:
         """[D, V] output projection (the transposed embedding when tied)."""
         if self.lm_head_dv is None:
@@ -432,11 +477,11 @@ class CausalLM(nnx.Module):
         """Hidden states after the final norm, [B, T, D].
 
         ``layer_grad_acc`` (for a learner that accumulates gradients over micro-batches):
-        one tree per decoder layer (or None) of gradient buffers for some of that layer's
-        variables, at the same paths as in ``nnx.split(layer)``'s state, e.g. the layer's
-        part of the gradient accumulator. A gradient of this function then comes out, for
-        those variables, as buffer + gradient. With ``remat: full`` the sum is taken inside
-        each layer's backward step, so no layer's fresh gradient outlives it."""
+        a tree of gradient buffers for some of the stacked layers' variables, at the same
+        paths and [L, ...] shapes as in ``nnx.split(model.layers)``'s state, e.g. the
+        ``layers`` part of the gradient accumulator. A gradient of this function then comes
+        out, for those variables, as buffer + gradient. With ``remat: full`` the sum is
+        taken inside each layer's backward step, so no layer's fresh gradient outlives it."""
         input_ids_bt = jnp.asarray(input_ids_bt)
         if input_ids_bt.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {input_ids_bt.shape}")
@@ -456,21 +501,16 @@ class CausalLM(nnx.Module):
         x_btd = shard(self.embed(input_ids_bt), ("batch", "seq", "act_embed"))
         cos_sin = self.rope(positions_bt)
         policy = remat_policy_name(self.remat)
-        accs = [None] * len(self.layers) if layer_grad_acc is None else list(layer_grad_acc)
-        if len(accs) != len(self.layers):
-            raise ValueError(f"layer_grad_acc has {len(accs)} entries for "
-                             f"{len(self.layers)} layers")
-        for layer, acc in zip(self.layers, accs, strict=True):
-            if policy == "full":  # adds into acc itself, inside each layer's backward step
-                x_btd = _run_layer_remat_full(layer, x_btd, cos_sin, seg_bt, acc)
-                continue
-            if acc is not None:
-                layer = _with_gradient_buffers(layer, acc)
-            if policy == "none":
-                x_btd = _run_layer(layer, x_btd, cos_sin, seg_bt)
-            else:
-                x_btd = _run_layer_checkpointed(REMAT_POLICIES[policy], layer, x_btd,
-                                                cos_sin, seg_bt)
+        state, leaves, rebuild = _layer_leaves(self.layers)
+        accs = _accumulators_for(state, layer_grad_acc)
+        if policy == "full":  # adds into accs itself, inside each layer's backward step
+            x_btd = _scan_layers_remat_full(rebuild, leaves, x_btd, cos_sin, seg_bt, accs,
+                                            self.attention_impl)
+        else:
+            leaves = [v if a is None else _plus_gradient(v, a)
+                      for v, a in zip(leaves, accs, strict=True)]
+            x_btd = _scan_layers(rebuild, leaves, x_btd, cos_sin, seg_bt,
+                                 REMAT_POLICIES[policy], self.attention_impl)
         return self.final_norm(x_btd)
 
     def logits_from_hidden(self, hidden_btd: Array) -> Array:

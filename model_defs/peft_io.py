@@ -98,12 +98,13 @@ def peft_adapter(model: CausalLM, base_model_name_or_path: str | None = None,
     if lora is None:
         raise ValueError("the model has no LoRA adapters (see model_defs.add_lora)")
     tensors: dict[str, np.ndarray] = {}
-    for i, name, adapter in lora_adapters(model):
-        a_ir, b_ro = _host(adapter.lora_a.get_value()), _host(adapter.lora_b.get_value())
+    for name, adapter in lora_adapters(model):
+        a_lir, b_lro = _host(adapter.lora_a.get_value()), _host(adapter.lora_b.get_value())
         if dtype is not None:
-            a_ir, b_ro = a_ir.astype(jnp.dtype(dtype)), b_ro.astype(jnp.dtype(dtype))
-        tensors[peft_key(i, name, "A")] = np.ascontiguousarray(a_ir.T)
-        tensors[peft_key(i, name, "B")] = np.ascontiguousarray(b_ro.T)
+            a_lir, b_lro = a_lir.astype(jnp.dtype(dtype)), b_lro.astype(jnp.dtype(dtype))
+        for i in range(a_lir.shape[0]):
+            tensors[peft_key(i, name, "A")] = np.ascontiguousarray(a_lir[i].T)
+            tensors[peft_key(i, name, "B")] = np.ascontiguousarray(b_lro[i].T)
     return PeftAdapter(lora, tensors, base_model_name_or_path)
 
 
@@ -168,20 +169,25 @@ def load_peft_adapter(model: CausalLM, path: str | os.PathLike) -> CausalLM:
     add_lora(model, lora, rngs=nnx.Rngs(0))
     with safe_open(str(weights), framework="numpy") as f:
         keys = set(f.keys())
-        expected = {peft_key(i, n, w) for i, n, _ in lora_adapters(model) for w in "AB"}
+        expected = {peft_key(i, n, w) for n, _ in lora_adapters(model)
+                    for i in range(model.num_layers) for w in "AB"}
         extra = sorted(keys - expected)
         if extra:
             raise CheckpointError(f"{weights}: tensors {extra[:3]} do not belong to a LoRA "
                                   f"adapter of this model's {list(lora.target_modules)}")
-        for i, name, adapter in lora_adapters(model):
+        for name, adapter in lora_adapters(model):
             for which, var in (("A", adapter.lora_a), ("B", adapter.lora_b)):
-                key = peft_key(i, name, which)
-                want = tuple(var.get_value().shape)[::-1]
-                if key not in keys:
-                    raise CheckpointError(f"{weights}: missing tensor {key} (shape {list(want)})")
-                tensor = f.get_tensor(key)
-                if tuple(tensor.shape) != want:
-                    raise CheckpointError(f"{weights}: tensor {key} has shape "
-                                          f"{list(tensor.shape)}, expected {list(want)}")
-                var.set_value(jnp.asarray(tensor.T, var.get_value().dtype))
+                want = tuple(var.get_value().shape)[1:][::-1]  # one layer's, PEFT's [out, in]
+                layers = []
+                for i in range(model.num_layers):
+                    key = peft_key(i, name, which)
+                    if key not in keys:
+                        raise CheckpointError(f"{weights}: missing tensor {key} "
+                                              f"(shape {list(want)})")
+                    tensor = f.get_tensor(key)
+                    if tuple(tensor.shape) != want:
+                        raise CheckpointError(f"{weights}: tensor {key} has shape "
+                                              f"{list(tensor.shape)}, expected {list(want)}")
+                    layers.append(tensor.T)
+                var.set_value(jnp.asarray(np.stack(layers), var.get_value().dtype))
     return model

@@ -45,7 +45,7 @@ REPO_CONFIG = "configs/tiny_demo_lora.yaml"
 def randomize_b(model, seed=0, std=0.1):
     """Non-zero B (a fresh adapter's B is 0, which would hide any mix-up of A or B)."""
     rng = np.random.default_rng(seed)
-    for _, _, adapter in lora_adapters(model):
+    for _, adapter in lora_adapters(model):
         b = adapter.lora_b.get_value()
         adapter.lora_b.set_value(jnp.asarray(std * rng.standard_normal(b.shape), b.dtype))
     return model
@@ -179,7 +179,8 @@ def test_only_adapters_train_and_hold_optimizer_state_and_resume_from_orbax(tmp_
     learner = _lora_learner(make_mesh("data=2,fsdp=2,tensor=2"))
     adapter_sizes = sorted(x.size for x in jax.tree.leaves(learner.params))
     n_layers, n_targets = TINY.num_hidden_layers, 7
-    assert len(adapter_sizes) == 2 * n_targets * n_layers
+    assert len(adapter_sizes) == 2 * n_targets  # A and B per target, stacked over layers
+    assert {x.shape[0] for x in jax.tree.leaves(learner.params)} == {n_layers}
     paths = [jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_flatten_with_path(learner.params)[0]]
     assert all("['lora_a']" in p or "['lora_b']" in p for p in paths), paths

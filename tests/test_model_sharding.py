@@ -57,9 +57,10 @@ def test_sharded_logits_equal_unsharded(checkpoint, reference_logits, shape):
     n_fsdp, n_tensor = shape[1], shape[2]
     assert embed.addressable_shards[0].data.shape == (cfg.vocab_size // n_tensor,
                                                       cfg.hidden_size // n_fsdp)
-    q = model.layers[0].attn.q_kernel_dhk[...]
+    q = model.layers.attn.q_kernel_dhk[...]  # stacked [L, D, H, Dh]; the layer axis whole
+    assert q.addressable_shards[0].data.shape[0] == cfg.num_hidden_layers
     if n_tensor > 1:
-        assert q.addressable_shards[0].data.shape[1] == cfg.num_attention_heads // n_tensor
+        assert q.addressable_shards[0].data.shape[2] == cfg.num_attention_heads // n_tensor
 
     ids, want = reference_logits
     batch_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
@@ -98,8 +99,9 @@ def test_param_shardings_replicates_dims_that_do_not_divide():
     # vocab 100 over tensor=2 ok; embed 30 over fsdp=4 does not divide -> replicated.
     assert flat[("embed_vd",)].spec == PartitionSpec("tensor", None)
     # 3 heads over tensor=2 -> replicated; mlp 48 over tensor=2 -> sharded.
-    assert flat[("layers", 0, "attn", "q_kernel_dhk")].spec == PartitionSpec(None, None, None)
-    assert flat[("layers", 0, "mlp", "gate_kernel_df")].spec == PartitionSpec(None, "tensor")
+    # (stacked layers: the leading layer axis is never sharded)
+    assert flat[("layers", "attn", "q_kernel_dhk")].spec == PartitionSpec(None, None, None, None)
+    assert flat[("layers", "mlp", "gate_kernel_df")].spec == PartitionSpec(None, None, "tensor")
     # The shardings place a real model's params (what the learner does).
     params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), nnx.state(abstract, nnx.Param))
     placed = jax.device_put(params, shardings)

@@ -38,7 +38,7 @@ def published(tmp_path_factory):
     model, cfg = load_hf(base)
     add_lora(model, LoraConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(1))
     rng = np.random.default_rng(0)
-    for _, _, adapter in lora_adapters(model):
+    for _, adapter in lora_adapters(model):
         b = adapter.lora_b.get_value()
         adapter.lora_b.set_value(jnp.asarray(0.1 * rng.standard_normal(b.shape), b.dtype))
     publisher = WeightPublisher(root / "weights")

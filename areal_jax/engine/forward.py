@@ -6,6 +6,13 @@ attention function, ``model_defs.attention.attention``, that the learner uses to
 own only what serving needs differently from the learner: the cache layout and how much
 of it attention reads.
 
+* Layers are unrolled here (``model.unstacked_layers()``: static slices of the stacked
+  variables, free in XLA), while the learner scans them. The cache stays one buffer per
+  layer, so each layer's write is in place and decode reads each layer's prefix
+  directly; a scan would carry the whole [L, ...] cache through every step of the
+  layer loop. The cost is compile time that grows with depth, seconds for the engine's
+  small programs.
+
 * The slot cache is head-major: values ``[B_slots, K, S_max, Dh]`` and keys stored
   transposed, ``[B_slots, K, Dh, S_max]``, per layer. Decode attention is then two plain
   matrix products per (slot, kv-head), ``q[G, Dh] @ k[Dh, S]`` and ``p[G, S] @ v[S, Dh]``,
@@ -68,13 +75,14 @@ def prefill_forward(model: Any, prompt_pt: Array, prompt_len_p: Array, slot_p: A
     cos_sin = model.rope(positions_pt)
     x_ptd = model.embed(prompt_pt)
     new_k, new_v = [], []
-    for layer in model.layers:
+    for layer in model.unstacked_layers():
         q_pkgtd, k_pktd, v_pktd = layer.attention_inputs(x_ptd, cos_sin)
         new_k.append(k_pktd)
         new_v.append(v_pktd)
         # Right padding comes after every real token, so causal attention alone keeps it
         # out of the real tokens' outputs.
-        x_ptd = layer.finish(x_ptd, attention(q_pkgtd, k_pktd, v_pktd))
+        x_ptd = layer.finish(x_ptd, attention(q_pkgtd, k_pktd, v_pktd,
+                                              impl=model.attention_impl))
     cache = SlotCache(
         k=tuple(c.at[slot_p, :, :, :bucket].set(n.swapaxes(2, 3).astype(c.dtype), mode="drop")
                 for c, n in zip(cache.k, new_k, strict=True)),
@@ -113,8 +121,8 @@ def decode_chunk(model: Any, token_b: Array, position_b: Array, cache: SlotCache
     prefix_k = [k[..., :kv_len].astype(model.dtype) for k in cache.k]  # [B, K, Dh, P]
     prefix_v = [v[:, :, :kv_len].astype(model.dtype) for v in cache.v]  # [B, K, P, Dh]
     kv, dh = cache.v[0].shape[1], cache.v[0].shape[3]
-    local_k0 = tuple(jnp.zeros((b, kv, dh, steps), model.dtype) for _ in model.layers)
-    local_v0 = tuple(jnp.zeros((b, kv, steps, dh), model.dtype) for _ in model.layers)
+    local_k0 = tuple(jnp.zeros((b, kv, dh, steps), model.dtype) for _ in cache.k)
+    local_v0 = tuple(jnp.zeros((b, kv, steps, dh), model.dtype) for _ in cache.v)
     # The prefix holds positions [0, start_b) of each slot; later indices are stale.
     prefix_limit_b1 = (start_b - 1)[:, None]
 
@@ -124,8 +132,8 @@ def decode_chunk(model: Any, token_b: Array, position_b: Array, cache: SlotCache
         local_limit_b1 = jnp.full((b, 1), step, jnp.int32)  # this call's keys 0..step
         x_b1d = model.embed(token_b[:, None])
         new_local_k, new_local_v = [], []
-        for layer, pk, pv, lk, lv in zip(model.layers, prefix_k, prefix_v, local_k, local_v,
-                                         strict=True):
+        for layer, pk, pv, lk, lv in zip(model.unstacked_layers(), prefix_k, prefix_v,
+                                         local_k, local_v, strict=True):
             q_bkg1d, k_bk1d, v_bk1d = layer.attention_inputs(x_b1d, cos_sin)
             lk = jax.lax.dynamic_update_slice_in_dim(lk, k_bk1d.swapaxes(2, 3), step, axis=3)
             lv = jax.lax.dynamic_update_slice_in_dim(lv, v_bk1d, step, axis=2)

@@ -168,13 +168,15 @@ class Critic(TrainableModel):
         ``max_grad_norm`` clipping).
       ppo_n_minibatches: optimizer steps per ``train_step``; the micro-batches must be packed
         with ``n_minibatches`` equal to it, as for the policy.
-      compute_dtype, remat, compiler_options: as for :class:`~areal_jax.learner.Learner`.
+      compute_dtype, remat, compiler_options, attention: as for
+        :class:`~areal_jax.learner.Learner`.
     """
 
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim: OptimConfig, *,
                  mesh: Mesh | None = None, value_eps_clip: float | None = 0.2,
                  value_coef: float = 1.0, ppo_n_minibatches: int = 1, compute_dtype: Any = None,
-                 remat: bool | str | None = None, compiler_options: dict[str, Any] | None = None):
+                 remat: bool | str | None = None, compiler_options: dict[str, Any] | None = None,
+                 attention: str | None = None):
         if not isinstance(model, CausalLM):
             raise TypeError("Critic model must be a model_defs.CausalLM, "
                             f"got {type(model).__name__}")
@@ -186,6 +188,8 @@ class Critic(TrainableModel):
         self.value_coef = float(value_coef)
         if remat is not None:
             model.remat = remat_policy_name(remat)
+        if attention is not None:
+            model.attention_impl = attention
         super().__init__(ValueModel(model), model_cfg, optim, n_minibatches=ppo_n_minibatches,
                          mesh=mesh, compute_dtype=compute_dtype,
                          compiler_options=compiler_options)
@@ -195,13 +199,15 @@ class Critic(TrainableModel):
                 value_eps_clip: float | None = 0.2, value_coef: float = 1.0,
                 ppo_n_minibatches: int = 1, compute_dtype: Any = "float32",
                 remat: bool | str = False,
-                compiler_options: dict[str, Any] | None = None) -> Critic:
+                compiler_options: dict[str, Any] | None = None,
+                attention: str | None = None) -> Critic:
         """A critic whose backbone is the HF checkpoint at ``path`` (fp32 master weights)."""
         mesh = make_mesh("data=-1") if mesh is None else mesh
         model, cfg = load_hf(path, dtype="float32", mesh=mesh)
         return cls(model, cfg, optim, mesh=mesh, value_eps_clip=value_eps_clip,
                    value_coef=value_coef, ppo_n_minibatches=ppo_n_minibatches,
-                   compute_dtype=compute_dtype, remat=remat, compiler_options=compiler_options)
+                   compute_dtype=compute_dtype, remat=remat, compiler_options=compiler_options,
+                   attention=attention)
 
     def _compile(self) -> None:
         super()._compile()  # the optimizer update and zero gradients

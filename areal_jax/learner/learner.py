@@ -100,6 +100,8 @@ class Learner(TrainableModel):
       remat: gradient checkpointing per decoder layer: a bool or a policy name of
         ``model_defs.model.REMAT_POLICIES`` ("none", "full", "dots", "dots_no_batch";
         default: the model's setting).
+      attention: the self-attention kernel, ``model.attention`` (``auto``, ``xla``,
+        ``splash``, ``cudnn``, ``pallas_gpu``; default: the model's setting, ``auto``).
       compiler_options: XLA options for every jitted function, e.g.
         ``{"xla_backend_optimization_level": 0}`` to compile faster on CPU in tests. On CPU
         they go over ``steps.CPU_MEMORY_OPTIONS`` (scheduling for memory).
@@ -122,7 +124,7 @@ class Learner(TrainableModel):
                  seq_token_sum_normalizer: float | None = None, mesh: Mesh | None = None,
                  compute_dtype: Any = None, remat: bool | str | None = None,
                  compiler_options: dict[str, Any] | None = None, trainable: bool = True,
-                 process_local_batches: bool = False):
+                 process_local_batches: bool = False, attention: str | None = None):
         if not isinstance(algo, AlgoConfig):
             raise TypeError(f"algo must be an AlgoConfig, got {type(algo).__name__}")
         check_positive("Learner", temperature=temperature, logp_chunk_size=logp_chunk_size)
@@ -138,7 +140,7 @@ class Learner(TrainableModel):
         super().__init__(model, model_cfg, optim, n_minibatches=algo.ppo_n_minibatches,
                          mesh=mesh, compute_dtype=compute_dtype, remat=remat,
                          compiler_options=compiler_options, trainable=trainable,
-                         process_local_batches=process_local_batches)
+                         process_local_batches=process_local_batches, attention=attention)
 
     @classmethod
     def from_hf(cls, path: str, optim: OptimConfig, algo: AlgoConfig, *,

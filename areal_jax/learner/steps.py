@@ -73,14 +73,13 @@ def make_denominator_fn(agg_mode: str) -> Callable:
     return denominator_fn
 
 
-def _layer_accumulators(grads: Any) -> list[Any] | None:
-    """The decoder layers' parts of the gradient accumulator (``grads["layers"][i]``), or
-    None when it has none."""
+def _layer_accumulators(grads: Any) -> Any:
+    """The stacked decoder layers' part of the gradient accumulator (``grads["layers"]``),
+    or None when it has none."""
     try:
-        layers = grads["layers"]
+        return grads["layers"]
     except (KeyError, TypeError):
         return None
-    return [layers[i] for i in range(len(layers))]
 
 
 def _head_key(params: Any, rest: Any) -> str:

@@ -42,6 +42,7 @@ from model_defs import (
     remat_policy_name,
     use_mesh,
 )
+from model_defs.fused_attention import ATTENTION_IMPLS
 
 MicroBatch = Any  # a PackedBatch or a Mapping[str, np.ndarray] of [R, L] arrays
 
@@ -95,7 +96,8 @@ class TrainableModel(ABC):
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim: OptimConfig, *,
                  n_minibatches: int = 1, mesh: Mesh | None = None, compute_dtype: Any = None,
                  remat: bool | str | None = None, compiler_options: dict[str, Any] | None = None,
-                 trainable: bool = True, process_local_batches: bool = False):
+                 trainable: bool = True, process_local_batches: bool = False,
+                 attention: str | None = None):
         if not isinstance(optim, OptimConfig):
             raise TypeError(f"optim must be an OptimConfig, got {type(optim).__name__}")
         self.mesh = make_mesh("data=-1") if mesh is None else mesh
@@ -103,6 +105,11 @@ class TrainableModel(ABC):
         self.n_minibatches = int(n_minibatches)
         if remat is not None:
             model.remat = remat_policy_name(remat)
+        if attention is not None:
+            if attention not in ATTENTION_IMPLS:
+                raise ValueError(f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}; "
+                                 f"got {attention!r}")
+            model.attention_impl = attention
         if compute_dtype is not None:
             _set_compute_dtype(model, parse_dtype(compute_dtype, "compute_dtype"))
         self.compute_dtype = jnp.dtype(model.dtype)
