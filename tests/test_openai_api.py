@@ -249,6 +249,7 @@ def test_a_seed_at_the_top_of_its_range_survives_a_resume(server, client):
      b'{"model": "arith", "messages": [{"role": "user", "content": "Q:\\ud83d"}]}'),
     ("/v1/chat/completions", b'{"model": "arith", "messages": [{"role": "user", "content": '
                              b'[{"type": "text", "text": "\\udc00"}]}]}'),
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": [5, 6], "max_tokens": 2}'),
 ])
 def test_a_lone_surrogate_is_an_openai_400(server, client, route, body):
     """Issue 33 item 5: a lone UTF-16 surrogate (valid JSON, not text) was a 500
@@ -259,7 +260,7 @@ def test_a_lone_surrogate_is_an_openai_400(server, client, route, body):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert "lone UTF-16 surrogate" in err["message"] and err["type"] == "invalid_request_error"
-    assert err["param"] in ("prompt", "messages")
+    assert err["param"] in ("prompt", "messages", "model")
     assert client.completions.create(model="arith", prompt="Q:1+1=", max_tokens=2).choices
 
 

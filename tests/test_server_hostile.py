@@ -125,6 +125,12 @@ class KeepAlive:
     def close(self):
         self.conn.close()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
 
 # ---------------------------------------------------------------------- item 1
 OUT_OF_RANGE = [
@@ -149,6 +155,26 @@ def test_engine_survives_out_of_range_numbers(http_client, baseline):
                  {"input_ids": [-1], "sampling_params": {}}):
         r = http_client.post("/generate", json=body)
         assert r.status_code == 400, r.text
+    assert_still_serves(http_client, baseline)
+
+
+@pytest.mark.parametrize(("route", "raw", "field"), [
+    ("/generate", b'{"input_ids": [5], "rid": "r\\ud800"}', "rid"),
+    ("/generate", b'{"input_ids": [5], "sampling_params": {"\\udfff": 1}}',
+     "a key of sampling_params"),
+    ("/update_weights_from_disk", b'{"model_path": "\\ud800"}', "model_path"),
+    ("/update_weight_version", b'{"new_version": "v\\udc00"}', "new_version"),
+    ("/load_lora_adapter", b'{"lora_name": "\\ud800", "lora_path": "x"}', "lora_name"),
+])
+def test_a_lone_surrogate_anywhere_is_a_400_naming_the_field(
+        server, http_client, baseline, route, raw, field):
+    """Issue 33 item 5: valid JSON, not text. Echoing it back was a 500, and a weight
+    version set to one made every later /get_server_info a 500."""
+    with KeepAlive(server.url) as conn:
+        status, body = conn.post(route, raw)
+    assert status == 400, body
+    assert f"{route}: {field} holds a lone UTF-16 surrogate" in body["error"], body
+    assert http_client.get("/get_server_info").status_code == 200
     assert_still_serves(http_client, baseline)
 
 

@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,6 +37,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from areal_jax.engine.protocol import NOT_TEXT, lone_surrogate_path
 from areal_jax.engine.request import EngineRequest
 from areal_jax.sampling_params import SEED_MAX, SamplingParams
 
@@ -117,6 +119,10 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise OpenAIError("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise OpenAIError("request body must be a JSON object")
+    where = lone_surrogate_path(raw, body)
+    if where is not None:
+        raise OpenAIError(f"{where} {NOT_TEXT}", re.split(r"[.\[]", where)[0]
+                          if not where.startswith(("the body", "a key of")) else None)
     return body
 
 
@@ -147,18 +153,6 @@ def _refuse_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
         raise OpenAIError("tool_choice is not supported (only 'none')", "tool_choice")
 
 
-def _check_unicode(text: str, where: str, param: str) -> str:
-    """``text`` if it is encodable Unicode; JSON's ``\\ud800`` escapes can carry a lone
-    UTF-16 surrogate, which no tokenizer takes."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise OpenAIError(f"{where} holds a lone UTF-16 surrogate ({text[e.start]!r} at "
-                          f"character {e.start}), which is not text; send valid Unicode",
-                          param) from None
-    return text
-
-
 def _message_text(i: int, m: Any) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise OpenAIError(f"messages[{i}] must be an object with role and content", "messages")
@@ -180,7 +174,6 @@ def _message_text(i: int, m: Any) -> dict[str, Any]:
     if not isinstance(content, str):
         raise OpenAIError(f"messages[{i}].content must be a string or text parts, got "
                           f"{type(content).__name__}", "messages")
-    _check_unicode(content, f"messages[{i}].content", "messages")
     return {"role": "system" if role == "developer" else role, "content": content}
 
 
@@ -209,7 +202,7 @@ def completion_prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
             raise OpenAIError("this model has no tokenizer; send the prompt as token ids", "prompt")
         if not prompt:
             raise OpenAIError("prompt is empty", "prompt")
-        return tokenizer.encode(_check_unicode(prompt, "prompt", "prompt"))
+        return tokenizer.encode(prompt)
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return list(prompt)
     raise OpenAIError("prompt must be a non-empty string, one string in a list, or a list of "

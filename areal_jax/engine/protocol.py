@@ -78,7 +78,39 @@ def parse_json_body(raw: bytes, route: str, *, allow_empty: bool = False) -> dic
     if not isinstance(body, dict):
         raise ProtocolError(
             f"{route}: request body must be a JSON object, got {type(body).__name__}")
+    where = lone_surrogate_path(raw, body)
+    if where is not None:
+        raise ProtocolError(f"{route}: {where} {NOT_TEXT}")
     return body
+
+
+NOT_TEXT = ("holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is "
+            "not text; send valid Unicode")
+
+
+def lone_surrogate_path(raw: bytes, body: Any) -> str | None:
+    """Where in the parsed ``body`` a string or key holds a lone UTF-16 surrogate (valid
+    JSON, but not text: it cannot be encoded, tokenized or echoed back), else None."""
+    if b"\\u" not in raw and b"\xed" not in raw:  # only escapes or raw surrogate bytes
+        return None
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "the body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    return f"a key of {path or 'the body'}"
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
 
 
 def _is_int(v: Any) -> bool:
