@@ -211,6 +211,50 @@ def test_signals_at_random_moments_always_stop_gracefully(tmp_path, n, seed):
         _signal_at(tmp_path, i, sig, delay, version)
 
 
+# ----------------------------------------------------------------------------- stalled server
+@pytest.mark.slow
+def test_a_stalled_external_server_stops_the_run_within_its_deadline(tmp_path):
+    """Issue 33: an external server SIGSTOPped mid-run held a weight update for 15+ minutes
+    (600 s per attempt, whatever rollout.request_retry_deadline_s said). Stopped when a
+    version's weights appear (its update follows at once), it is dropped after the 20 s
+    deadline and the run stops with exit 3 and one line naming it; or, when the update won
+    the race, the watchdog stops the run waiting for generation."""
+    from areal_jax.engine.launch import launch_server
+    from areal_jax.run_inputs import resolve_model_path
+
+    run_dir = tmp_path / "run"
+    (run_dir / "weights").mkdir(parents=True)
+    server = launch_server(resolve_model_path("builtin:arith_sft", None), max_slots=16,
+                           max_seq_len=96, log_path=tmp_path / "server.log",
+                           allowed_weight_dirs=[run_dir / "weights"])
+    proc = None
+    try:
+        proc = _start([f"run_dir={run_dir}", "train.total_versions=200",
+                       "checkpoint.every_versions=0", f"rollout.servers=[{server.url}]",
+                       "rollout.request_retry_deadline_s=20",
+                       "watchdog.max_seconds_without_progress=60"])
+        deadline = time.monotonic() + 600
+        while not (run_dir / "weights" / "v2").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.005)
+        os.killpg(server.pid, signal.SIGSTOP)
+        _, stderr = proc.communicate(timeout=300)  # the old code waited 600 s per attempt
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGCONT)
+        server.terminate()
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == STOPPED, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    if last.startswith("stopped: weight update to v"):
+        assert server.url in last and "no reply within 20s" in last, last
+        assert f"marking rollout server {server.url} down" in stderr
+    else:
+        assert last.startswith("stopped: no progress: no group accepted"), last
+
+
 # ----------------------------------------------------------------------------- corrupt checkpoints
 def _tree(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
