@@ -11,16 +11,17 @@ import re
 import signal
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from areal_jax.config import TrainConfig
 from areal_jax.interrupt import (
     Interrupted,
     interrupt_requested,
     request_interrupt,
     wait_for_interrupt,
 )
-from areal_jax.run_inputs import TrainerError
+
+if TYPE_CHECKING:  # imports nothing heavy: scripts/train.py installs the handlers first thing
+    from areal_jax.config import TrainConfig
 
 __all__ = ["EXIT_CODES", "LIVE_SERVERS", "Interrupted", "arm_shutdown_deadline",
            "install_signal_handlers", "main_guarded"]
@@ -151,6 +152,7 @@ def _lost_peer_message(e: BaseException, guard: Any) -> str | None:
 
 def _run_for_status(cfg: TrainConfig, resume: bool | None) -> tuple[int, str]:
     from areal_jax.parallel import job_guard
+    from areal_jax.run_inputs import TrainerError
     from areal_jax.trainer import RunStopped, run_training
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

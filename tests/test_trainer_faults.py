@@ -169,7 +169,8 @@ def _signal_at(tmp_path: Path, i: int, sig: int, delay: float, after_version: in
                    "eval.at_start=true", "data.max_eval_prompts=4", "checkpoint.every_versions=3",
                    "watchdog.shutdown_timeout_s=120"])
     try:
-        while not _catches(proc.pid, sig) and proc.poll() is None:
+        # SIGTERM: Python catches SIGINT from its start, the run's handler comes later.
+        while not _catches(proc.pid, signal.SIGTERM) and proc.poll() is None:
             time.sleep(0.01)
         if after_version:
             _wait_for_version(proc, run_dir, after_version)
@@ -181,6 +182,7 @@ def _signal_at(tmp_path: Path, i: int, sig: int, delay: float, after_version: in
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     where = f"signal {sig.name} {delay:.2f}s after start-up/version {after_version}"
+    (tmp_path / f"stderr{i}.txt").write_text(stderr)  # the whole of it, for a failure
     assert proc.returncode == 128 + sig, (where, stderr[-3000:])
     assert stderr.strip().splitlines()[-1].startswith(f"interrupted by {sig.name}"), where
     for bad in ("Traceback", "Exception ignored", "shutdown took longer"):
