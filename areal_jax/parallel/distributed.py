@@ -175,7 +175,7 @@ class JobGuard:
 
     Without it, a process that dies leaves the others blocked in a collective until JAX's
     shutdown barrier aborts them minutes later. A daemon thread on every process writes a
-    heartbeat to the coordination service every ``interval_s`` and reads everyone else's:
+    heartbeat to the job's board (process 0) every ``interval_s`` and reads everyone else's:
 
     * a process that raises calls :meth:`fail`: it publishes its error, runs its cleanups
       and exits at once (skipping JAX's shutdown barrier);
