@@ -43,6 +43,7 @@ import numpy as np
 
 from areal_jax.config import TrainConfig, to_dict
 from areal_jax.interrupt import raise_if_interrupted
+from areal_jax.metrics import MismatchWarner
 from areal_jax.run_inputs import TrainerError
 
 __all__ = ["RunStopped", "Trainer", "TrainerError", "run_training"]
@@ -137,6 +138,7 @@ class Trainer:
         self.critic_checkpointer = critic_checkpointer
         self.startup = dict(startup or {})  # seconds from process start to each milestone
         self._nonfinite = 0  # versions in a row with a non-finite loss
+        self._mismatch_warner = MismatchWarner(cfg.algo.mismatch_warn_abs_diff)
 
     @property
     def is_main(self) -> bool:
@@ -194,6 +196,7 @@ class Trainer:
             row["eval_s"] = time.perf_counter() - t0
             raise_if_interrupted()
         row = self.rollout.writer.log(row)
+        self._mismatch_warner(row)
         if version + 1 == self.progress.last_saved_version:
             self.rollout.run_files.sync()  # gs:// run dirs: the checkpointed row is uploaded
         return row
@@ -376,7 +379,9 @@ class Trainer:
             "token_version_max": int(max(int(t.versions.max()) for t in trajs)),
             "start_staleness_max": float(max(version - min(g[0].start_version for g in groups),
                                              0)),
-            **{f"train/{k}": v for k, v in train_metrics.items()},
+            # mismatch/* (rollout-training mismatch per lag) keep their own section
+            **{(k if k.startswith("mismatch/") else f"train/{k}"): v
+               for k, v in train_metrics.items()},
             **{f"rollout/{k}": v for k, v in self.rollout.executor.metrics().items()
                if isinstance(v, int | float)},
         }

@@ -8,7 +8,10 @@ Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per learner step) and writes in
 * ``reward_vs_version.png``  reward_mean / eval_accuracy against the weight version;
 * ``reward_vs_time.png``     the same against wall-clock time;
 * ``staleness.png``          staleness_* keys (versions behind) against the version;
-* ``clip_cap.png``           clip / cap fractions and logp_mismatch;
+* ``clip_cap.png``           clip / cap / correction fractions and logp_mismatch;
+* ``mismatch.png``           rollout-training mismatch per lag: mismatch/lag*_abs_diff_mean
+                             and _max (lag 0 is mismatch apart from staleness);
+* ``mismatch_kl.png``        its k3 KL estimates, mismatch/lag*_kl;
 * ``throughput.png``         *_per_s keys and step_time_s;
 * ``all_metrics.png``        every numeric key, one small panel each.
 
@@ -204,8 +207,12 @@ def _plot_local(run_dir: Path, out_dir: Path | None, log: Any) -> list[Path]:
     headline("staleness.png", "Staleness (versions behind)",
              [k for k in present if k.startswith("staleness")])
     headline("clip_cap.png", "Clip / cap fractions, logp mismatch",
-             [k for k in present if (("clip" in k or "cap" in k) and k.endswith("frac"))
-              or k.startswith("logp_mismatch")])
+             [k for k in present if (("clip" in k or "cap" in k or "behav_" in k)
+                                     and k.endswith("frac")) or k.startswith("logp_mismatch")])
+    headline("mismatch.png", "Rollout-training mismatch |logp - behav_logp| by lag",
+             [k for k in present if k.startswith("mismatch/") and "_abs_diff_" in k])
+    headline("mismatch_kl.png", "Rollout-training mismatch, k3 KL(behav || pi) by lag",
+             [k for k in present if k.startswith("mismatch/") and k.endswith("_kl")])
     headline("throughput.png", "Throughput",
              [k for k in present if k.endswith("_per_s") or k == "step_time_s"])
     grid_keys = [k for k in present if k not in X_KEYS]

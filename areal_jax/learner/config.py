@@ -99,6 +99,9 @@ class AlgoConfig:
     lam: float = 1.0  # ppo only
     value_eps_clip: float = 0.2  # ppo only
     value_coef: float = 1.0  # ppo only: critic loss weight (critic has its own optimizer)
+    # A warning line (at most every 10 versions) when the lag-0 rollout-training mismatch,
+    # mismatch/lag0_abs_diff_mean, passes this bound; null disables it.
+    mismatch_warn_abs_diff: float | None = 0.05
 
     def __post_init__(self) -> None:
         _check_choice("algo", "name", self.name, ALGORITHMS)
@@ -110,7 +113,8 @@ class AlgoConfig:
                              f"{self.ppo_n_minibatches!r}")
         check_positive("algo", eps_clip=self.eps_clip, ppo_n_minibatches=self.ppo_n_minibatches,
                        behav_imp_weight_cap=self.behav_imp_weight_cap,
-                       eps_clip_higher=self.eps_clip_higher)
+                       eps_clip_higher=self.eps_clip_higher,
+                       mismatch_warn_abs_diff=self.mismatch_warn_abs_diff)
         if self.c_clip is not None and not self.c_clip > 1:
             raise ValueError(f"algo.c_clip must be > 1 (or null), got {self.c_clip}")
         check_non_negative("algo", kl_coef=self.kl_coef, value_eps_clip=self.value_eps_clip,

@@ -42,6 +42,7 @@ from areal_jax.learner.trainable import (
     Program,
     TrainableModel,
 )
+from areal_jax.losses.mismatch import mismatch_stats
 from areal_jax.parallel.mesh import (
     make_mesh,
     replicated,
@@ -359,7 +360,15 @@ class Learner(TrainableModel):
             "n_minibatches": float(n_steps),
             "skipped_steps": float(sum(1 for _, _, ok in per_step if not bool(ok))),
             "lr": lrs[-1],
+            **_mismatch_metrics(total),
         }
+
+
+def _mismatch_metrics(total: dict[str, float]) -> dict[str, float]:
+    """``mismatch/lag{k}_abs_diff_mean|abs_diff_max|kl|frac`` from the step's sums."""
+    strip = len("mismatch/")
+    sums = {k[strip:]: v for k, v in total.items() if k.startswith("mismatch/")}
+    return {f"mismatch/{k}": v for k, v in mismatch_stats(sums, sums).items()}
 
 def _has(mb: MicroBatch, key: str) -> bool:
     try:

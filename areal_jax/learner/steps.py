@@ -19,12 +19,17 @@ from flax import nnx
 from areal_jax.learner.config import AlgoConfig
 from areal_jax.learner.token_logp import packed_token_logprobs
 from areal_jax.losses import decoupled_ppo_loss_terms, loss_denominator, token_kl
+from areal_jax.losses.mismatch import lag_bucket_names, mismatch_terms
 
+# Rollout-training mismatch per lag bucket (areal_jax.losses.mismatch), "mismatch/" keys.
+MISMATCH_SUM_KEYS = tuple(f"mismatch/{n}_{s}" for n in lag_bucket_names()
+                          for s in ("abs_diff", "kl", "count"))
+MISMATCH_MAX_KEYS = tuple(f"mismatch/{n}_abs_diff_max" for n in lag_bucket_names())
 # Scalars summed over the micro-batches of a step; MAX_KEYS combine by maximum instead.
 SUM_KEYS = ("loss", "kl_ref", "token_count", "n_tokens", "clipped", "dual_clipped",
             "cap_dropped", "behav_imp_weight", "approx_kl", "staleness", "entropy",
-            "logp_behav_abs_diff", "logp_behav_kl")
-MAX_KEYS = ("behav_imp_weight_max", "staleness_max")
+            "logp_behav_abs_diff", "logp_behav_kl", *MISMATCH_SUM_KEYS)
+MAX_KEYS = ("behav_imp_weight_max", "staleness_max", *MISMATCH_MAX_KEYS)
 
 
 def zero_sums() -> dict[str, jax.Array]:
@@ -169,7 +174,9 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, algo: AlgoConfig, *
             kl_bt = token_kl(logp_bt, batch["ref_logp"], algo.kl_estimator, mask=mask_bt)
             kl_ref = jnp.sum(kl_bt) / jnp.maximum(n_loss_tokens, 1.0)
             loss = loss + algo.kl_coef * kl_ref
-        return loss, (terms, logp_bt, entropy_bt, kl_ref)
+        # The learner's logprobs under the weights it holds: prox (decoupled), else logp.
+        held_bt = logp_bt if prox_bt is None else prox_bt
+        return loss, (terms, logp_bt, entropy_bt, kl_ref, held_bt)
 
     def grad_fn(params, rest, grads, sums, batch, denom, n_loss_tokens, version):
         # The accumulator's layer entries go into the model: each layer's backward step
@@ -184,7 +191,7 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, algo: AlgoConfig, *
         head_acc = _head_accumulator(grads, head_key)
         (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(
             params, rest, batch, denom, n_loss_tokens, version, layer_acc, head_acc)
-        terms, logp_bt, entropy_bt, kl_ref = aux
+        terms, logp_bt, entropy_bt, kl_ref, held_bt = aux
         grads = accumulate(grads, g, layers_done=layer_acc is not None,
                            head_done=head_key if head_acc is not None else None)
 
@@ -202,6 +209,10 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, algo: AlgoConfig, *
             **terms.stat_sums,
             **terms.stat_maxes,
         }
+        # Mismatch apart from lag: the learner's logprobs under the version it holds.
+        mm_sums, mm_maxes = mismatch_terms(held_bt, batch["behav_logp"], mask_bt,
+                                           batch["versions"], version)
+        new.update({f"mismatch/{k}": v for k, v in (mm_sums | mm_maxes).items()})
         sums = {k: (jnp.maximum(v, new[k]) if k in MAX_KEYS else v + new[k])
                 for k, v in sums.items()}
         return grads, sums

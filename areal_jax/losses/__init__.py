@@ -20,6 +20,7 @@ from areal_jax.losses.logprobs import (
     logprobs_from_hidden,
     logprobs_from_logits,
 )
+from areal_jax.losses.mismatch import lag_bucket_names, mismatch_stats, mismatch_terms
 from areal_jax.losses.ppo import (
     RATIO_LEVELS,
     PPOLossTerms,
@@ -46,7 +47,10 @@ __all__ = [
     "group_advantages",
     "logprobs_from_hidden",
     "logprobs_from_logits",
+    "lag_bucket_names",
     "loss_denominator",
+    "mismatch_stats",
+    "mismatch_terms",
     "normalize_advantages",
     "overlong_penalty",
     "ppo_stats_from_terms",
