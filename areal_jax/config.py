@@ -93,7 +93,10 @@ class LoraSection:
 
 @dataclass(frozen=True)
 class ModelSection:
-    path: str = ""  # HF directory of the initial policy (config.json + safetensors)
+    # The initial policy: a local or gs:// HF directory (config.json + safetensors), builtin:NAME,
+    # or a Hugging Face hub id (org/name), fetched into the hub cache when the run starts.
+    path: str = ""
+    revision: str | None = None  # hub ids only: a branch, tag or commit (default: main)
     tokenizer_path: str | None = None  # defaults to model.path
     # Compute dtype of the learner, the embedded engines' params and KV cache, and the
     # published serving weights. The learner's master weights and AdamW state stay fp32.
@@ -109,12 +112,15 @@ class ModelSection:
 
     def __post_init__(self) -> None:
         if not self.path:
-            raise ValueError("model.path is required (an HF model directory)")
+            raise ValueError("model.path is required (an HF model directory or a hub id "
+                             "such as Qwen/Qwen2.5-1.5B-Instruct)")
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    train: str = "builtin:train"  # JSONL / Parquet path, gs:// path, or builtin:train
+    # JSONL / JSON / Parquet file (local or gs://), hf://ORG/NAME?config=C&split=S (through
+    # `datasets`), or builtin:train
+    train: str = "builtin:train"
     eval: str | None = "builtin:eval"
     prompt_key: str = "question"
     answer_key: str = "answer"

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from areal_jax import storage
+from areal_jax import hub, storage
 from areal_jax.config import TrainConfig
 
 ASSETS_DIR = Path(__file__).resolve().parent / "data" / "assets"
@@ -21,9 +21,12 @@ class TrainerError(RuntimeError):
     """A problem with the run's inputs or environment, reported before long work starts."""
 
 
-def resolve_model_path(spec: str, cache_dir: str | None = None, key: str = "model.path") -> Path:
+def resolve_model_path(spec: str, cache_dir: str | None = None, key: str = "model.path",
+                       revision: str | None = None) -> Path:
     """``builtin:NAME`` -> the packaged asset; a ``gs://`` HF directory -> its local cached
-    copy (downloaded once, see ``storage.local_copy``); otherwise a local HF directory."""
+    copy (downloaded once, see ``storage.local_copy``); a Hugging Face hub id (``org/name``,
+    not a local path) -> its snapshot in the hub cache at ``revision`` (see ``hub.py``);
+    otherwise a local HF directory."""
     if spec.startswith("builtin:"):
         path = ASSETS_DIR / spec.split(":", 1)[1]
         if not path.is_dir():
@@ -39,13 +42,15 @@ def resolve_model_path(spec: str, cache_dir: str | None = None, key: str = "mode
                     f"{key} {spec} has no config.json (expected an HF model directory)")
             path = storage.local_copy(url, cache_dir, kind="models")
         else:
-            path = Path(storage.normalize(spec))
+            path = Path(storage.normalize(hub.local_model_dir(spec, revision, key)))
     except storage.StorageError as e:
         raise TrainerError(f"{e}" if str(e).startswith(key) else f"{key} {e}") from None
+    except hub.HubError as e:
+        raise TrainerError(str(e)) from None
     if not path.is_dir():
-        raise TrainerError(f"model.path {spec} does not exist or is not a directory")
+        raise TrainerError(f"{key} {spec} does not exist or is not a directory")
     if not (path / "config.json").is_file():
-        raise TrainerError(f"model.path {spec} has no config.json (expected an HF model directory)")
+        raise TrainerError(f"{key} {spec} has no config.json (expected an HF model directory)")
     return path
 
 
@@ -67,8 +72,9 @@ def saved_run_config(ckpt_dir: str, meta: dict[str, Any]) -> dict[str, Any] | No
 
 
 def resolve_dataset(spec: str, run_dir: Path, key: str) -> str:
-    """``builtin:train|eval`` -> a JSONL written into the (local) run dir; else the path
-    (local or ``gs://``), checked to exist."""
+    """``builtin:train|eval`` -> a JSONL written into the (local) run dir; ``hf://REPO?...``
+    -> the hub dataset (``datasets.load_dataset``) written as Parquet into the run dir;
+    else the path (local or ``gs://``), checked to exist."""
     if spec.startswith("builtin:"):
         from areal_jax.data import builtin_task
 
@@ -76,6 +82,11 @@ def resolve_dataset(spec: str, run_dir: Path, key: str) -> str:
         if split not in ("train", "eval"):
             raise TrainerError(f"{key} {spec!r}: the builtin task has splits 'train' and 'eval'")
         return str(builtin_task.write_split(run_dir / "data" / f"builtin_{split}.jsonl", split))
+    if hub.is_dataset_uri(spec):
+        try:
+            return str(hub.write_dataset(spec, run_dir / "data", key))
+        except hub.HubError as e:
+            raise TrainerError(str(e)) from None
     try:
         return storage.check_location(spec, key, must_exist=True)
     except storage.StorageError as e:
@@ -135,7 +146,7 @@ def check_servers_reachable(urls: list[str], api_key: str | None, timeout: float
             r = httpx.get(url.rstrip("/") + "/health", timeout=timeout, headers=headers)
         except httpx.HTTPError as e:
             raise TrainerError(f"rollout server {url} is unreachable ({type(e).__name__}: {e}); "
-                               "start it first (see README, 'Running with SGLang')") from None
+                               "start it first (see README, 'Driving SGLang')") from None
         if r.status_code != 200:
             raise TrainerError(f"rollout server {url} answered /health with HTTP {r.status_code}")
 

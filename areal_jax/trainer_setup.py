@@ -79,7 +79,7 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
 
     # Cheap checks first: nothing below this block takes long.
     cache_dir = cfg.storage.cache_dir
-    model_path = resolve_model_path(cfg.model.path, cache_dir)
+    model_path = resolve_model_path(cfg.model.path, cache_dir, revision=cfg.model.revision)
     tokenizer_dir = (resolve_model_path(cfg.model.tokenizer_path, cache_dir, "model.tokenizer_path")
                      if cfg.model.tokenizer_path else model_path)
     if cfg.rollout.servers and is_main:

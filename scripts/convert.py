@@ -55,12 +55,20 @@ def _require_empty_out(out: str) -> None:
         raise FileExistsError(f"--out {out} is not empty; choose a new directory")
 
 
-def hf_to_orbax(hf_dir: str, out: str, dtype: str = "float32") -> int:
-    """Saves the HF model in ``hf_dir`` as params-only checkpoint step 0 in ``out``."""
+def hf_to_orbax(hf_dir: str, out: str, dtype: str = "float32",
+                revision: str | None = None) -> int:
+    """Saves the HF model in ``hf_dir`` (local, ``gs://`` or a hub id at ``revision``) as
+    params-only checkpoint step 0 in ``out``."""
     _require_empty_out(out)
     if storage.is_url(hf_dir):
         storage.check_location(hf_dir, "--hf", must_exist=True)
-    model, cfg = load_hf(storage.local_copy(hf_dir), dtype=dtype)
+    from areal_jax.hub import HubError, local_model_dir
+
+    try:  # a hub id (org/name): its snapshot in the Hugging Face cache
+        local = local_model_dir(hf_dir, revision, key="--hf")
+    except HubError as e:
+        raise CheckpointError(str(e)) from None
+    model, cfg = load_hf(storage.local_copy(local), dtype=dtype)
     from flax import nnx
 
     meta = {"step": 0, "version": 0, "model_config": cfg.to_hf_dict(dtype),
@@ -82,9 +90,10 @@ def _lora_model(meta: dict, params: dict, where: str, base: str | None
     from areal_jax.config import LoraSection
     from areal_jax.run_inputs import TrainerError, resolve_model_path
 
+    revision = None if base else model_section.get("revision")
     base = base or model_section.get("path")
     try:
-        base_dir = resolve_model_path(base, key="--base")
+        base_dir = resolve_model_path(base, key="--base", revision=revision)
     except TrainerError as e:
         raise CheckpointError(f"{where} is a LoRA checkpoint (adapters only): {e}") from None
     model, _ = load_hf(base_dir)
@@ -144,7 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("hf-to-orbax", help="HF dir -> params-only Orbax checkpoint (step 0)")
-    p.add_argument("--hf", required=True, help="HF model dir (config.json + safetensors)")
+    p.add_argument("--hf", required=True,
+                   help="HF model dir (config.json + safetensors) or hub id (org/name)")
+    p.add_argument("--revision", default=None,
+                   help="with a hub id as --hf: its branch, tag or commit (default: main)")
     p.add_argument("--out", required=True, help="new checkpoint directory (local or gs://)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p = sub.add_parser("orbax-to-hf", help="Orbax checkpoint -> HF dir")
@@ -167,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "hf-to-orbax":
-            rc = hf_to_orbax(args.hf, args.out, args.dtype)
+            rc = hf_to_orbax(args.hf, args.out, args.dtype, args.revision)
         else:
             rc = orbax_to_hf(args.ckpt, args.out, args.step, args.tokenizer, args.dtype,
                              args.config_from, args.base, args.adapter_out)

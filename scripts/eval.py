@@ -5,13 +5,15 @@
     # with an already-running server:
     python scripts/eval.py --model DIR --server http://127.0.0.1:30000 ...
 
-``--model`` is an HF directory (e.g. a published ``weights/v{N}``); ``--ckpt`` is an
+``--model`` is an HF directory (e.g. a published ``weights/v{N}``) or a Hugging Face hub id
+(``Qwen/Qwen2.5-1.5B-Instruct``, fetched into the hub cache); ``--ckpt`` is an
 Orbax checkpoint dir written by the trainer (converted to HF in a temp dir first).
 For ``--ckpt`` (and ``--model RUN_DIR/weights/vN``) the tokenizer, the reward and the
 prompt/answer keys default to the run's own, from its saved config; only the parameters
 are read from the checkpoint, never the optimizer state.
 Every path (``--model``, ``--ckpt``, ``--tokenizer``, ``--data``, ``--out``) may be local or
-``gs://`` (see README, "Cloud runs").
+``gs://`` (see README, "Cloud runs"); ``--data hf://openai/gsm8k?config=main&split=test``
+reads a hub dataset through ``datasets``.
 Without ``--server`` an embedded engine is started on the weights. Prints the result
 and writes it as JSON (``--out``).
 """
@@ -30,12 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="HF model directory (or builtin:NAME)")
+    src.add_argument("--model", help="HF model directory, hub id (org/name) or builtin:NAME")
     src.add_argument("--ckpt", help="Orbax checkpoint directory written by the trainer")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--revision", default=None,
+                   help="with a hub id as --model: its branch, tag or commit (default: main)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer dir (default: the model dir; with --ckpt, the run's tokenizer)")
-    p.add_argument("--data", required=True, help="JSONL/Parquet path or builtin:eval")
+    p.add_argument("--data", required=True,
+                   help="JSONL/Parquet path, hf://ORG/NAME?config=C&split=S, or builtin:eval")
     p.add_argument("--prompt-key", default=None,
                    help="default: the run's data.prompt_key, else question")
     p.add_argument("--answer-key", default=None,
@@ -93,15 +98,16 @@ def main(argv: list[str] | None = None) -> int:
                 tok_src = resolve_model_path(args.tokenizer, key="--tokenizer")
             elif run_cfg.get("model"):  # the run's own tokenizer
                 m = run_cfg["model"]
-                tok_src = resolve_model_path(m.get("tokenizer_path") or m["path"],
-                                             key="the run's model.tokenizer_path")
+                tok_src = resolve_model_path(
+                    m.get("tokenizer_path") or m["path"], key="the run's model.tokenizer_path",
+                    revision=None if m.get("tokenizer_path") else m.get("revision"))
             else:
                 raise TrainerError(f"--ckpt {args.ckpt}: no saved run config (checkpoint meta or "
                                    "config.yaml in the run dir) names its tokenizer; "
                                    "pass --tokenizer")
             params_to_hf_dir(params, meta["model_config"], model_dir, tokenizer_dir=tok_src)
         else:
-            model_dir = resolve_model_path(args.model, key="--model")
+            model_dir = resolve_model_path(args.model, key="--model", revision=args.revision)
             run_cfg = {}
             weights_dir = storage.parent_of(args.model)
             if not args.model.startswith("builtin:") and storage.name_of(weights_dir) == "weights":

@@ -1,4 +1,5 @@
-"""Prompt datasets as grain pipelines: local or ``gs://`` JSONL/JSON/Parquet files.
+"""Prompt datasets as grain pipelines: local or ``gs://`` JSONL/JSON/Parquet files, or a
+Hugging Face hub dataset ``hf://ORG/NAME?config=C&split=S`` (read through ``datasets``).
 
     ds = load_prompt_dataset("train.jsonl", prompt_key="question", seed=1, num_epochs=2)
     it = iter(ds)           # a grain DatasetIterator
@@ -42,7 +43,15 @@ def _suffix(path: str) -> str:
 
 
 def read_records(path: str) -> list[dict[str, Any]]:
-    """Reads every row of one JSONL, JSON (a list of objects) or Parquet file."""
+    """Reads every row of one JSONL, JSON (a list of objects) or Parquet file, or of a hub
+    dataset ``hf://ORG/NAME?config=C&split=S`` (see ``areal_jax/hub.py``)."""
+    from areal_jax import hub
+
+    if hub.is_dataset_uri(path):
+        try:
+            return hub.dataset_rows(path, key="prompt dataset")
+        except hub.HubError as e:
+            raise ValueError(str(e)) from None
     suffix = _suffix(path)
     from areal_jax import storage  # local paths and gs:// alike
 

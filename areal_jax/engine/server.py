@@ -386,7 +386,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="serve.py", description="Serve an HF checkpoint with the areal-jax engine "
         "(SGLang protocol).")
-    p.add_argument("--model-path", required=True, help="HF checkpoint directory")
+    p.add_argument("--model-path", required=True,
+                   help="HF checkpoint directory, or a Hugging Face hub id (org/name)")
+    p.add_argument("--revision", default=None,
+                   help="with a hub id: its branch, tag or commit (default: main)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--max-slots", type=int, default=16, help="requests decoded together")
@@ -491,6 +494,12 @@ def main(argv: list[str] | None = None) -> int:
 
         enable_compilation_cache(args.compilation_cache_dir)
     try:
+        from areal_jax.hub import HubError, local_model_dir
+
+        try:  # a Hugging Face hub id (org/name): its snapshot in the hub cache
+            args.model_path = local_model_dir(args.model_path, args.revision, "--model-path")
+        except HubError as e:
+            raise ModelPathError(str(e)) from None
         config = EngineConfig(
             model_path=args.model_path, max_slots=args.max_slots, max_seq_len=args.max_seq_len,
             dtype=args.dtype, cache_dtype=args.cache_dtype, prefill_rows=args.prefill_rows,
