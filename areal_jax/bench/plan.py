@@ -290,8 +290,11 @@ def attention_kernel(hlo_text: str) -> str:
                                                   else None)
         if family is None:
             continue
-        named = re.search(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)', m.group(0))
-        kernel = (target if family == "cudnn" else named.group(1) if named
+        # A Pallas kernel's name is the scope its pallas_call ran in: op_name=".../NAME/
+        # pallas_call" (NAME or jit(NAME)).
+        scope = re.search(r'op_name="[^"]*?([\w.\-()]+)/pallas_call"', m.group(0))
+        kernel = (target if family == "cudnn" else
+                  re.sub(r"^jit\((.*)\)$", r"\1", scope.group(1)) if scope
                   else re.sub(r"\.\d+$", "", instr))
         label = f"{family}:{kernel}"
         if label not in names:
