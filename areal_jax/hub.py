@@ -127,7 +127,7 @@ def parse_dataset_uri(spec: str, key: str = "data.train") -> dict[str, Any]:
     repo = (parts.netloc + parts.path).strip("/")
     example = "hf://openai/gsm8k?config=main&split=train"
     if parts.scheme != "hf" or not _HUB_ID.fullmatch(repo) or ".." in repo:
-        raise HubError(f"{key} {spec!r} is not a hub dataset of the form {example}")
+        raise HubError(f"{key} {spec} is not a hub dataset of the form {example}")
     query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False)
     args: dict[str, Any] = {"path": repo, "name": None, "split": None, "revision": None}
     for name, value in query:
