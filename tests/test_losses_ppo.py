@@ -40,8 +40,15 @@ SEQ_NORM = 16.0  # the constant L of seq-mean-token-sum in these tests
 
 def reference_ppo(logp, prox, behav, adv, mask, *, eps_clip, eps_clip_higher=None, c_clip=None,
                   cap=None, agg_mode="token-mean", seq_norm=None, ratio_level="token",
-                  segment_ids=None, versions=None, current_version=None):
-    """Plain-Python loops over tokens, in float64. Returns (loss, stats)."""
+                  segment_ids=None, versions=None, current_version=None, correction=None,
+                  corr_cap=None, band=None):
+    """Plain-Python loops over tokens, in float64. Returns (loss, stats).
+
+    ``prox=None``: the decoupled loss off (prox = behav); the correction's ratio is then
+    the current policy's, and the token's weight W / rho (module docstring of ppo.py), except
+    for the legacy ``cap`` (behav_imp_weight_cap), which always caps exp(prox - behav)."""
+    decoupled = prox is not None
+    prox = behav if prox is None else prox
     logp, prox, behav, adv = (np.asarray(x, np.float64) for x in (logp, prox, behav, adv))
     mask = np.asarray(mask) != 0
     rows, cols = logp.shape
@@ -53,12 +60,32 @@ def reference_ppo(logp, prox, behav, adv, mask, *, eps_clip, eps_clip_higher=Non
         s = int(segment_ids[b][t])
         return None if s == 0 else (b, s)
 
-    weight, keep = {}, {}
+    weight, keep, rho = {}, {}, {}
     for b in range(rows):
         for t in range(cols):
             if mask[b, t] and seq_key(b, t) is not None:  # segment 0 is padding
                 weight[b, t] = math.exp(prox[b, t] - behav[b, t])
-                keep[b, t] = cap is None or weight[b, t] <= cap
+                target = prox if decoupled or cap is not None else logp
+                rho[b, t] = math.exp(target[b, t] - behav[b, t])
+    mode, c = ("cap", cap) if cap is not None else (correction or "none", corr_cap)
+    seq_logs = {}
+    for (b, t), r in rho.items():
+        seq_logs.setdefault(seq_key(b, t), []).append(math.log(r))
+    seq_stat = {k: math.exp(sum(v) / (len(v) if mode.endswith("_geo") else 1))
+                for k, v in seq_logs.items()}
+    applied, truncated = {}, 0
+    for (b, t), r in rho.items():
+        stat = seq_stat[seq_key(b, t)] if mode.startswith("seq_") else r
+        w_corr = r
+        keep[b, t] = True
+        if mode == "cap":
+            keep[b, t] = r <= c
+        elif mode in ("icepop", "seq_mask", "seq_mask_geo"):
+            keep[b, t] = band[0] <= stat <= band[1]
+        elif mode in ("tis", "seq_tis", "seq_tis_geo"):
+            w_corr = min(stat, c)
+            truncated += stat > c
+        applied[b, t] = w_corr / r * weight[b, t]
 
     seq_log_ratio = {}
     if ratio_level == "sequence":
@@ -87,7 +114,7 @@ def reference_ppo(logp, prox, behav, adv, mask, *, eps_clip, eps_clip_higher=Non
         if c_clip is not None and a < 0 and token_loss > c_clip * abs(a):
             token_loss = c_clip * abs(a)
             dual += 1
-        contrib[b, t] = weight[b, t] * token_loss
+        contrib[b, t] = applied[b, t] * token_loss
 
     n_valid = len(keep)
 
@@ -114,7 +141,9 @@ def reference_ppo(logp, prox, behav, adv, mask, *, eps_clip, eps_clip_higher=Non
     stats = {
         "clip_frac": clipped / n,
         "dual_clip_frac": dual / n,
-        "cap_drop_frac": sum(not k for k in keep.values()) / n,
+        "cap_drop_frac": sum(not k for k in keep.values()) / n if mode == "cap" else 0.0,
+        "behav_mask_frac": sum(not k for k in keep.values()) / n,
+        "behav_trunc_frac": truncated / n,
         "behav_imp_weight_mean": sum(ws) / n,
         "behav_imp_weight_max": max(ws, default=0.0),
         "approx_kl": sum(math.exp(logp[b, t] - prox[b, t]) - 1 - (logp[b, t] - prox[b, t])

@@ -8,9 +8,14 @@ key a user writes. Frozen, validated on construction.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from areal_jax.losses import AGG_MODES, GROUP_MODES, KL_ESTIMATORS, RATIO_LEVELS
+from areal_jax.losses.behav_correction import (
+    BAND_CORRECTIONS,
+    BEHAV_CORRECTIONS,
+    CAPPED_CORRECTIONS,
+)
 
 SCHEDULES = ("constant", "cosine")
 ALGORITHMS = (*GROUP_MODES, "ppo")  # GROUP_MODES: grpo, rloo, drgrpo, gspo
@@ -86,7 +91,14 @@ class AlgoConfig:
     eps_clip: float = 0.2
     eps_clip_higher: float | None = None  # DAPO clip-higher
     c_clip: float | None = None  # dual clip, > 1
-    behav_imp_weight_cap: float | None = None
+    behav_imp_weight_cap: float | None = None  # the same as behav_correction: cap, C = it
+    # Rollout-training mismatch correction of the behaviour weight (README, "Behaviour
+    # corrections"): none | cap | tis | icepop | seq_tis | seq_tis_geo | seq_mask |
+    # seq_mask_geo. null: "cap" when behav_imp_weight_cap is set, else "none".
+    behav_correction: Literal[BEHAV_CORRECTIONS] | None = None
+    behav_correction_cap: float | None = None  # C of cap, tis, seq_tis*; null: 2.0
+    behav_correction_low: float = 0.5  # the band [low, high] of icepop, seq_mask*
+    behav_correction_high: float = 2.0
     ppo_n_minibatches: int = 1
     agg_mode: Literal[AGG_MODES] = "token-mean"
     # The trust-region ratio: per token (PPO) or per sequence (GSPO). null: "sequence" for
@@ -115,6 +127,7 @@ class AlgoConfig:
                        behav_imp_weight_cap=self.behav_imp_weight_cap,
                        eps_clip_higher=self.eps_clip_higher,
                        mismatch_warn_abs_diff=self.mismatch_warn_abs_diff)
+        self._check_behav_correction()
         if self.c_clip is not None and not self.c_clip > 1:
             raise ValueError(f"algo.c_clip must be > 1 (or null), got {self.c_clip}")
         check_non_negative("algo", kl_coef=self.kl_coef, value_eps_clip=self.value_eps_clip,
@@ -125,6 +138,45 @@ class AlgoConfig:
         if self.name == "gspo" and self.ratio_level == "token":
             raise ValueError("algo.ratio_level='token' contradicts algo.name='gspo' (GSPO is "
                              "the sequence-level ratio); drop algo.ratio_level or use name grpo")
+
+    def _check_behav_correction(self) -> None:
+        _check_choice("algo", "behav_correction", self.behav_correction,
+                      (*BEHAV_CORRECTIONS, None))
+        check_positive("algo", behav_correction_cap=self.behav_correction_cap)
+        legacy = self.behav_imp_weight_cap
+        if legacy is not None and self.behav_correction not in (None, "cap"):
+            raise ValueError(f"algo.behav_imp_weight_cap={legacy} is the 'cap' correction and "
+                             f"contradicts algo.behav_correction={self.behav_correction!r}; "
+                             "set algo.behav_imp_weight_cap=null (the cap of tis and seq_tis* is "
+                             "algo.behav_correction_cap)")
+        if legacy is not None and self.behav_correction_cap not in (None, legacy):
+            raise ValueError(f"algo.behav_imp_weight_cap={legacy} and "
+                             f"algo.behav_correction_cap={self.behav_correction_cap} disagree; "
+                             "give one")
+        low, high = self.behav_correction_low, self.behav_correction_high
+        if not (low >= 0 and high > low):
+            raise ValueError(f"algo.behav_correction_low={low} and algo.behav_correction_high="
+                             f"{high} must satisfy 0 <= low < high")
+
+    @property
+    def resolved_behav_correction(self) -> str:
+        """``behav_correction``, or its default: "cap" with behav_imp_weight_cap, else none."""
+        if self.behav_correction is not None:
+            return self.behav_correction
+        return "cap" if self.behav_imp_weight_cap is not None else "none"
+
+    @property
+    def behav_correction_kwargs(self) -> dict[str, Any]:
+        """The correction's arguments of ``areal_jax.losses.decoupled_ppo_loss``."""
+        if self.behav_imp_weight_cap is not None:  # as before: caps exp(prox - behav)
+            return {"behav_imp_weight_cap": self.behav_imp_weight_cap}
+        mode = self.resolved_behav_correction
+        cap = 2.0 if self.behav_correction_cap is None else self.behav_correction_cap
+        band = mode in BAND_CORRECTIONS
+        return {"behav_correction": mode,
+                "behav_correction_cap": cap if mode in CAPPED_CORRECTIONS else None,
+                "behav_correction_low": self.behav_correction_low if band else None,
+                "behav_correction_high": self.behav_correction_high if band else None}
 
     @property
     def resolved_ratio_level(self) -> str:

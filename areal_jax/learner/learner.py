@@ -347,6 +347,8 @@ class Learner(TrainableModel):
             "clip_frac": total["clipped"] / count,
             "dual_clip_frac": total["dual_clipped"] / count,
             "cap_drop_frac": total["cap_dropped"] / count,
+            "behav_mask_frac": total["behav_masked"] / count,
+            "behav_trunc_frac": total["behav_truncated"] / count,
             "behav_imp_weight_mean": total["behav_imp_weight"] / count,
             "behav_imp_weight_max": total["behav_imp_weight_max"],
             "approx_kl": total["approx_kl"] / count,

@@ -27,8 +27,8 @@ MISMATCH_SUM_KEYS = tuple(f"mismatch/{n}_{s}" for n in lag_bucket_names()
 MISMATCH_MAX_KEYS = tuple(f"mismatch/{n}_abs_diff_max" for n in lag_bucket_names())
 # Scalars summed over the micro-batches of a step; MAX_KEYS combine by maximum instead.
 SUM_KEYS = ("loss", "kl_ref", "token_count", "n_tokens", "clipped", "dual_clipped",
-            "cap_dropped", "behav_imp_weight", "approx_kl", "staleness", "entropy",
-            "logp_behav_abs_diff", "logp_behav_kl", *MISMATCH_SUM_KEYS)
+            "cap_dropped", "behav_masked", "behav_truncated", "behav_imp_weight", "approx_kl",
+            "staleness", "entropy", "logp_behav_abs_diff", "logp_behav_kl", *MISMATCH_SUM_KEYS)
 MAX_KEYS = ("behav_imp_weight_max", "staleness_max", *MISMATCH_MAX_KEYS)
 
 
@@ -159,7 +159,7 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, algo: AlgoConfig, *
             eps_clip=algo.eps_clip,
             eps_clip_higher=algo.eps_clip_higher,
             c_clip=algo.c_clip,
-            behav_imp_weight_cap=algo.behav_imp_weight_cap,
+            **algo.behav_correction_kwargs,
             versions=batch["versions"],
             current_version=version,
             agg_mode=algo.agg_mode,

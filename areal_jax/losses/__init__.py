@@ -13,6 +13,7 @@ from areal_jax.losses.advantages import (
     overlong_penalty,
     shape_rewards,
 )
+from areal_jax.losses.behav_correction import BEHAV_CORRECTIONS, behav_correction
 from areal_jax.losses.critic import ppo_value_loss
 from areal_jax.losses.kl import KL_ESTIMATORS, token_kl
 from areal_jax.losses.logprobs import (
@@ -34,10 +35,12 @@ from areal_jax.losses.segments import AGG_MODES, loss_denominator
 
 __all__ = [
     "AGG_MODES",
+    "BEHAV_CORRECTIONS",
     "GROUP_MODES",
     "KL_ESTIMATORS",
     "RATIO_LEVELS",
     "PPOLossTerms",
+    "behav_correction",
     "combine_ppo_terms",
     "decoupled_ppo_loss",
     "decoupled_ppo_loss_terms",

@@ -9,6 +9,14 @@
 
 With prox_logp == behav_logp this is standard clipped PPO.
 
+``behav_correction`` generalises the cap (``areal_jax.losses.behav_correction``): it
+replaces w_t by a corrected weight W_t (truncated: TIS; token or sequence level) or masks
+tokens (IcePop band, sequence masks). Its ratio is rho_t = exp(prox_logp - behav_logp) =
+w_t. With ``prox_logp=None`` (the decoupled loss off) the PPO ratio r_t = exp(logp -
+behav_logp) is itself the importance ratio against the behaviour policy: the correction
+then takes rho_t = r_t as a constant and multiplies l_t by W_t / rho_t, so at the current
+parameters the token's effective weight is W_t (TIS: min(r_t, C)).
+
 Aggregation (``agg_mode``), sequences being rows or packed segments (see ``segments``):
 
 - ``token-mean``: sum_t m'_t w_t l_t / sum_t m_t (the global valid-token count).
@@ -30,6 +38,13 @@ import jax
 import jax.numpy as jnp
 
 from areal_jax.losses import _checks
+from areal_jax.losses.behav_correction import (
+    BAND_CORRECTIONS,
+    BEHAV_CORRECTIONS,
+    CAPPED_CORRECTIONS,
+    SEQUENCE_CORRECTIONS,
+)
+from areal_jax.losses.behav_correction import behav_correction as correct_behav_weight
 from areal_jax.losses.segments import (
     AGG_MODES,
     sequence_count,
@@ -56,9 +71,9 @@ class PPOLossTerms(NamedTuple):
         denominator: the valid-token count (token-mean) or the number of sequences with
             at least one valid token (seq-mean-*). Never clamped here.
         token_count: the valid-token count, the denominator of every token statistic.
-        stat_sums: sums over valid tokens: ``clipped``, ``dual_clipped``, ``cap_dropped``
-            (0/1 flags), ``behav_imp_weight``, ``approx_kl`` and, with versions,
-            ``staleness``. Combine across micro-batches by adding.
+        stat_sums: sums over valid tokens: ``clipped``, ``dual_clipped``, ``cap_dropped``,
+            ``behav_masked``, ``behav_truncated`` (0/1 flags), ``behav_imp_weight``,
+            ``approx_kl`` and, with versions, ``staleness``. Combine across micro-batches by adding.
         stat_maxes: ``behav_imp_weight_max`` and, with versions, ``staleness_max`` (0 when
             there are no valid tokens). Combine by taking the maximum.
     """
@@ -81,6 +96,10 @@ def decoupled_ppo_loss_terms(
     eps_clip_higher: float | None = None,
     c_clip: float | None = None,
     behav_imp_weight_cap: float | None = None,
+    behav_correction: str | None = None,
+    behav_correction_cap: float | None = None,
+    behav_correction_low: float | None = None,
+    behav_correction_high: float | None = None,
     versions: Any = None,
     current_version: Any = None,
     agg_mode: str = "token-mean",
@@ -112,23 +131,34 @@ def decoupled_ppo_loss_terms(
                        advantages=adv_bt, loss_mask=mask_bt, versions=version_bt)
     _check_hparams(eps_clip, eps_clip_higher, c_clip, behav_imp_weight_cap, agg_mode,
                    seq_token_sum_normalizer, ratio_level)
+    mode, cap = _resolve_correction(behav_correction, behav_correction_cap,
+                                    behav_correction_low, behav_correction_high,
+                                    behav_imp_weight_cap)
+    # behav_imp_weight_cap keeps its meaning: it caps w = exp(prox - behav), which is 1 with
+    # prox_logp=None. behav_correction's ratio is the current policy's there.
+    against_current = prox_logp is None and behav_imp_weight_cap is None
     if version_bt is not None and current_version is None:
         raise ValueError(f"{fn}: versions given without current_version (the learner's version)")
     needs_sequences = (agg_mode != "token-mean" or ratio_level == "sequence"
-                       or segment_ids is not None)
+                       or segment_ids is not None or mode in SEQUENCE_CORRECTIONS)
     layout = (sequence_layout(logp_bt.shape, segment_ids, max_segments, fn=fn)
               if needs_sequences else None)
     if segment_ids is not None:
         mask_bt = mask_bt & layout.in_sequence_bt  # padding (segment id 0) is never valid
 
-    # Behaviour weight (a constant) and the cap. Log differences are masked before exp
-    # so garbage on invalid tokens can never produce inf or NaN (not even in gradients).
+    # Behaviour weight (a constant) and its correction. Log differences are masked before
+    # exp so garbage on invalid tokens can never produce inf or NaN (not even in gradients).
     behav_log_w = jax.lax.stop_gradient(jnp.where(mask_bt, prox_bt - behav_bt, 0.0))
     behav_w = jnp.exp(behav_log_w)
-    keep_bt = mask_bt
-    if behav_imp_weight_cap is not None:
-        keep_bt = mask_bt & (behav_w <= behav_imp_weight_cap)
-    cap_dropped = mask_bt & ~keep_bt
+    # The correction's ratio: against prox (decoupled), else against the current policy.
+    log_rho = behav_log_w if not against_current else jax.lax.stop_gradient(
+        jnp.where(mask_bt, logp_bt - behav_bt, 0.0))
+    corr = correct_behav_weight(log_rho, mask_bt, mode, cap=cap, low=behav_correction_low,
+                                high=behav_correction_high, layout=layout)
+    keep_bt = corr.keep_bt
+    cap_dropped = corr.masked_bt if mode == "cap" else jnp.zeros_like(mask_bt)
+    # The weight applied to l_t: W_t (decoupled: behav_log_w == log_rho), else W_t / rho_t.
+    applied_w = jnp.exp(jnp.where(keep_bt, corr.log_weight_bt - log_rho + behav_log_w, 0.0))
 
     log_ratio = jnp.where(keep_bt, logp_bt - prox_bt, 0.0)
     if ratio_level == "sequence":
@@ -148,7 +178,7 @@ def decoupled_ppo_loss_terms(
         token_loss = jnp.where(adv_bt < 0, jnp.minimum(token_loss, dual_bound), token_loss)
     else:
         dual_clipped = jnp.zeros_like(keep_bt)
-    weighted_loss = jnp.where(keep_bt, behav_w * token_loss, 0.0)
+    weighted_loss = jnp.where(keep_bt, applied_w * token_loss, 0.0)
 
     token_count = jnp.sum(mask_bt).astype(jnp.float32)
     if agg_mode == "token-mean":
@@ -170,6 +200,8 @@ def decoupled_ppo_loss_terms(
         "clipped": jnp.sum(clipped).astype(jnp.float32),
         "dual_clipped": jnp.sum(dual_clipped).astype(jnp.float32),
         "cap_dropped": jnp.sum(cap_dropped).astype(jnp.float32),
+        "behav_masked": jnp.sum(corr.masked_bt).astype(jnp.float32),
+        "behav_truncated": jnp.sum(corr.truncated_bt).astype(jnp.float32),
         "behav_imp_weight": jnp.sum(valid_w),
         "approx_kl": jnp.sum(jnp.where(mask_bt, approx_kl, 0.0)),
     }
@@ -186,8 +218,8 @@ def empty_ppo_terms(with_staleness: bool = False) -> PPOLossTerms:
     """Terms of an empty micro-batch: the identity of :func:`combine_ppo_terms` (e.g. the
     initial carry of a ``lax.scan`` over micro-batches)."""
     zero = jnp.zeros((), jnp.float32)
-    sums = dict.fromkeys(("clipped", "dual_clipped", "cap_dropped", "behav_imp_weight",
-                          "approx_kl"), zero)
+    sums = dict.fromkeys(("clipped", "dual_clipped", "cap_dropped", "behav_masked",
+                          "behav_truncated", "behav_imp_weight", "approx_kl"), zero)
     maxes = {"behav_imp_weight_max": zero}
     if with_staleness:
         sums["staleness"] = zero
@@ -214,6 +246,8 @@ def ppo_stats_from_terms(terms: PPOLossTerms) -> dict[str, jax.Array]:
         "clip_frac": sums["clipped"] / count,
         "dual_clip_frac": sums["dual_clipped"] / count,
         "cap_drop_frac": sums["cap_dropped"] / count,
+        "behav_mask_frac": sums["behav_masked"] / count,
+        "behav_trunc_frac": sums["behav_truncated"] / count,
         "behav_imp_weight_mean": sums["behav_imp_weight"] / count,
         "behav_imp_weight_max": jax.lax.stop_gradient(terms.stat_maxes["behav_imp_weight_max"]),
         "approx_kl": sums["approx_kl"] / count,
@@ -235,6 +269,10 @@ def decoupled_ppo_loss(
     eps_clip_higher: float | None = None,
     c_clip: float | None = None,
     behav_imp_weight_cap: float | None = None,
+    behav_correction: str | None = None,
+    behav_correction_cap: float | None = None,
+    behav_correction_low: float | None = None,
+    behav_correction_high: float | None = None,
     versions: Any = None,
     current_version: Any = None,
     agg_mode: str = "token-mean",
@@ -257,6 +295,14 @@ def decoupled_ppo_loss(
         eps_clip_higher: upper clip range (DAPO "clip-higher"); None = eps_clip.
         c_clip: dual-clip constant c > 1 (only affects A < 0); None disables.
         behav_imp_weight_cap: drop tokens whose behaviour weight w exceeds it; None keeps all.
+            The same as ``behav_correction="cap"`` with ``behav_correction_cap`` = it, except
+            with ``prox_logp=None``, where it caps w = 1 (as it always did).
+        behav_correction: one of ``BEHAV_CORRECTIONS`` (see the module docstring and
+            ``areal_jax.losses.behav_correction``); None: "cap" when
+            ``behav_imp_weight_cap`` is set, else "none".
+        behav_correction_cap: C (> 0) of "cap", "tis", "seq_tis", "seq_tis_geo".
+        behav_correction_low, behav_correction_high: the band 0 <= low < high of "icepop",
+            "seq_mask", "seq_mask_geo".
         versions: optional int [B, T], the weight version that generated each token.
         current_version: the learner's version; required with ``versions``.
         agg_mode: "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum".
@@ -281,6 +327,8 @@ def decoupled_ppo_loss(
         - ``dual_clip_frac``: fraction of valid tokens capped by the dual clip;
         - ``cap_drop_frac``: fraction of valid tokens dropped because w > cap (dropped
           tokens count as neither clipped nor dual-clipped);
+        - ``behav_mask_frac`` / ``behav_trunc_frac``: fractions of valid tokens masked /
+          with their weight truncated by ``behav_correction`` (the cap's drops included);
         - ``behav_imp_weight_mean`` / ``behav_imp_weight_max``: w over valid tokens,
           including dropped ones;
         - ``approx_kl``: mean of the k3 estimator (r - 1) - log r, r = exp(logp - prox_logp),
@@ -291,7 +339,9 @@ def decoupled_ppo_loss(
     terms = decoupled_ppo_loss_terms(
         logp, prox_logp, behav_logp, advantages, loss_mask,
         eps_clip=eps_clip, eps_clip_higher=eps_clip_higher, c_clip=c_clip,
-        behav_imp_weight_cap=behav_imp_weight_cap, versions=versions,
+        behav_imp_weight_cap=behav_imp_weight_cap, behav_correction=behav_correction,
+        behav_correction_cap=behav_correction_cap, behav_correction_low=behav_correction_low,
+        behav_correction_high=behav_correction_high, versions=versions,
         current_version=current_version, agg_mode=agg_mode,
         seq_token_sum_normalizer=seq_token_sum_normalizer, ratio_level=ratio_level,
         segment_ids=segment_ids, max_segments=max_segments,
@@ -303,6 +353,38 @@ def decoupled_ppo_loss(
         # A count: max(., 1) turns an all-masked minibatch into loss 0 instead of 0/0.
         denominator = jnp.maximum(jnp.asarray(normalizer, jnp.float32), 1.0)
     return terms.loss_sum / denominator, ppo_stats_from_terms(terms)
+
+
+def _resolve_correction(mode, cap, low, high, legacy_cap) -> tuple[str, float | None]:
+    """(mode, C) after checks; ``behav_imp_weight_cap`` is the cap mode's C."""
+    fn = _FN
+    if legacy_cap is not None:
+        if mode not in (None, "cap"):
+            raise ValueError(f"{fn}: behav_imp_weight_cap={legacy_cap!r} is the 'cap' "
+                             f"correction; it contradicts behav_correction={mode!r} (use "
+                             "behav_correction_cap)")
+        if cap is not None and cap != legacy_cap:
+            raise ValueError(f"{fn}: behav_imp_weight_cap={legacy_cap!r} and "
+                             f"behav_correction_cap={cap!r} disagree; give one")
+        mode, cap = "cap", legacy_cap
+    mode = "none" if mode is None else mode
+    _checks.choice(fn, "behav_correction", mode, BEHAV_CORRECTIONS)
+    if mode in CAPPED_CORRECTIONS:
+        if cap is None:
+            raise ValueError(f"{fn}: behav_correction={mode!r} needs behav_correction_cap, "
+                             "the C its weight is capped at (> 0, e.g. 2.0)")
+        _checks.positive(fn, "behav_correction_cap", cap)
+    if mode in BAND_CORRECTIONS:
+        if low is None or high is None:
+            raise ValueError(f"{fn}: behav_correction={mode!r} needs behav_correction_low "
+                             "and behav_correction_high, the band of ratios it keeps "
+                             "(e.g. 0.5 and 2.0)")
+        _checks.in_range(fn, "behav_correction_low", low, 0.0, float("inf"))
+        _checks.positive(fn, "behav_correction_high", high)
+        if not low < high:
+            raise ValueError(f"{fn}: behav_correction_low={low!r} must be < "
+                             f"behav_correction_high={high!r}")
+    return mode, cap
 
 
 def _check_hparams(eps_clip, eps_clip_higher, c_clip, cap, agg_mode, seq_norm, ratio_level):
