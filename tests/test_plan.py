@@ -1,0 +1,232 @@
+"""scripts/plan.py: the learner and engine compiled for TPU and GPU targets on this CPU.
+
+Needs libtpu / the CUDA plugin (the ``aot`` extra); each test skips, with the reason, when
+its plugin is absent.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+needs_libtpu = pytest.mark.skipif(
+    not HAS_LIBTPU, reason="needs libtpu: pip install 'jax[tpu]==<jax version>' (aot extra)")
+needs_cuda_plugin = pytest.mark.skipif(
+    not HAS_CUDA_PLUGIN, reason="needs the CUDA plugin: pip install jax-cuda13-plugin==<jax "
+                                "version> jax-cuda13-pjrt==<jax version> (aot extra)")
+PROGRAMS = ("learner_grad", "learner_apply", "engine_prefill", "engine_decode")
+
+SMALL = """\
+mesh: fsdp=-1
+model:
+  path: builtin:arith_sft
+  dtype: bfloat16
+  remat: true
+rollout:
+  max_slots: 4
+  max_seq_len: 64
+  max_new_tokens: 32
+train:
+  seq_len: 128
+  rows_per_micro_batch: 4
+"""
+
+
+def _plan(tmp_path: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+
+
+def _check_plan(result: dict, target: str) -> None:
+    assert result["target"] == target
+    assert result["hbm_bytes"] > 0
+    for name in PROGRAMS:
+        prog = result[name]
+        for key in ("fits", "peak_bytes", "flops", "bytes_accessed", "step_time_floor_s",
+                    "attention_kernel"):
+            assert key in prog, f"{name} has no {key}"
+        assert prog["fits"] is True, name
+        assert 0 < prog["peak_bytes"] < result["hbm_bytes"], name
+        assert prog["bytes_accessed"] > 0 and prog["step_time_floor_s"] > 0, name
+        assert prog["attention_kernel"], name
+    # Every program but the optimizer update multiplies matrices.
+    for name in ("learner_grad", "engine_prefill", "engine_decode"):
+        assert result[name]["flops"] > 0, name
+    grad = result["learner_grad"]
+    # The gradient program's peak holds the fp32 params and gradient accumulator it takes,
+    # and the resident AdamW moments on top.
+    assert grad["peak_bytes"] >= 2 * grad["param_bytes"] + grad["optimizer_bytes"]
+    assert grad["largest_fitting_rows"] == 4
+
+
+def _small_config(tmp_path: Path, hardware: str) -> Path:
+    path = tmp_path / "small.yaml"
+    path.write_text(f"hardware: {hardware}\n{SMALL}")
+    return path
+
+
+@needs_libtpu
+def test_plan_small_model_for_tpu(tmp_path):
+    config = _small_config(tmp_path, "v5e:2x2")  # --target from the config's hardware
+    out = _plan(tmp_path, "--config", str(config), "--search-rows", "0", "--json", "plan.json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "compiling learner_grad" in out.stdout  # progress while it compiles
+    result = json.loads((tmp_path / "plan.json").read_text())
+    _check_plan(result, "v5e:2x2")
+    assert result["platform"] == "tpu" and result["devices"] == 4
+    assert result["mesh"]["fsdp"] == 4
+
+
+@needs_cuda_plugin
+def test_plan_small_model_for_gpu(tmp_path):
+    config = _small_config(tmp_path, "v5e:2x2")
+    out = _plan(tmp_path, "--config", str(config), "--target", "h100:2", "--search-rows", "0",
+                "--json", "plan.json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "plan.json").read_text())
+    _check_plan(result, "h100:2")
+    assert result["platform"] == "gpu" and result["mesh"]["fsdp"] == 2
+    # Fit on GPU is the peak against the share of memory JAX's allocator takes by default.
+    assert result["usable_bytes"] == int(0.75 * result["hbm_bytes"])
+
+
+def test_plan_rejects_an_unknown_target(tmp_path):
+    config = _small_config(tmp_path, "cpu")
+    out = _plan(tmp_path, "--config", str(config), "--target", "v9:4x4", timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0, out.stderr
+    assert "--target" in out.stderr and "v5e:2x2" in out.stderr
+    out = _plan(tmp_path, "--config", str(config), timeout=120)  # hardware: cpu, no --target
+    assert out.returncode == 2 and "pass --target" in out.stderr, out.stderr
+
+
+def test_hardware_key_is_validated():
+    from areal_jax.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="hardware"):
+        load_config(REPO / "configs" / "tiny_demo.yaml", ["hardware=v5e:3x3"])
+    assert load_config(REPO / "configs" / "tiny_demo.yaml", ["hardware=h200:8"]).hardware
+
+
+def test_every_shipped_config_names_its_hardware():
+    from areal_jax.config import load_config
+
+    readme = (REPO / "README.md").read_text()
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        hardware = load_config(path).hardware
+        assert hardware is not None, f"{path.name} has no hardware key"
+        assert f"`{path.name}`" in readme and f"`{hardware}`" in readme, path.name
+
+
+@needs_libtpu
+def test_tpu_program_that_does_not_fit_reports_fits_false():
+    code = """
+import jax, jax.numpy as jnp
+from areal_jax.bench.plan import measure
+from areal_jax.parallel.targets import compile_only_devices, target_chip
+dev = compile_only_devices("v5e:2x2")[0]
+chip = target_chip("v5e:2x2")
+x = jax.ShapeDtypeStruct((65536, 65536), jnp.float32,
+                         sharding=jax.sharding.SingleDeviceSharding(dev))
+out = measure(jax.jit(lambda a: a @ a).lower(x), "tpu", chip, chip.hbm_bytes)
+assert out["fits"] is False, out
+assert out["peak_bytes"] > chip.hbm_bytes, out  # read from the compiler's message
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+@needs_libtpu
+def test_attention_kernel_names_a_mosaic_kernel():
+    code = """
+import jax, jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
+from areal_jax.bench.plan import attention_kernel
+from areal_jax.parallel.targets import compile_only_devices
+dev = compile_only_devices("v5e:2x2")[0]
+q = jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16,
+                         sharding=jax.sharding.SingleDeviceSharding(dev))
+fused = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True)).lower(q, q, q).compile()
+plain = jax.jit(lambda q, k: jnp.einsum("bhqd,bhkd->bhqk", q, k)).lower(q, q).compile()
+print(attention_kernel(fused.as_text()), attention_kernel(plain.as_text()))
+"""
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["mosaic:flash_attention", "xla"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["qwen2.5-1.5b_gsm8k.yaml", "qwen3-1.7b_gsm8k.yaml"])
+def test_shipped_gsm8k_config_fits_its_hardware(tmp_path, config):
+    from areal_jax.config import load_config
+    from areal_jax.parallel.targets import target_platform
+
+    hardware = load_config(REPO / "configs" / config).hardware
+    needs = HAS_LIBTPU if target_platform(hardware) == "tpu" else HAS_CUDA_PLUGIN
+    if not needs:
+        pytest.skip(f"{hardware} needs the aot extra's plugin")
+    out = _plan(tmp_path, "--config", str(REPO / "configs" / config), "--search-rows", "0",
+                "--json", "plan.json", timeout=3600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "plan.json").read_text())
+    assert result["target"] == hardware
+    for name in PROGRAMS:
+        assert result[name]["fits"] is True, (name, result[name])
+        assert 0 < result[name]["peak_bytes"] <= result["usable_bytes"], name
+
+
+def test_hlo_cost_counts_loop_bodies_per_iteration():
+    import jax
+    import jax.numpy as jnp
+
+    from areal_jax.bench.hlo_cost import hlo_cost
+
+    x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+
+    def scanned(a):
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c @ c), None), a, None, length=7)[0]
+
+    def straight(a):
+        return jnp.tanh(a @ a) @ a
+
+    one_matmul = 2 * 256**3
+    loop = jax.jit(scanned).lower(x).compile()
+    assert hlo_cost(loop.as_text())["flops"] == 7 * one_matmul
+    assert loop.cost_analysis()["flops"] == one_matmul  # XLA's own: the body once
+    flat = jax.jit(straight).lower(x).compile()
+    ours, xla = hlo_cost(flat.as_text()), flat.cost_analysis()
+    assert ours["flops"] == xla["flops"] == 2 * one_matmul
+    assert ours["bytes_accessed"] == xla["bytes accessed"]
+
+
+def test_hlo_cost_charges_a_loop_step_its_slice_not_the_buffer():
+    import jax
+    import jax.numpy as jnp
+
+    from areal_jax.bench.hlo_cost import hlo_cost
+
+    blocks = jax.ShapeDtypeStruct((64, 256, 256), jnp.float32)  # 16 MiB, one block per step
+    x = jax.ShapeDtypeStruct((8, 256), jnp.float32)
+
+    def step_over_blocks(w, a):
+        return jax.lax.scan(lambda c, w_i: (jnp.tanh(c @ w_i), None), a, w)[0]
+
+    cost = hlo_cost(jax.jit(step_over_blocks).lower(blocks, x).compile().as_text())
+    buffer_bytes = 64 * 256 * 256 * 4
+    assert cost["flops"] == 64 * 2 * 8 * 256 * 256
+    # XLA:CPU copies each block out (read + write) and the dot reads the copy: 3 passes
+    # over the buffer, where charging each step the whole buffer would be 64.
+    assert 3 * buffer_bytes <= cost["bytes_accessed"] < 4 * buffer_bytes, cost
