@@ -215,3 +215,47 @@ def test_config_loading_does_not_touch_the_hub(tmp_path):
         assert hub.parse_dataset_uri(cfg.data.train)["path"] == "openai/gsm8k"
         assert cfg.hardware
         assert model_config(cfg)[1].startswith("preset ")  # plan.py: shapes from the name
+
+
+@pytest.mark.slow  # ~100 s on 2 busy cores: a training run and an eval, each with an engine
+def test_train_on_a_hub_model_and_dataset_from_the_offline_cache(tmp_path):
+    """scripts/train.py with model.path a hub id and data.* hf:// datasets, all from the
+    offline cache: the run trains two versions, its embedded server loads the snapshot, and
+    scripts/eval.py takes the same hub id."""
+    from areal_jax.data import builtin_task
+
+    hf_home = tmp_path / "hf"
+    snap = add_hub_model(hf_home, "areal-test/arith-sft")
+    add_hub_dataset(hf_home, "areal-test/arith", "default",
+                    {"train": list(builtin_task.make_split("train", 64)),
+                     "test": list(builtin_task.make_split("eval", 8))})
+    run_dir = tmp_path / "run"
+    env = offline_env(hf_home)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train.py"), "--config",
+         str(REPO / "configs" / "tiny_demo.yaml"), f"run_dir={run_dir}",
+         "model.path=areal-test/arith-sft", f"model.revision={COMMIT}",
+         "data.train=hf://areal-test/arith?config=default&split=train",
+         "data.eval=hf://areal-test/arith?config=default&split=test",
+         "train.batch_size=4", "rollout.n_samples=4", "rollout.max_new_tokens=40",
+         "rollout.max_slots=16", "eval.every_versions=0", "eval.at_start=false",
+         "eval.at_end=false", "progress_bar=false", "rollout.server_cpu_cores=null",
+         "rollout.learner_cpu_cores=null", "train.total_versions=2",
+         "checkpoint.every_versions=0"],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(r.get("version", 0) for r in rows) == 2, rows[-1]
+    assert (run_dir / "data" / "hf_areal-test__arith__default__train.parquet").is_file()
+    logs = "".join(p.read_text(errors="replace") for p in run_dir.rglob("*.log"))
+    assert str(snap) in logs, sorted(p.name for p in run_dir.rglob("*.log"))
+    out = tmp_path / "eval.json"
+    res = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "eval.py"), "--model", "areal-test/arith-sft",
+         "--data", "hf://areal-test/arith?config=default&split=test", "--reward", "builtin",
+         "-k", "1", "--max-prompts", "4", "--max-new-tokens", "40", "--out", str(out)],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["model"] == "areal-test/arith-sft", result
+    assert result["n_prompts"] == 4 and 0.0 <= result["accuracy"] <= 1.0, result
