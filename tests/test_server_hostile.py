@@ -179,6 +179,20 @@ def test_a_lone_surrogate_anywhere_is_a_400_naming_the_field(
 
 
 # ---------------------------------------------------------------------- item 2
+def test_a_server_started_on_weights_that_overflow_refuses_to_start(dirs, tmp_path_factory):
+    """With --warmup (as the trainer starts its servers) the start weights pass the probe
+    forward of a weight update too: a clear exit 2 instead of a 500 on every request."""
+    from areal_jax.engine.launch import ServerStartError
+
+    bad = write_variant(dirs["model"], tmp_path_factory.mktemp("start") / "overflow", overflow)
+    with pytest.raises(ServerStartError) as info:
+        start_server(bad, tmp_path_factory, max_slots=4, max_seq_len=MAX_SEQ_LEN, warmup=True,
+                     startup_timeout=300)
+    message = str(info.value)
+    assert "exited with code 2" in message and "overflow float32 in use" in message, message
+    assert f"model_path {bad}" in message and "Traceback" not in message
+
+
 @pytest.mark.parametrize("content", ["[1, 2]", '"text"', "{not json"])
 def test_a_config_json_that_is_not_an_object_is_a_400_naming_the_file(
         http_client, dirs, baseline, content):

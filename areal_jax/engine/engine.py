@@ -47,7 +47,7 @@ from areal_jax.engine.config import EngineConfig
 from areal_jax.engine.model_dir import ModelPathError, check_model_dir, read_eos_token_ids
 from areal_jax.engine.request import EngineRequest
 from areal_jax.engine.runner import ModelRunner, bucket_for
-from areal_jax.engine.weight_check import load_update
+from areal_jax.engine.weight_check import WeightCheckError, check_probe_forward, load_update
 from areal_jax.sampling_params import SamplingParams
 from model_defs import load_hf
 
@@ -139,6 +139,11 @@ class GenerationEngine:
         if config.warmup:
             t0 = time.perf_counter()
             self.runner.warmup()
+            if config.check_weights:  # compiles the updates' probe now; the start weights pass it
+                try:
+                    check_probe_forward(self.runner.state, self.runner)
+                except WeightCheckError as e:
+                    raise ModelPathError(f"model_path {path}: {e}") from None
             logger.info("warm-up compiled %d functions in %.1fs", self.runner.num_compilations,
                         time.perf_counter() - t0)
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)

@@ -93,7 +93,7 @@ def check_probe_forward(state: nnx.State, runner: Any) -> None:
             f"a forward pass on a probe prompt gives non-finite "
             f"{'logits' if not logits_ok else 'log-probs'}: the values are finite but "
             "overflow float32 in use (weights too large, or a LoRA scale lora_alpha/r too "
-            "large); the served weights were kept")
+            "large)")
 
 
 def load_update(model_path: str, served: ModelConfig, dtype: str, runner: Any,
