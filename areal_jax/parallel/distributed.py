@@ -136,7 +136,6 @@ def _start_board(coordinator_host: str | None) -> None:
     import socket
 
     import numpy as np
-    from jax.experimental import multihost_utils
 
     from areal_jax.parallel.board import BoardClient, BoardServer
 
@@ -151,8 +150,19 @@ def _start_board(coordinator_host: str | None) -> None:
             host = socket.getfqdn()
         text = f"{host} {server.port}".encode()
         address[:len(text)] = np.frombuffer(text, np.uint8)
-    address = multihost_utils.broadcast_one_to_all(address, is_source=jax.process_index() == 0)
-    host, port = bytes(np.asarray(address, np.uint8)).rstrip(b"\0").decode().rsplit(" ", 1)
+    # Over one device per process (the mesh the batches' scatter uses): the other devices'
+    # collectives are first set up by the learner's own programs, as without the board.
+    from areal_jax.parallel.transfer import _process_mesh
+
+    mesh = _process_mesh()
+    spec = jax.sharding.PartitionSpec("process")
+    local = address.astype(np.int32)[None]
+    blocks = jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, spec),
+                                                    local, (jax.process_count(), 256))
+    summed = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "process"), mesh=mesh,
+                                   in_specs=spec, out_specs=spec))(blocks)
+    address = np.asarray(summed.addressable_shards[0].data)[0]
+    host, port = bytes(address.astype(np.uint8)).rstrip(b"\0").decode().rsplit(" ", 1)
     _board = (server, BoardClient(host, int(port)))
 
 
