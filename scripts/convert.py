@@ -72,7 +72,9 @@ def hf_to_orbax(hf_dir: str, out: str, dtype: str = "float32",
     from flax import nnx
 
     meta = {"step": 0, "version": 0, "model_config": cfg.to_hf_dict(dtype),
-            "source_hf_dir": storage.normalize(hf_dir)}
+            "source_hf_dir": storage.normalize(local)}
+    if local != hf_dir:  # a hub id: the snapshot above, and what it was named by
+        meta["source_hub_id"] = hf_dir
     with TrainCheckpointer(out, async_save=False) as ckpt:
         ckpt.save(0, nnx.state(model, nnx.Param), None, meta)
     return 0

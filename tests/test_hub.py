@@ -259,3 +259,29 @@ def test_train_on_a_hub_model_and_dataset_from_the_offline_cache(tmp_path):
     result = json.loads(out.read_text())
     assert result["model"] == "areal-test/arith-sft", result
     assert result["n_prompts"] == 4 and 0.0 <= result["accuracy"] <= 1.0, result
+
+
+def test_serve_and_convert_take_hub_ids(tmp_path):
+    """serve.py --model-path and convert.py hf-to-orbax --hf resolve a hub id from the
+    cache; an uncached one is a one-line error and exit status 2."""
+    hf_home = tmp_path / "hf"
+    add_hub_model(hf_home, "areal-test/arith-sft")
+    env = offline_env(hf_home)
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "serve.py"), "--model-path",
+                          "areal-test/never-fetched", "--port", "9"],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert res.returncode == 2, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --model-path areal-test/never-fetched is not in the Hugging "
+                           "Face cache"), last
+    out = tmp_path / "orbax"
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "convert.py"), "hf-to-orbax",
+                          "--hf", "areal-test/arith-sft", "--revision", COMMIT, "--out", str(out)],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    from areal_jax.checkpoint import TrainCheckpointer
+
+    with TrainCheckpointer(str(out), read_only=True) as ck:
+        _, _, meta = ck.restore(0, params_only=True)
+    assert meta["source_hf_dir"].endswith(f"models--areal-test--arith-sft/snapshots/{COMMIT}")
+    assert meta["source_hub_id"] == "areal-test/arith-sft"
