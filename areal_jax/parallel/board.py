@@ -9,8 +9,8 @@ and every process, 0 included, is a client. Values are strings; each thread has 
 connection, so a thread waiting on a key never delays another's heartbeat.
 
 The board starts in :func:`~areal_jax.parallel.initialize_distributed`; its address reaches
-the other processes in one ``broadcast_one_to_all`` there, while every process is at the
-same point of its start-up.
+the other processes in one small collective there (over one device per process), while
+every process is at the same point of its start-up.
 """
 
 from __future__ import annotations
