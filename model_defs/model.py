@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model_defs.attention import attention
-from model_defs.fused_attention import ATTENTION_IMPLS
 from model_defs.config import ModelConfig
+from model_defs.fused_attention import ATTENTION_IMPLS
 from model_defs.sharding import shard
 
 Array = jax.Array
