@@ -1,5 +1,5 @@
-"""Process 0 -> each process's rows: the job's board (TCP, process 0) and the one-collective
-scatter, on public JAX API only. The two-process tests run real JAX processes (gloo, 127.0.0.1)
+"""Process 0 -> each process's rows: the job's board (TCP, process 0), on public JAX API
+only. The two-process tests run real JAX processes (gloo, 127.0.0.1)
 through ``python -m areal_jax.bench process-rows``'s workers."""
 
 from __future__ import annotations
@@ -73,16 +73,6 @@ def test_board_gone_is_an_error_not_a_hang():
     server.close()
     with pytest.raises(OSError):
         BoardClient("127.0.0.1", port, timeout_s=5).key_value_dir_get("guard/")
-
-
-def test_scatter_sizes_are_few_and_padding_small():
-    from areal_jax.parallel.transfer import _bucket
-
-    assert _bucket(0) == _bucket(4096) == 4096
-    sizes = {_bucket(n) for n in range(5_000_000, 6_000_000, 997)}
-    assert len(sizes) <= 3
-    for n in (4097, 10_000, 1 << 20, (1 << 20) + 1, 11_534_337):
-        assert n <= _bucket(n) <= n * 1.125 + 1
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])

@@ -150,10 +150,8 @@ def _start_board(coordinator_host: str | None) -> None:
             host = socket.getfqdn()
         text = f"{host} {server.port}".encode()
         address[:len(text)] = np.frombuffer(text, np.uint8)
-    # Over one device per process (the mesh the batches' scatter uses): the other devices'
-    # collectives are first set up by the learner's own programs, as without the board.
-    from areal_jax.parallel.transfer import _process_mesh
-
+    # Over one device per process: the other devices' collectives are first set up by the
+    # learner's own programs, as without the board.
     mesh = _process_mesh()
     spec = jax.sharding.PartitionSpec("process")
     local = address.astype(np.int32)[None]
@@ -164,6 +162,16 @@ def _start_board(coordinator_host: str | None) -> None:
     address = np.asarray(summed.addressable_shards[0].data)[0]
     host, port = bytes(address.astype(np.uint8)).rstrip(b"\0").decode().rsplit(" ", 1)
     _board = (server, BoardClient(host, int(port)))
+
+
+def _process_mesh() -> jax.sharding.Mesh:
+    """One device per process (its lowest id), in process order."""
+    import numpy as np
+
+    firsts: dict[int, Any] = {}
+    for d in sorted(jax.devices(), key=lambda d: d.id):
+        firsts.setdefault(d.process_index, d)
+    return jax.sharding.Mesh(np.array([firsts[p] for p in sorted(firsts)]), ("process",))
 
 
 def board_client() -> Any:
