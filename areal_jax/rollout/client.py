@@ -579,8 +579,8 @@ class RolloutClient:
     def control_deadline_s(self) -> float:
         """What one control call (pause, continue, weight update, adapter load, server
         info) may take in total, retries included: the retry deadline (``control_timeout``
-        when that is 0)."""
-        return min(self.control_timeout, self.retry_deadline_s or self.control_timeout)
+        when that is 0). Each attempt within it waits at most ``control_timeout``."""
+        return self.retry_deadline_s or self.control_timeout
 
     async def _post(self, server: ServerState, route: str, body: dict[str, Any] | None = None
                     ) -> _Reply:
