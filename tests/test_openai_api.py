@@ -15,7 +15,8 @@ from tests.hf_fixtures import arith_chat_model_dir
 from tests.server_fixtures import start_server
 
 API_KEY = "k"
-MAX_SEQ_LEN = 96
+MAX_SEQ_LEN = 256  # the model's own limit: room for long generations
+LONG = 230  # tokens a request generates when a test must catch it running
 EOS = 2
 
 
@@ -26,8 +27,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
+    # One token per device call: a LONG request spans hundreds of engine steps, so a pause
+    # sent once /get_server_info shows it running lands while it still runs (with 8 tokens
+    # per call an 80-token request took ~10 calls and finished first on a fast machine).
     with start_server(model_dir, tmp_path_factory, max_slots=4, max_seq_len=MAX_SEQ_LEN,
-                      api_key=API_KEY) as handle:
+                      extra_args=["--decode-steps", "1"], api_key=API_KEY) as handle:
         yield handle
 
 
@@ -129,9 +133,9 @@ def test_streaming_gives_the_same_text_and_logprobs(client, chat):
     (dict(n=2), "n", "n must be 1"),
     (dict(stop=["A"]), "stop", "stop strings are not supported"),
     (dict(max_tokens=0), "max_tokens", "max_tokens must be a positive integer"),
-    (dict(max_tokens=500), "max_tokens", "exceeds the context length 96"),
+    (dict(max_tokens=500), "max_tokens", f"exceeds the context length {MAX_SEQ_LEN}"),
     (dict(temperature=5.0), "temperature", "temperature must be a number in [0.0, 2.0]"),
-    (dict(prompt="Q:1+1=" * 20), "prompt", "the context length is 96"),
+    (dict(prompt="Q:1+1=" * 50), "prompt", f"the context length is {MAX_SEQ_LEN}"),
     (dict(prompt=[5, 99]), "prompt", "token id 99 is outside the vocabulary [0, 32)"),
     (dict(logprobs=3), "logprobs", "logprobs must be 0"),
     (dict(extra_body={"frobnicate": 1}), "frobnicate", "unsupported field 'frobnicate'"),
@@ -175,7 +179,7 @@ def test_a_weight_update_mid_request_is_invisible_to_the_client(server, client):
         got: dict = {}
 
         def complete(out: dict = got) -> None:
-            out["r"] = client.completions.create(model="arith", prompt=prompt, max_tokens=80,
+            out["r"] = client.completions.create(model="arith", prompt=prompt, max_tokens=LONG,
                                                  temperature=0, extra_body={"ignore_eos": True})
 
         thread = threading.Thread(target=complete)
@@ -193,11 +197,11 @@ def test_a_weight_update_mid_request_is_invisible_to_the_client(server, client):
         httpx.post(f"{server.url}/update_weight_version", json={"new_version": "0"},
                    headers=headers, timeout=60.0)
         reply = got["r"]
-        assert reply.usage.completion_tokens == 80 and reply.choices[0].finish_reason == "length"
+        assert reply.usage.completion_tokens == LONG and reply.choices[0].finish_reason == "length"
         if reply.model_extra.get("weight_versions") == ["0", "1"]:
             assert reply.model_extra["weight_version"] == "1"
             return
-    pytest.fail("the pause never caught a running request in 40 tries")
+    pytest.fail("the pause never caught a running request in 8 tries")
 
 
 def _info(server):
@@ -219,15 +223,14 @@ def test_a_seed_at_the_top_of_its_range_survives_a_resume(server, client):
     def complete(i: int):
         try:
             return client.completions.create(
-                model="arith", prompt=f"Q:40-9-8-{i}+6-5=", max_tokens=80, temperature=1.0,
+                model="arith", prompt=f"Q:40-9-8-{i}+6-5=", max_tokens=LONG, temperature=1.0,
                 seed=2**64 - 1, extra_body={"ignore_eos": True})
         except openai.APIError as e:
             return e
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        for _ in range(40):  # until the pause catches a request while it runs (a race:
-            # 80 tokens of the tiny model can finish between the info reply and the pause)
-            futures = [pool.submit(complete, i) for i in range(4)]  # 4 chances per try
+        for _ in range(40):  # until the pause catches a request while it runs
+            futures = [pool.submit(complete, i) for i in range(4)]
             while not all(f.done() for f in futures) and \
                     _info(server).get("num_running_reqs", 0) == 0:
                 pass
@@ -236,7 +239,7 @@ def test_a_seed_at_the_top_of_its_range_survives_a_resume(server, client):
             replies = [f.result() for f in futures]
             errors = [r for r in replies if isinstance(r, Exception)]
             assert not errors, errors
-            assert all(r.usage.completion_tokens == 80 for r in replies)
+            assert all(r.usage.completion_tokens == LONG for r in replies)
             if any(len(r.model_extra.get("weight_versions", [])) == 2 for r in replies):
                 return  # one was resumed, with seed 2**64 (wrapped to 0)
     pytest.fail("the pause never caught a running request in 40 tries")
