@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # imports nothing heavy: scripts/train.py installs the handle
 __all__ = ["EXIT_CODES", "LIVE_SERVERS", "Interrupted", "arm_shutdown_deadline",
            "install_signal_handlers", "main_guarded"]
 
-# scripts/train.py's exit status (README, "When things go wrong").
+# scripts/train.py's exit status (docs/training.md, "When things go wrong").
 EXIT_CODES = {
     "done": 0,
     "crash": 1,  # an unexpected error (a traceback)

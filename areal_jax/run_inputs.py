@@ -146,7 +146,7 @@ def check_servers_reachable(urls: list[str], api_key: str | None, timeout: float
             r = httpx.get(url.rstrip("/") + "/health", timeout=timeout, headers=headers)
         except httpx.HTTPError as e:
             raise TrainerError(f"rollout server {url} is unreachable ({type(e).__name__}: {e}); "
-                               "start it first (see README, 'Driving SGLang')") from None
+                               "start it first (see docs/servers.md, 'Driving SGLang')") from None
         if r.status_code != 200:
             raise TrainerError(f"rollout server {url} answered /health with HTTP {r.status_code}")
 

@@ -14,7 +14,7 @@ A LoRA run's checkpoint holds only the adapters: they are attached to the base m
 (the run's ``model.path``, or ``--base``) and written merged; ``--adapter-out`` also
 writes them alone in PEFT layout.
 Both directions run on the host CPU. Every path (HF_DIR, CKPT_DIR, TOKENIZER_DIR, the
-``--out`` of either direction) may be local or gs:// (see README, "Cloud runs").
+``--out`` of either direction) may be local or gs:// (see docs/cloud.md).
 """
 
 from __future__ import annotations

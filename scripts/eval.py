@@ -12,7 +12,7 @@ For ``--ckpt`` (and ``--model RUN_DIR/weights/vN``) the tokenizer, the reward an
 prompt/answer keys default to the run's own, from its saved config; only the parameters
 are read from the checkpoint, never the optimizer state.
 Every path (``--model``, ``--ckpt``, ``--tokenizer``, ``--data``, ``--out``) may be local or
-``gs://`` (see README, "Cloud runs"); ``--data hf://openai/gsm8k?config=main&split=test``
+``gs://`` (see docs/cloud.md); ``--data hf://openai/gsm8k?config=main&split=test``
 reads a hub dataset through ``datasets``.
 Without ``--server`` an embedded engine is started on the weights. Prints the result
 and writes it as JSON (``--out``).

@@ -9,7 +9,7 @@ and decode steps for compile-only devices of the target (no accelerator, no weig
 prints, per device: memory against HBM, whether it fits, FLOPs and bytes per step, the
 roofline floor of each step's time and the best MFU it allows. ``--target`` defaults to
 the config's ``hardware``. TPU targets need libtpu, GPU targets the CUDA plugin (the
-``aot`` extra; see README, "Planning for accelerators").
+``aot`` extra; see docs/accelerators.md).
 """
 
 from __future__ import annotations

@@ -58,8 +58,8 @@ def test_qwen2_5_0_5b_learner_fits_20_bytes_per_param_at_the_gsm8k_length(dtype)
     GSM8K config's packed row length (train.seq_len 4096 tokens), ``remat: full``, fp32
     and bf16 compute: params, gradient accumulator and AdamW moments (16 B/param) plus
     the larger program's compiled temporaries stay within 20 B/param, and within the
-    README formula's prediction plus the largest parameter (the formula's one-layer
-    working set is an estimate)."""
+    prediction of the formula in docs/models.md, "Memory", plus the largest parameter (the
+    formula's one-layer working set is an estimate)."""
     cfg = ModelConfig.preset("qwen2.5-0.5b")
     grad_mem, n_params = bench_memory.grad_memory(cfg, dtype, "full", 4096, rows=1)
     apply_mem, _ = bench_memory._apply_memory(cfg)

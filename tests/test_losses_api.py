@@ -1,4 +1,4 @@
-"""areal_jax.losses stays a standalone pure-JAX library, and its README example runs."""
+"""areal_jax.losses stays a standalone pure-JAX library, and its docs example runs."""
 
 from __future__ import annotations
 
@@ -37,10 +37,9 @@ def test_import_pulls_in_only_jax_numpy_and_stdlib():
     assert all(m == "areal_jax" or m.startswith("areal_jax.losses") for m in ours), ours
 
 
-def test_readme_example_runs():
-    readme = (REPO / "README.md").read_text()
-    assert "## Using the losses in your own JAX code" in readme
-    text = readme.split("## Using the losses in your own JAX code", 1)[1].split("\n## ", 1)[0]
+def test_docs_example_runs():
+    text = (REPO / "docs" / "losses.md").read_text()
+    assert text.startswith("# Using the losses in your own JAX code")
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
     assert len(blocks) == 1
     result = _run(blocks[0])

@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--remat", default="none",
-                        help="model.remat policy for the T sweep (see README: none, full, ...)")
+                        help="model.remat policy for the T sweep (docs/models.md: none, full, ...)")
     parser.add_argument("--learner-preset", default="qwen2.5-0.5b",
                         help="ModelConfig preset for bytes/param ('' to skip)")
     parser.add_argument("--learner-seq", type=int, default=1024, help="tokens per packed row")
@@ -164,8 +164,9 @@ def _apply_memory(cfg: Any, mesh: Any = None, lora_rank: int = 0) -> Any:
 
 def predicted_learner_bytes(cfg: Any, n_params: int, tokens: int, dtype: str,
                             shards: int = 1, chunk: int = 4096) -> dict[str, float]:
-    """The README's formula (per device; ``tokens`` = this device's tokens per micro-batch,
-    ``shards`` = fsdp x tensor), for full fine-tuning with ``model.remat: full``:
+    """The formula of docs/models.md, "Memory" (per device; ``tokens`` = this device's
+    tokens per micro-batch, ``shards`` = fsdp x tensor), for full fine-tuning with
+    ``model.remat: full``:
 
     * held = 16 B/param / shards: fp32 params 4 + gradient accumulator 4 + AdamW moments 8;
     * gradient program = 3 fp32 logit chunks (tokens x chunk) + each layer's saved input
@@ -198,8 +199,9 @@ def predicted_learner_bytes(cfg: Any, n_params: int, tokens: int, dtype: str,
 
 
 def kv_cache_bytes(cfg: Any, slots: int, max_len: int, dtype: str) -> tuple[int, int]:
-    """(the README's formula, the bytes the engine's ``init_slot_cache`` allocates) for
-    the engine's KV cache of ``slots`` rows of ``max_len`` tokens."""
+    """(the formula of docs/models.md, "Memory", the bytes the engine's
+    ``init_slot_cache`` allocates) for the engine's KV cache of ``slots`` rows of
+    ``max_len`` tokens."""
     import jax
     import jax.numpy as jnp
 
@@ -310,7 +312,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kv_formula, kv_alloc = kv_cache_bytes(lcfg, args.engine_slots, args.engine_seq,
                                               args.dtype)
         summary.update({
-            "predicted (README formula) grad-program temp MiB": _mib(predicted["grad_temp"]),
+            "predicted (docs formula) grad-program temp MiB": _mib(predicted["grad_temp"]),
             "predicted apply-program temp MiB": _mib(predicted["apply_temp"]),
             "predicted peak bytes/param per device": round(predicted["peak"] / n_params, 2),
             "measured / predicted peak": round(full["peak"] * n_params / predicted["peak"], 3),

@@ -92,8 +92,8 @@ class AlgoConfig:
     eps_clip_higher: float | None = None  # DAPO clip-higher
     c_clip: float | None = None  # dual clip, > 1
     behav_imp_weight_cap: float | None = None  # the same as behav_correction: cap, C = it
-    # Rollout-training mismatch correction of the behaviour weight (README, "Behaviour
-    # corrections"): none | cap | tis | icepop | seq_tis | seq_tis_geo | seq_mask |
+    # Rollout-training mismatch correction of the behaviour weight (docs/losses.md,
+    # "Behaviour corrections"): none | cap | tis | icepop | seq_tis | seq_tis_geo | seq_mask |
     # seq_mask_geo. null: "cap" when behav_imp_weight_cap is set, else "none".
     behav_correction: Literal[BEHAV_CORRECTIONS] | None = None
     behav_correction_cap: float | None = None  # C of cap, tis, seq_tis*; null: 2.0
