@@ -15,15 +15,19 @@ Bad requests get a 4xx with OpenAI's error body
 string in a list, or token ids), ``messages`` (string or text-part content),
 ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stream``
 (+ ``stream_options.include_usage``), ``ignore_eos`` (SGLang's extension), ``logprobs``
-(the sampled token's logprob; ``top_logprobs`` only 0), ``n`` = 1. Stop strings, penalties,
-``echo``, ``best_of``, ``logit_bias`` and tool definitions are refused with a 400 naming the
-field.
+(the sampled token's logprob; ``top_logprobs`` only 0), ``n`` = 1, and tool calls:
+``tools``, ``tool_choice``, assistant messages with ``tool_calls`` and ``tool`` messages,
+rendered by the model's chat template and parsed back by :mod:`areal_jax.engine.tool_calls`
+(a reply with calls has ``finish_reason`` ``tool_calls``; ``required`` and a named function
+start the reply with the call's opening text). Stop strings, penalties, ``echo``,
+``best_of`` and ``logit_bias`` are refused with a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -39,12 +43,27 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from areal_jax.engine.protocol import NOT_TEXT, lone_surrogate_path
 from areal_jax.engine.request import EngineRequest
+from areal_jax.engine.tool_calls import (
+    ToolCallStream,
+    ToolSpec,
+    ToolSpecError,
+    check_tools,
+    forced_prefix,
+    parse_tool_calls,
+    template_tool_calls,
+    tool_call_format,
+)
 from areal_jax.sampling_params import SEED_MAX, SamplingParams
 
 TokenCallback = Callable[[list[int], list[float]], None]
 # backend(key, input_ids, params, on_tokens) -> Generated. ``key`` is the route's {key} path
 # parameter ("" without one); ``on_tokens`` (streaming only) gets new tokens as they come.
 Backend = Callable[[str, list[int], SamplingParams, TokenCallback | None], Awaitable["Generated"]]
+# renderer(key, messages, tool_spec, prefix) -> prompt ids of a chat request (messages as the
+# chat template takes them; ``prefix`` is text the reply is started with).
+ChatRenderer = Callable[[str, list[dict[str, Any]], "ToolSpec", str], list[int]]
+# on_reply(key, generated, message): the assistant message a chat request was answered with.
+ReplyHook = Callable[[str, "Generated", dict[str, Any]], None]
 
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stream",
                   "stream_options", "logprobs", "top_logprobs", "n", "user", "stop",
@@ -92,6 +111,8 @@ class ParsedRequest:
     include_usage: bool
     logprobs: bool
     model: str
+    tools: ToolSpec = field(default_factory=lambda: ToolSpec([], "none"))
+    prefix: str = ""  # text the reply starts with (a forced tool call's opening)
 
 
 def _is_int(v: Any) -> bool:
@@ -137,8 +158,6 @@ def _refuse_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
         "logit_bias": "logit_bias is not supported",
         "echo": "echo is not supported",
         "suffix": "suffix is not supported",
-        "tools": "tool definitions are not supported; describe tools in the prompt and parse "
-                 "calls from the text",
         "response_format": "response_format is not supported",
     }
     for key, reason in refusals.items():
@@ -149,11 +168,14 @@ def _refuse_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
         raise OpenAIError("best_of must be 1", "best_of")
     if body.get("n") not in (None, 1):
         raise OpenAIError("n must be 1; send one request per sample", "n")
-    if body.get("tool_choice") not in (None, "none"):
-        raise OpenAIError("tool_choice is not supported (only 'none')", "tool_choice")
+    if body.get("parallel_tool_calls") not in (None, True, False):
+        raise OpenAIError("parallel_tool_calls must be true or false", "parallel_tool_calls")
 
 
-def _message_text(i: int, m: Any) -> dict[str, Any]:
+def _message_text(i: int, m: Any, call_ids: set[str] | None = None) -> dict[str, Any]:
+    """One message as chat templates take it. ``call_ids`` collects the ids of earlier
+    assistant tool calls, which a ``tool`` message must answer."""
+    call_ids = set() if call_ids is None else call_ids
     if not isinstance(m, dict):
         raise OpenAIError(f"messages[{i}] must be an object with role and content", "messages")
     role, content = m.get("role"), m.get("content")
@@ -169,29 +191,61 @@ def _message_text(i: int, m: Any) -> dict[str, Any]:
                                   "messages")
             parts.append(part["text"])
         content = "".join(parts)
-    if content is None and m.get("tool_calls"):
-        raise OpenAIError(f"messages[{i}]: tool_calls are not supported", "messages")
+    if m.get("tool_calls") is not None and role != "assistant":
+        raise OpenAIError(f"messages[{i}]: only assistant messages carry tool_calls",
+                          "messages")
+    if role == "assistant" and m.get("tool_calls") is not None:
+        try:
+            calls = template_tool_calls(i, m["tool_calls"])
+        except ToolSpecError as e:
+            raise OpenAIError(str(e), e.param) from None
+        if content is not None and not isinstance(content, str):
+            raise OpenAIError(f"messages[{i}].content must be a string, text parts or null, "
+                              f"got {type(content).__name__}", "messages")
+        call_ids.update(c["id"] for c in calls if c["id"])
+        return {"role": "assistant", "content": content or "", "tool_calls": calls}
     if not isinstance(content, str):
         raise OpenAIError(f"messages[{i}].content must be a string or text parts, got "
                           f"{type(content).__name__}", "messages")
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str) or call_id not in call_ids:
+            raise OpenAIError(f"messages[{i}].tool_call_id={call_id!r} does not answer a tool "
+                              "call of an earlier assistant message", "messages")
+        return {"role": "tool", "content": content, "tool_call_id": call_id}
     return {"role": "system" if role == "developer" else role, "content": content}
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Any) -> list[int]:
-    """Token ids of ``messages`` rendered by the tokenizer's chat template with the
-    generation prompt (an OpenAIError for malformed messages)."""
+def template_messages(messages: Any) -> list[dict[str, Any]]:
+    """Checked messages as chat templates take them (an OpenAIError naming the first bad
+    one)."""
     if not isinstance(messages, list) or not messages:
         raise OpenAIError("messages must be a non-empty list", "messages")
+    call_ids: set[str] = set()
+    return [_message_text(i, m, call_ids) for i, m in enumerate(messages)]
+
+
+def render_chat(tokenizer: Any, msgs: list[dict[str, Any]], tools: list[dict[str, Any]],
+                add_generation_prompt: bool = True) -> str:
+    """The chat template's text for checked messages (``tools`` passed when there are any)."""
     if tokenizer is None:
         raise OpenAIError("this model has no tokenizer, so chat requests cannot be rendered; "
                           "use /v1/completions with token ids")
-    msgs = [_message_text(i, m) for i, m in enumerate(messages)]
+    kwargs = {"tools": tools} if tools else {}
     try:
-        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
     except Exception as e:  # noqa: BLE001 - a template's raise_exception names the problem
         raise OpenAIError(f"messages cannot be rendered by the chat template: {e}",
                           "messages") from None
-    return tokenizer.encode(text)
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | None = None,
+                    prefix: str = "") -> list[int]:
+    """Token ids of ``messages`` (and ``tools``) rendered by the tokenizer's chat template
+    with the generation prompt, then ``prefix`` (an OpenAIError for malformed messages)."""
+    msgs = template_messages(messages) if tokenizer is not None else messages
+    return tokenizer.encode(render_chat(tokenizer, msgs, tools or []) + prefix)
 
 
 def completion_prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
@@ -211,14 +265,29 @@ def completion_prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
 
 def parse_request(body: dict[str, Any], *, chat: bool, tokenizer: Any, vocab_size: int,
                   max_seq_len: int, stop_token_ids: tuple[int, ...] = (),
-                  default_max_tokens: int = 16) -> ParsedRequest:
-    """Validates an OpenAI body and turns it into token ids and sampling params."""
+                  default_max_tokens: int = 16, renderer: Callable[..., list[int]] | None = None
+                  ) -> ParsedRequest:
+    """Validates an OpenAI body and turns it into token ids and sampling params.
+    ``renderer(messages, tool_spec, prefix)`` makes a chat request's prompt ids (default:
+    the chat template's text, tokenized)."""
     _refuse_unsupported(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise OpenAIError("model is required (any name; this server serves one model)", "model")
+    spec, prefix = ToolSpec([], "none"), ""
     if chat:
-        ids = chat_prompt_ids(tokenizer, body.get("messages"))
+        try:
+            spec = check_tools(body.get("tools"), body.get("tool_choice"))
+        except ToolSpecError as e:
+            raise OpenAIError(str(e), e.param) from None
+        if tokenizer is None:
+            render_chat(None, [], [])  # the 400 for a model without a tokenizer
+        msgs = template_messages(body.get("messages"))
+        prefix = forced_prefix(tool_call_format(getattr(tokenizer, "chat_template", None)), spec)
+        if renderer is None:
+            ids = tokenizer.encode(render_chat(tokenizer, msgs, spec.tools) + prefix)
+        else:
+            ids = renderer(msgs, spec, prefix)
     else:
         if "prompt" not in body:
             raise OpenAIError("prompt is required", "prompt")
@@ -277,7 +346,7 @@ def parse_request(body: dict[str, Any], *, chat: bool, tokenizer: Any, vocab_siz
     except ValueError as e:
         raise OpenAIError(str(e)) from None
     return ParsedRequest(ids, params, bool(stream), bool(options.get("include_usage")),
-                         want_logprobs, model)
+                         want_logprobs, model, spec, prefix)
 
 
 # ---------------------------------------------------------------------- replies
@@ -298,6 +367,11 @@ class _TextDecoder:
 
 def _finish(gen_reason: str) -> str:
     return "length" if gen_reason == "length" else "stop"
+
+
+def _wire_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool calls as stream deltas: one entry per call, with its index."""
+    return [{"index": k, **c} for k, c in enumerate(calls)]
 
 
 def _token_strs(decode_one: Callable[[int], str], ids: list[int]) -> list[str]:
@@ -336,11 +410,14 @@ class OpenAIRoutes:
 
     def __init__(self, backend: Backend, *, tokenizer: Any, vocab_size: int, max_seq_len: int,
                  model_name: str, stop_token_ids: tuple[int, ...] = (),
-                 params_hook: Callable[[SamplingParams], SamplingParams] | None = None):
+                 params_hook: Callable[[SamplingParams], SamplingParams] | None = None,
+                 renderer: ChatRenderer | None = None, on_reply: ReplyHook | None = None):
         self.backend, self.tokenizer = backend, tokenizer
         self.vocab_size, self.max_seq_len, self.model_name = vocab_size, max_seq_len, model_name
         self.stop_token_ids = tuple(stop_token_ids)
         self.params_hook = params_hook
+        self.renderer, self.on_reply = renderer, on_reply
+        self.tool_format = tool_call_format(getattr(tokenizer, "chat_template", None))
 
     def register(self, app: FastAPI, prefix: str = "") -> None:
         async def completions(request: Request):
@@ -364,15 +441,18 @@ class OpenAIRoutes:
         return self.tokenizer.decode([t], skip_special_tokens=False) if self.tokenizer else str(t)
 
     async def handle(self, request: Request, *, chat: bool):
+        key = str(request.path_params.get("key", ""))
+        renderer = None
+        if self.renderer is not None:
+            def renderer(msgs: list[dict[str, Any]], spec: ToolSpec, prefix: str) -> list[int]:
+                return self.renderer(key, msgs, spec, prefix)
         try:
             body = parse_body(await request.body())
             parsed = parse_request(body, chat=chat, tokenizer=self.tokenizer,
                                    vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
-                                   stop_token_ids=self.stop_token_ids)
-            params = self.params_hook(parsed.params) if self.params_hook else parsed.params
-            parsed = ParsedRequest(parsed.input_ids, params, parsed.stream, parsed.include_usage,
-                                   parsed.logprobs, parsed.model)
-            key = str(request.path_params.get("key", ""))
+                                   stop_token_ids=self.stop_token_ids, renderer=renderer)
+            if self.params_hook:
+                parsed = dataclasses.replace(parsed, params=self.params_hook(parsed.params))
             if parsed.stream:
                 return StreamingResponse(self._stream(key, parsed, chat),
                                          media_type="text/event-stream")
@@ -382,7 +462,7 @@ class OpenAIRoutes:
             return e.response()
         if gen is None:  # the client went away; its generation was aborted
             return Response(status_code=499)
-        return JSONResponse(self._reply(parsed, gen, chat))
+        return JSONResponse(self._reply(key, parsed, gen, chat))
 
     @staticmethod
     async def _until_disconnected(request: Request, work: Awaitable[Generated]
@@ -403,7 +483,23 @@ class OpenAIRoutes:
                 with contextlib.suppress(asyncio.CancelledError, OpenAIError):
                     await task
 
-    def _reply(self, parsed: ParsedRequest, gen: Generated, chat: bool) -> dict[str, Any]:
+    def _message(self, key: str, parsed: ParsedRequest, gen: Generated, text: str
+                 ) -> tuple[dict[str, Any], str]:
+        """The assistant message of a chat reply and its finish reason: the text, or its
+        tool calls when tools are on and every call in it parses."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = _finish(gen.finish_reason)
+        if parsed.tools.parse:
+            calls = parse_tool_calls(text, self.tool_format, parsed.tools.names)
+            if calls is not None:
+                message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
+                finish = "tool_calls"
+        if self.on_reply is not None:
+            self.on_reply(key, gen, message)
+        return message, finish
+
+    def _reply(self, key: str, parsed: ParsedRequest, gen: Generated, chat: bool
+               ) -> dict[str, Any]:
         ids, lps = _visible(gen.output_ids, gen.logprobs, set(self.stop_token_ids))
         text = self._decode(ids)
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(gen.finish_reason)}
@@ -412,7 +508,9 @@ class OpenAIRoutes:
             strs = _token_strs(self._decode_one, ids)
             logprobs = _chat_logprobs(strs, lps) if chat else _completion_logprobs(strs, lps, 0)
         if chat:
-            choice.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
+            message, choice["finish_reason"] = self._message(key, parsed, gen,
+                                                             parsed.prefix + text)
+            choice.update(message=message, logprobs=logprobs)
         else:
             choice.update(text=text, logprobs=logprobs)
         reply = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -435,7 +533,8 @@ class OpenAIRoutes:
             loop.call_soon_threadsafe(queue.put_nowait, (list(ids), list(lps)))
 
         def chunk(delta_text: str | None, strs: list[str], lps: list[float], offset: int,
-                  finish: str | None, first: bool = False) -> str:
+                  finish: str | None, first: bool = False,
+                  tool_calls: list[dict[str, Any]] | None = None) -> str:
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
             logprobs = None
             if parsed.logprobs and strs:
@@ -445,6 +544,8 @@ class OpenAIRoutes:
                 delta: dict[str, Any] = {"role": "assistant"} if first else {}
                 if delta_text:
                     delta["content"] = delta_text
+                if tool_calls:
+                    delta["tool_calls"] = _wire_calls(tool_calls)
                 choice.update(delta=delta, logprobs=logprobs)
             else:
                 choice.update(text=delta_text or "", logprobs=logprobs)
@@ -456,6 +557,8 @@ class OpenAIRoutes:
 
         task = asyncio.create_task(self.backend(key, parsed.input_ids, parsed.params, on_tokens))
         decoder, offset = _TextDecoder(self._decode), 0
+        held = ToolCallStream(self.tool_format, parsed.tools.names, parsed.prefix) \
+            if chat and parsed.tools.parse else None
         if chat:
             yield chunk(None, [], [], 0, None, first=True)
         try:
@@ -471,6 +574,8 @@ class OpenAIRoutes:
                 ids_vis = [t for t in ids if t not in stops]
                 lps_vis = [lp for t, lp in zip(ids, lps, strict=True) if t not in stops]
                 delta = decoder.add(ids_vis)
+                if held is not None:
+                    delta = held.feed(delta)
                 if delta or ids_vis:
                     yield chunk(delta, _token_strs(self._decode_one, ids_vis), lps_vis, offset,
                                 None)
@@ -483,7 +588,14 @@ class OpenAIRoutes:
                 yield f"data: {json.dumps(err)}\n\n"
                 return
             tail = decoder.add([], final=True)
-            yield chunk(tail, [], [], offset, _finish(gen.finish_reason))
+            finish, calls = _finish(gen.finish_reason), None
+            if chat:
+                message, finish = self._message(key, parsed, gen, parsed.prefix + decoder.sent)
+                calls = message.get("tool_calls")
+            if held is not None:
+                held.feed(tail)
+                tail = held.finish()[0] if calls else held.text[held.sent:]
+            yield chunk(tail, [], [], offset, finish, tool_calls=calls)
             if parsed.include_usage:
                 usage = {"id": rid,
                          "object": "chat.completion.chunk" if chat else "text_completion",
