@@ -15,6 +15,19 @@ and the executor's staleness gate work as for single-turn workflows, and is reco
 token-in/token-out: prompt ids, output ids, behaviour logprobs and per-token weight
 versions.
 
+**Exact tokens across turns.** When a chat agent sends the conversation back, each
+assistant message is compared with the replies this trajectory's endpoint gave (content and
+tool calls, call ids aside). The prompt of the new call is then built from tokens, not
+from re-tokenized text: the recorded prompt and output ids of the call that wrote the last
+matching assistant message (which were built the same way), followed by the chat
+template's text after that message (its end-of-turn marker dropped when the model
+generated it), tokenized. So the model's turns enter later prompts exactly as generated,
+whatever the tokenizer would make of their text. An assistant message that matches no
+reply (the agent edited it, or wrote it) is rendered and tokenized as text and counted in
+the trajectory's ``info["assistant_mismatch"]``; if the template renders the history before
+the matched turn differently from how it rendered that turn's prompt, the whole prompt is
+re-tokenized and counted in ``info["history_retokenized"]``.
+
 **The trajectory** is the *last* call's prompt + output. Tokens of earlier calls are found
 in it by position: an earlier call whose prompt ids are a prefix of the final sequence
 contributes its output tokens (loss mask 1, their logprobs and versions) as far as they
@@ -35,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import socket
 import threading
@@ -44,7 +58,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from areal_jax.engine.openai_api import Generated, OpenAIError, OpenAIRoutes
+from areal_jax.engine.openai_api import Generated, OpenAIError, OpenAIRoutes, render_chat
+from areal_jax.engine.tool_calls import ToolSpec
 from areal_jax.plugins import import_callable
 from areal_jax.rewards.pool import check_reward_value
 from areal_jax.rollout.types import FINISH_LENGTH, FINISH_STOP
@@ -66,6 +81,29 @@ class RecordedCall:
     versions: list[int]
     finish_reason: str
     n_interruptions: int = 0
+    prompt_text: str | None = None  # a chat call's rendered messages (without a forced prefix)
+    reply: dict[str, Any] | None = None  # the assistant message it was answered with
+    assistant_mismatch: int = 0  # assistant messages in its history that match no reply
+    history_retokenized: bool = False  # its prompt was re-tokenized from text
+
+
+@dataclass(frozen=True)
+class _Rendered:
+    text: str
+    assistant_mismatch: int
+    history_retokenized: bool
+
+
+def _same_turn(message: dict[str, Any], reply: dict[str, Any] | None) -> bool:
+    """Whether an assistant message the agent sent is the reply it was given: the same
+    content and the same calls (names and arguments; call ids aside)."""
+    if reply is None or (message.get("content") or "") != (reply.get("content") or ""):
+        return False
+    sent = [(c["function"]["name"], c["function"]["arguments"])
+            for c in message.get("tool_calls") or []]
+    given = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in reply.get("tool_calls") or []]
+    return sent == given
 
 
 @dataclass
@@ -79,6 +117,7 @@ class _Recorder:
     max_total_tokens: int
     calls: list[RecordedCall] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    rendered: dict[tuple[int, ...], _Rendered] = field(default_factory=dict)
 
 
 def assemble_trajectory(calls: list[RecordedCall], reward: float, **fields: Any
@@ -105,7 +144,9 @@ def assemble_trajectory(calls: list[RecordedCall], reward: float, **fields: Any
                 break
             mask[pos], logp[pos], versions[pos] = 1, call.logprobs[j], call.versions[j]
     info = {"turns": len(calls), "calls_unmatched": unmatched,
-            "n_interruptions": sum(c.n_interruptions for c in calls), **fields.pop("info", {})}
+            "n_interruptions": sum(c.n_interruptions for c in calls),
+            "assistant_mismatch": final.assistant_mismatch,
+            "history_retokenized": int(final.history_retokenized), **fields.pop("info", {})}
     traj = Trajectory(input_ids=ids, loss_mask=mask, behav_logp=logp, versions=versions,
                       reward=float(reward), finish_reason=final.finish_reason, info=info, **fields)
     return traj, unmatched
@@ -121,11 +162,14 @@ class AgentProxy:
         from fastapi import FastAPI
 
         self._recorders: dict[str, _Recorder] = {}
+        self.tokenizer = tokenizer
         stops = tuple(getattr(tokenizer, "stop_token_ids", None) or ())
+        self._stops = set(stops)
         app = FastAPI(title="areal-jax agent proxy", docs_url=None, redoc_url=None)
         OpenAIRoutes(self._generate, tokenizer=tokenizer, vocab_size=vocab_size,
-                     max_seq_len=max_seq_len, model_name="policy",
-                     stop_token_ids=stops).register(app, prefix="/traj/{key}")
+                     max_seq_len=max_seq_len, model_name="policy", stop_token_ids=stops,
+                     renderer=self._render, on_reply=self._on_reply,
+                     ).register(app, prefix="/traj/{key}")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
@@ -155,6 +199,67 @@ class AgentProxy:
     def close(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10.0)
+
+    def _render(self, key: str, msgs: list[dict[str, Any]], spec: ToolSpec, prefix: str
+                ) -> list[int]:
+        """A chat call's prompt ids, with the recorded tokens of the model's earlier turns
+        (see the module docstring)."""
+        tok = self.tokenizer
+        text = render_chat(tok, msgs, spec.tools)
+        rec = self._recorders.get(key)
+        ids, mismatch, retokenized = None, 0, False
+        if rec is not None:
+            with rec.lock:
+                done = [c for c in rec.calls if c is not None and c.reply is not None]
+            last: tuple[int, list[RecordedCall]] | None = None
+            for i, m in enumerate(msgs):
+                if m["role"] == "assistant":
+                    same = [c for c in done if _same_turn(m, c.reply)]
+                    if same:
+                        last = (i, same)
+                    else:
+                        mismatch += 1
+            if last is not None:
+                ids = self._splice(msgs, spec, last[0], last[1])
+                retokenized = ids is None
+        if ids is None:
+            ids = tok.encode(text + prefix)
+        elif prefix:
+            ids = ids + tok.encode(prefix)
+        if rec is not None:
+            with rec.lock:
+                rec.rendered[tuple(ids)] = _Rendered(text, mismatch, retokenized)
+        return ids
+
+    def _splice(self, msgs: list[dict[str, Any]], spec: ToolSpec, index: int,
+                calls: list[RecordedCall]) -> list[int] | None:
+        """Prompt ids (without a forced prefix) with ``msgs[index]`` as the recorded tokens
+        of the call that wrote it, or None when the template's text before it is not that
+        call's prompt text."""
+        tok = self.tokenizer
+        marker = f"<<areal-turn-{uuid.uuid4().hex}>>"
+        marked = [*msgs[:index], {"role": "assistant", "content": marker}, *msgs[index + 1:]]
+        pieces = render_chat(tok, marked, spec.tools).split(marker)
+        if len(pieces) != 2:
+            return None
+        before, after = pieces
+        for call in reversed(calls):  # the latest call that wrote this reply
+            if call.prompt_text != before:
+                continue
+            if call.output_ids and call.output_ids[-1] in self._stops:
+                end = tok.decode([call.output_ids[-1]], skip_special_tokens=False)
+                if not after.startswith(end):
+                    continue
+                after = after[len(end):]
+            return list(call.prompt_ids) + list(call.output_ids) + tok.encode(after)
+        return None
+
+    def _on_reply(self, key: str, gen: Generated, message: dict[str, Any]) -> None:
+        rec = self._recorders.get(key)
+        turn = gen.extra.get("turn")
+        if rec is not None and turn is not None:
+            with rec.lock:
+                rec.calls[turn].reply = message
 
     async def _generate(self, key: str, input_ids: list[int], params: SamplingParams,
                         on_tokens: Any) -> Generated:
@@ -196,12 +301,17 @@ class AgentProxy:
         call = RecordedCall(list(input_ids), list(resp.output_ids), list(resp.output_logprobs),
                             list(resp.output_versions), resp.finish_reason, resp.n_interruptions)
         with rec.lock:
+            rendered = rec.rendered.pop(tuple(input_ids), None)
+            if rendered is not None:
+                call.prompt_text = rendered.text
+                call.assistant_mismatch = rendered.assistant_mismatch
+                call.history_retokenized = rendered.history_retokenized
             rec.calls[turn] = call
         if on_tokens is not None and call.output_ids:
             on_tokens(call.output_ids, call.logprobs)
         finish = FINISH_LENGTH if resp.finish_reason == FINISH_LENGTH else FINISH_STOP
         return Generated(call.output_ids, call.logprobs, finish,
-                         str(max(call.versions, default=-1)))
+                         str(max(call.versions, default=-1)), {"turn": turn})
 
 
 def resolve_agent(agent: AgentFn | str) -> AgentFn:
@@ -301,6 +411,10 @@ class AgenticWorkflow:
             traj, unmatched = assemble_trajectory(calls, reward, info={"sample_index": i})
             if unmatched:
                 ctx.count("agent_calls_unmatched", unmatched)
+            if traj.info["assistant_mismatch"]:
+                ctx.count("agent_assistant_mismatch", traj.info["assistant_mismatch"])
+            if traj.info["history_retokenized"]:
+                ctx.count("agent_history_retokenized")
             ctx.count("agent_turns", len(calls))
             group.append(traj)
         if self.group_filter is not None and not self.group_filter(group):
