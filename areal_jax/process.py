@@ -1,6 +1,6 @@
-"""What a training process does around the loop: exit codes, SIGINT/SIGTERM, the
-shutdown deadline, and one-line errors instead of tracebacks (``main_guarded``, the
-entry point of scripts/train.py).
+"""What a training process does around the loop: exit codes, SIGINT/SIGTERM and the
+shutdown deadline. A leaf: it imports no jax and nothing of the run, so scripts/train.py
+installs the handlers first thing (the entry point, ``main_guarded``, is ``run.py``'s).
 """
 
 from __future__ import annotations
@@ -9,9 +9,8 @@ import contextlib
 import os
 import re
 import signal
-import sys
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from areal_jax.interrupt import (
     Interrupted,
@@ -20,11 +19,8 @@ from areal_jax.interrupt import (
     wait_for_interrupt,
 )
 
-if TYPE_CHECKING:  # imports nothing heavy: scripts/train.py installs the handlers first thing
-    from areal_jax.config import TrainConfig
-
 __all__ = ["EXIT_CODES", "LIVE_SERVERS", "Interrupted", "arm_shutdown_deadline",
-           "install_signal_handlers", "main_guarded"]
+           "install_signal_handlers", "is_peer_gone"]
 
 # scripts/train.py's exit status (docs/training.md, "When things go wrong").
 EXIT_CODES = {
@@ -108,24 +104,6 @@ def install_signal_handlers(shutdown_timeout_s: float | None = None) -> None:
     threading.Thread(target=arm_on_request, name="signal-deadline", daemon=True).start()
 
 
-def main_guarded(cfg: TrainConfig, resume: bool | None) -> int:
-    """Entry point used by scripts/train.py: runs training and returns its exit status
-    (``EXIT_CODES``; 128 + signal number after SIGINT/SIGTERM). Errors for users are
-    printed as one line, never a traceback. With several processes, a process that fails
-    tells the others (which exit at once with status 1) and exits without waiting in
-    JAX's shutdown barrier."""
-    from areal_jax.parallel import job_guard
-
-    code, message = _run_for_status(cfg, resume)
-    guard = job_guard()
-    if guard is not None:
-        if code == EXIT_CODES["done"]:
-            guard.done()
-        else:
-            guard.fail(message, code)  # does not return
-    return code
-
-
 # What a collective (gloo on CPU; NCCL, ICI elsewhere) says when another process is gone.
 _PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer|Gloo [\w -]+? failed")
 
@@ -133,55 +111,3 @@ _PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer|Gloo [\w -]+? fail
 def is_peer_gone(e: BaseException) -> bool:
     """Whether ``e`` is a collective failing because another process of the job is gone."""
     return bool(_PEER_GONE.search(str(e)))
-
-
-def _lost_peer_message(e: BaseException, guard: Any) -> str | None:
-    """One line for a collective that failed because another process of the job died (a
-    bare traceback from deep inside XLA before), naming the peer; None for other errors."""
-    text = " ".join(str(e).split())
-    if not is_peer_gone(e):
-        return None
-    peers = guard.silent_peers(wait_s=3 * guard.interval_s + 1.0)
-    who = (f"process {', '.join(map(str, peers))} of this job is gone" if peers
-           else "another process of this job is gone")
-    return (f"error: {who} (a collective of process {guard.process_id} failed: "
-            f"{type(e).__name__}: {text[:200]}). Look in {'its' if len(peers) == 1 else 'their'} "
-            "log for why it ended, then restart every process of the job: the run resumes "
-            "from its last checkpoint")
-
-
-def _run_for_status(cfg: TrainConfig, resume: bool | None) -> tuple[int, str]:
-    from areal_jax.parallel import job_guard
-    from areal_jax.run_inputs import TrainerError
-    from areal_jax.trainer import RunStopped, run_training
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if threading.current_thread() is threading.main_thread():
-        install_signal_handlers(cfg.watchdog.shutdown_timeout_s)
-    try:
-        run_training(cfg, resume, exit_deadline=True)
-    except Interrupted as e:
-        saved = " (and a checkpoint of this version)" if cfg.checkpoint.on_interrupt else ""
-        message = (f"interrupted by {signal.Signals(e.signum).name}: servers, executor and files "
-                   f"closed; the last completed checkpoint is kept{saved}")
-        code = 128 + e.signum
-    except RunStopped as e:
-        message, code = f"stopped: {e}", EXIT_CODES["stopped"]
-    except TrainerError as e:
-        message, code = f"error: {e}", EXIT_CODES["bad_input"]
-    except Exception as e:  # with several processes the others must hear of it
-        guard = job_guard()
-        if guard is None:
-            raise
-        lost = _lost_peer_message(e, guard)
-        if lost:
-            message, code = lost, EXIT_CODES["crash"]
-        else:
-            import traceback
-
-            traceback.print_exc()
-            message, code = f"error: {type(e).__name__}: {e}", EXIT_CODES["crash"]
-    else:
-        return EXIT_CODES["done"], ""
-    print(message, file=sys.stderr, flush=True)
-    return code, message

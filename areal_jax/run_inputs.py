@@ -21,6 +21,11 @@ class TrainerError(RuntimeError):
     """A problem with the run's inputs or environment, reported before long work starts."""
 
 
+class RunStopped(TrainerError):
+    """The run started but cannot go on (no progress, a non-finite loss, a failed weight
+    update); the message says why. scripts/train.py exits with status 3."""
+
+
 def resolve_model_path(spec: str, cache_dir: str | None = None, key: str = "model.path",
                        revision: str | None = None) -> Path:
     """``builtin:NAME`` -> the packaged asset; a ``gs://`` HF directory -> its local cached

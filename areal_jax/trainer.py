@@ -1,6 +1,6 @@
 """The training loop: asynchronous (or synchronous) RL, one version at a time.
 
-    run_training(load_config("configs/tiny_demo.yaml"))
+    run_training(load_config("configs/tiny_demo.yaml"))  # areal_jax.run: builds, then runs
 
 :meth:`Trainer.step` is one version, each step one call into the room that owns it
 (docs/architecture.md):
@@ -20,8 +20,8 @@
 
 Sync mode is the same loop with eta = 0: batch v is generated entirely under weights v,
 and nothing is generated while the learner trains. Construction (what each piece is
-built from, what is checked up front) is ``trainer_setup.build_trainer``; the process
-around the loop (signals, exit codes) is ``process.py``.
+built from, what is checked up front) is ``run.build_trainer``, and ``run.py`` is the
+entry above both; the process around the loop (signals, exit codes) is ``process.py``.
 
 With several JAX processes every process runs the loop; only process 0 has the executor,
 the servers and the metrics writer, and its batches reach the others' learners as rows.
@@ -37,51 +37,32 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from areal_jax.checkpoint.publish import join_inline_publish, serving_copy
 from areal_jax.config import TrainConfig, to_dict
+from areal_jax.data.advantages import gae_targets_for
 from areal_jax.interrupt import raise_if_interrupted
 from areal_jax.metrics import MismatchWarner
-from areal_jax.run_inputs import TrainerError
+from areal_jax.process import is_peer_gone
+from areal_jax.run_inputs import RunStopped
 
-__all__ = ["RunStopped", "Trainer", "TrainerError", "run_training"]
+if TYPE_CHECKING:
+    from areal_jax.checkpoint import TrainCheckpointer
+    from areal_jax.data.trajectories import TrainBatch
+    from areal_jax.learner import Learner
+    from areal_jax.learner.critic import Critic
+    from areal_jax.metrics import MetricsWriter
+    from areal_jax.rewards.pool import RewardPool
+    from areal_jax.rollout.executor import RolloutExecutor
+    from areal_jax.rollout.weight_sync import WeightSync
+    from areal_jax.storage import RunFiles
+
+__all__ = ["Progress", "RolloutSide", "Trainer"]
 
 logger = logging.getLogger("areal_jax.trainer")
-
-
-class RunStopped(TrainerError):
-    """The run started but cannot go on (no progress, a non-finite loss, a failed weight
-    update); the message says why. scripts/train.py exits with status 3."""
-
-
-def run_training(cfg: TrainConfig, resume: bool | None = None, *,
-                 exit_deadline: bool = False) -> dict[str, Any]:
-    """Runs (or resumes) a training run; returns the last metrics row.
-
-    ``resume``: None resumes when the run dir has a checkpoint, True requires one,
-    False refuses a run dir that already has one. ``exit_deadline`` (scripts/train.py):
-    once the run ends, the process has ``watchdog.shutdown_timeout_s`` to exit, or it
-    kills its servers and exits with status 4.
-    """
-    from areal_jax.process import EXIT_CODES, Interrupted, arm_shutdown_deadline
-    from areal_jax.trainer_setup import build_trainer
-
-    with contextlib.ExitStack() as stack:
-        trainer = build_trainer(cfg, resume, stack)
-        # Runs first when the stack unwinds: every shutdown step after it is time-bounded.
-        if exit_deadline:
-            stack.callback(arm_shutdown_deadline, cfg.watchdog.shutdown_timeout_s,
-                           EXIT_CODES["shutdown_timeout"])
-        try:
-            return trainer.run()
-        except Interrupted:
-            if cfg.checkpoint.on_interrupt:
-                arm_shutdown_deadline(cfg.watchdog.shutdown_timeout_s,
-                                      EXIT_CODES["shutdown_timeout"])
-                trainer.checkpoint_on_interrupt()
-            raise
 
 
 @dataclass
@@ -110,22 +91,24 @@ class RolloutSide:
     """What process 0 alone has: the executor and its servers' weight sync, the metrics
     files, and what evaluation needs."""
 
-    executor: Any
-    weights: Any  # rollout.weight_sync.WeightSync
-    writer: Any  # metrics.MetricsWriter
-    run_files: Any  # storage.RunFiles: metrics, logs, config (uploaded for gs://)
-    tokenizer: Any
+    executor: RolloutExecutor
+    weights: WeightSync
+    writer: MetricsWriter
+    run_files: RunFiles  # metrics, logs, config (uploaded for gs://)
+    tokenizer: Any  # a transformers tokenizer (any class it returns)
     reward_fn: str
-    reward_pool: Any
-    eval_items: list[dict]
+    reward_pool: RewardPool
+    eval_items: list[dict[str, Any]]
 
 
 class Trainer:
     """One run: the learner side (every process) and the rollout side (process 0)."""
 
-    def __init__(self, cfg: TrainConfig, *, learner: Any, batches: Any, checkpointer: Any,
-                 progress: Progress, rollout: RolloutSide | None, ref_learner: Any = None,
-                 critic: Any = None, critic_checkpointer: Any = None,
+    def __init__(self, cfg: TrainConfig, *, learner: Learner, batches: Iterator[TrainBatch],
+                 checkpointer: TrainCheckpointer, progress: Progress,
+                 rollout: RolloutSide | None, ref_learner: Learner | None = None,
+                 critic: Critic | None = None,
+                 critic_checkpointer: TrainCheckpointer | None = None,
                  startup: dict[str, float] | None = None) -> None:
         self.cfg = cfg
         self.learner = learner
@@ -202,7 +185,7 @@ class Trainer:
         return row
 
     # ------------------------------------------------------------------ steps 1-3
-    def next_batch(self, version: int) -> Any:
+    def next_batch(self, version: int) -> TrainBatch:
         """The trajectory pipeline's next batch: the B oldest groups, advantages, packed rows
         (this process's rows of them)."""
         from areal_jax.rollout.executor import NoProgressError
@@ -212,8 +195,6 @@ class Trainer:
         except NoProgressError as e:
             raise RunStopped(str(e)) from None
         except ValueError as e:  # e.g. a trajectory longer than a packed row
-            from areal_jax.process import is_peer_gone
-
             if is_peer_gone(e):  # another process of the job died (process.py says so)
                 raise
             raise RunStopped(f"cannot pack the batch of version {version + 1}: {e} "
@@ -229,15 +210,13 @@ class Trainer:
         return batch
 
     # ------------------------------------------------------------------ step 4
-    def train(self, batch: Any, version: int) -> dict[str, float]:
+    def train(self, batch: TrainBatch, version: int) -> dict[str, float]:
         """The learner's update (and the critic's, for PPO); stops the run after
         ``watchdog.max_nonfinite_versions`` non-finite losses in a row."""
         cfg, micro = self.cfg, batch.micro_batches
         targets = None
         if self.critic is not None:  # PPO (one process): GAE advantages from the critic's values
-            targets = self.critic.gae_targets(micro, batch.trajectories, gamma=cfg.algo.gamma,
-                                              lam=cfg.algo.lam, normalize=True,
-                                              rewards=shaped_rewards(cfg, batch.trajectories))
+            targets = gae_targets_for(cfg, self.critic, micro, batch.trajectories)
         if self.ref_learner is not None:
             for mb, ref in zip(micro, self.ref_learner.compute_logp(micro), strict=True):
                 mb["ref_logp"] = ref
@@ -271,16 +250,14 @@ class Trainer:
         servers' update runs in the background."""
         self.wait_published()
         if self.cfg.checkpoint.publish_mode == "inline":
-            weights = serving_copy(self.cfg, self.learner.model, inline=True)
+            weights = serving_copy(self.learner.model, self.cfg.model, inline=True)
             if not self.is_main:
-                from areal_jax.checkpoint.publish import join_inline_publish
-
                 join_inline_publish(weights, self.learner.model_cfg, self.cfg.model.dtype)
                 return
             with _weight_sync_stops_the_run():
                 self.rollout.weights.publish_inline(weights, version)
             return
-        params = serving_copy(self.cfg, self.learner.model)
+        params = serving_copy(self.learner.model, self.cfg.model)
         if self.is_main:
             self.rollout.weights.publish(params, version)
 
@@ -354,7 +331,7 @@ class Trainer:
         """Records the seconds from process start to now as start-up milestone ``name``."""
         self.startup[name] = time.time() - self.startup.get("process_start", self.progress.t_start)
 
-    def metrics_row(self, version: int, batch: Any, train_metrics: dict[str, float], *,
+    def metrics_row(self, version: int, batch: TrainBatch, train_metrics: dict[str, float], *,
                     t_step: float, wait_s: float, publish_s: float) -> dict[str, Any]:
         trajs, groups = batch.trajectories, batch.groups
         rewards = np.array([t.reward for t in trajs], np.float32)
@@ -404,41 +381,3 @@ def _weight_sync_stops_the_run() -> Iterator[None]:
         yield
     except WeightSyncError as e:
         raise RunStopped(str(e)) from e
-
-
-def serving_copy(cfg: TrainConfig, model: Any, inline: bool = False) -> Any:
-    """What a version publishes (``checkpoint.publish.ServingWeights``): the params, LoRA
-    adapters merged, and with ``model.lora.publish_adapter`` the adapter alone. A host
-    copy, or with ``inline`` the merged model on its devices (``serving_model``). A
-    collective with several processes."""
-    from areal_jax.checkpoint.publish import serving_model, serving_weights
-
-    lora = cfg.model.lora
-    make = serving_model if inline else serving_weights
-    return make(model, with_adapter=lora is not None and lora.publish_adapter,
-                base_model_name_or_path=cfg.model.path, dtype=cfg.model.dtype)
-
-
-# ----------------------------------------------------------------------------- advantages
-def shaped_rewards(cfg: TrainConfig, trajs: list) -> np.ndarray:
-    """Rewards after scale/bias/clip and the optional DAPO overlong penalty, [N] fp32."""
-    from areal_jax.losses import overlong_penalty, shape_rewards
-
-    rewards = np.array([t.reward for t in trajs], np.float32)
-    r = cfg.reward
-    shaped = shape_rewards(rewards, scale=r.scale, bias=r.bias, clip=r.clip)
-    if r.overlong_penalty_tokens:
-        lengths = np.array([t.num_generated for t in trajs], np.float32)
-        shaped = shaped + overlong_penalty(lengths, max_response_length=cfg.rollout.max_new_tokens,
-                                           overlong_tokens=r.overlong_penalty_tokens,
-                                           penalty_factor=r.overlong_penalty_factor)
-    return np.asarray(shaped, np.float32)
-
-
-def group_advantages_for(cfg: TrainConfig, groups: list) -> np.ndarray:
-    """A batch's groups -> per-trajectory advantages (GRPO / RLOO / Dr.GRPO), fp32."""
-    from areal_jax.losses import group_advantages
-
-    trajs = [t for g in groups for t in g]
-    adv = group_advantages(shaped_rewards(cfg, trajs), len(groups[0]), mode=cfg.algo.name)
-    return np.asarray(adv, np.float32)

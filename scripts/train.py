@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
         jax.config.update("jax_platforms", "cpu")
 
-    from areal_jax.process import main_guarded
+    from areal_jax.run import main_guarded
 
     return main_guarded(cfg, args.resume)
 

@@ -15,7 +15,7 @@ from areal_jax.checkpoint.publish import WeightPublisher
 from areal_jax.config import RolloutConfig
 from areal_jax.engine import EngineConfig, GenerationEngine, SamplingParams
 from areal_jax.learner.token_logp import packed_token_logprobs
-from areal_jax.trainer_setup import TrainerError, engine_placement
+from areal_jax.run import TrainerError, engine_placement
 from model_defs import load_hf
 from tests.hf_fixtures import logit_tolerance, make_tiny_hf_checkpoint
 from tests.tolerance import EPS, logprob_tolerance
@@ -100,7 +100,7 @@ def test_rollout_engine_tuning_keys_reach_the_launched_server():
     import httpx
 
     from areal_jax.engine.launch import launch_server
-    from areal_jax.trainer_setup import engine_tuning_args
+    from areal_jax.run import engine_tuning_args
 
     assert engine_tuning_args(RolloutConfig()) == []
     args = engine_tuning_args(RolloutConfig(prefill_rows=2, decode_steps=3))

@@ -95,8 +95,8 @@ def test_two_processes_train_and_match_one_process(tmp_path, devices, mesh, publ
     from areal_jax.data.trajectories import load_batch
     from areal_jax.learner import Learner
     from areal_jax.parallel import make_mesh
+    from areal_jax.run import learner_configs
     from areal_jax.run_inputs import resolve_model_path
-    from areal_jax.trainer_setup import learner_configs
 
     run_dir = tmp_path / "run"
     # optim.eps=1e-3: Adam's first step is lr * g / (|g| + eps); with the default 1e-8 a

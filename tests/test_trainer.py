@@ -210,8 +210,8 @@ def test_inline_publish_serves_the_learners_own_bf16_weights(tmp_path):
     from areal_jax.checkpoint import TrainCheckpointer
     from areal_jax.checkpoint.publish import params_to_hf_dir
     from areal_jax.learner import Learner
+    from areal_jax.run import learner_configs
     from areal_jax.run_inputs import resolve_model_path
-    from areal_jax.trainer_setup import learner_configs
 
     run_dir = tmp_path / "run"
     res = _run([f"run_dir={run_dir}", "train.total_versions=2", "checkpoint.every_versions=2",
@@ -306,7 +306,7 @@ def test_the_learner_takes_the_run_configs_sections_as_they_are():
     """One class per section: the run config's optim and algo are the learner's configs
     (so its errors name the user's keys); the trainer only adds what other sections hold."""
     from areal_jax.learner import AlgoConfig, OptimConfig
-    from areal_jax.trainer_setup import learner_configs
+    from areal_jax.run import learner_configs
 
     cfg = load_config(REPO / "configs" / "tiny_demo.yaml",
                       ["optim.schedule=cosine", "train.total_versions=7",

@@ -138,7 +138,7 @@ def abstract_learner(cfg: Any, model_cfg: Any, mesh: Any) -> Any:
     from areal_jax.learner.optimizer import make_optimizer
     from areal_jax.learner.steps import learner_compiler_options
     from areal_jax.parallel.mesh import n_batch_shards, replicated
-    from areal_jax.trainer_setup import learner_configs
+    from areal_jax.run import learner_configs
     from model_defs import lora_config, param_shardings
 
     optim, algo, loss_kw = learner_configs(cfg)
@@ -222,7 +222,7 @@ def lower_learner_apply(learner: Any) -> Any:
 
 # ------------------------------------------------------------------ the engine
 def engine_shapes(cfg: Any) -> dict[str, int]:
-    """The embedded engine's shapes for this config, as ``trainer_setup`` launches it."""
+    """The embedded engine's shapes for this config, as ``run.build_trainer`` launches it."""
     from areal_jax.engine.config import EngineConfig
 
     ro = cfg.rollout

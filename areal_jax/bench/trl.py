@@ -90,7 +90,7 @@ def trl_worker(out_path: Path, versions: int, eval_every: int, t_launch: float) 
 
     from areal_jax.data.builtin_task import make_split
     from areal_jax.rewards.builtin import builtin_reward
-    from areal_jax.trainer_setup import resolve_model_path
+    from areal_jax.run import resolve_model_path
 
     asset = resolve_model_path("builtin:arith_sft")  # the demo's model.path
     torch.manual_seed(0)

@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,9 @@ from model_defs import (
     peft_adapter,
     save_hf,
 )
+
+if TYPE_CHECKING:  # the run config's model section (checkpoint/ never imports config)
+    from areal_jax.config import ModelSection
 
 COMMIT_MARKER = "COMMIT"
 ADAPTER_SUBDIR = "adapter"  # v{N}/adapter: the LoRA adapter alone (PEFT layout), if published
@@ -139,6 +142,19 @@ def serving_model(model: CausalLM, *, with_adapter: bool = False,
     adapter = (peft_adapter(model, base_model_name_or_path, dtype=dtype) if with_adapter
                else None)
     return ServingWeights(merge_lora(model), adapter)
+
+
+def serving_copy(model: CausalLM, section: ModelSection, inline: bool = False
+                 ) -> ServingWeights:
+    """What a version of a run publishes, from the run config's ``model`` section: the
+    params, LoRA adapters merged, and with ``model.lora.publish_adapter`` the adapter
+    alone, in the serving dtype. A host copy (:func:`serving_weights`), or with ``inline``
+    the merged model on its devices (:func:`serving_model`). A collective with several
+    processes."""
+    make = serving_model if inline else serving_weights
+    lora = section.lora
+    return make(model, with_adapter=lora is not None and lora.publish_adapter,
+                base_model_name_or_path=section.path, dtype=section.dtype)
 
 
 def join_inline_publish(weights: ServingWeights, model_cfg: ModelConfig | Mapping[str, Any],

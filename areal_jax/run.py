@@ -1,6 +1,9 @@
-"""Construction of a run: ``build_trainer`` builds every component of a run from its
-config, in dependency order, after checking what can be checked up front (``run_inputs``),
-and registers their shutdown on an ExitStack. It runs once; the loop is ``trainer.py``.
+"""A run, from the top: ``main_guarded`` (scripts/train.py's entry: exit status and
+one-line errors), ``run_training`` (build, run, shut down) and ``build_trainer``, which
+builds every component of a run from its config, in dependency order, after checking
+what can be checked up front (``run_inputs``), and registers their shutdown on an
+ExitStack. The loop itself is ``trainer.py``; signals and exit codes are ``process.py``.
+Nothing in the package imports this module: the arrows go down from here.
 
 With several JAX processes every process builds the learner, the checkpointer and the
 trajectory pipeline's receiving end; process 0 alone also the run files, servers,
@@ -10,19 +13,59 @@ executor, weight sync and metrics writer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
+import signal
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
+import jax
 import yaml
+from jax.experimental import multihost_utils
 
 from areal_jax import storage
+from areal_jax.checkpoint import TrainCheckpointer, WeightPublisher
+from areal_jax.checkpoint.orbax_ckpt import CheckpointError
+from areal_jax.checkpoint.publish import ADAPTER_SUBDIR, serving_copy
 from areal_jax.config import TrainConfig, to_dict
-from areal_jax.interrupt import raise_if_interrupted
-from areal_jax.process import LIVE_SERVERS
+from areal_jax.cpu_affinity import check_cpus_available, pin_process_to_cpus
+from areal_jax.data.advantages import group_advantages_for
+from areal_jax.data.prompts import load_prompt_dataset, read_records
+from areal_jax.data.tokenizer import load_tokenizer
+from areal_jax.data.trajectories import ProcessRowsDataset, TrajectoryBatchDataset
+from areal_jax.engine.launch import ServerStartError, launch_servers, wait_healthy
+from areal_jax.interrupt import Interrupted, raise_if_interrupted
+from areal_jax.learner import Learner
+from areal_jax.learner.critic import Critic
+from areal_jax.metrics import MetricsWriter
+from areal_jax.parallel import (
+    detected_cluster,
+    initialize_distributed,
+    job_guard,
+    make_mesh,
+    n_batch_shards,
+    start_job_guard,
+)
+from areal_jax.process import (
+    EXIT_CODES,
+    LIVE_SERVERS,
+    arm_shutdown_deadline,
+    install_signal_handlers,
+    is_peer_gone,
+)
+from areal_jax.rewards import reward_fn_spec
+from areal_jax.rewards.pool import RewardPool, resolve_reward_fn
+from areal_jax.rollout.client import RolloutClient, RolloutError
+from areal_jax.rollout.executor import RolloutExecutor
+from areal_jax.rollout.weight_sync import WeightSync
+from areal_jax.rollout.workflows import RLVRWorkflow
 from areal_jax.run_inputs import (
     CHECKPOINT_DIR_NAMES,
+    RunStopped,
     TrainerError,
     check_prompt_lengths,
     check_servers_reachable,
@@ -31,7 +74,98 @@ from areal_jax.run_inputs import (
     resolve_dataset,
     resolve_model_path,
 )
-from areal_jax.trainer import Progress, RolloutSide, Trainer, group_advantages_for, serving_copy
+from areal_jax.sampling_params import SamplingParams
+from areal_jax.trainer import Progress, RolloutSide, Trainer
+
+__all__ = ["build_trainer", "main_guarded", "run_training"]
+
+
+def main_guarded(cfg: TrainConfig, resume: bool | None) -> int:
+    """Entry point used by scripts/train.py: runs training and returns its exit status
+    (``EXIT_CODES``; 128 + signal number after SIGINT/SIGTERM). Errors for users are
+    printed as one line, never a traceback. With several processes, a process that fails
+    tells the others (which exit at once with status 1) and exits without waiting in
+    JAX's shutdown barrier."""
+    code, message = _run_for_status(cfg, resume)
+    guard = job_guard()
+    if guard is not None:
+        if code == EXIT_CODES["done"]:
+            guard.done()
+        else:
+            guard.fail(message, code)  # does not return
+    return code
+
+
+def _lost_peer_message(e: BaseException, guard: Any) -> str | None:
+    """One line for a collective that failed because another process of the job died (a
+    bare traceback from deep inside XLA before), naming the peer; None for other errors."""
+    text = " ".join(str(e).split())
+    if not is_peer_gone(e):
+        return None
+    peers = guard.silent_peers(wait_s=3 * guard.interval_s + 1.0)
+    who = (f"process {', '.join(map(str, peers))} of this job is gone" if peers
+           else "another process of this job is gone")
+    return (f"error: {who} (a collective of process {guard.process_id} failed: "
+            f"{type(e).__name__}: {text[:200]}). Look in {'its' if len(peers) == 1 else 'their'} "
+            "log for why it ended, then restart every process of the job: the run resumes "
+            "from its last checkpoint")
+
+
+def _run_for_status(cfg: TrainConfig, resume: bool | None) -> tuple[int, str]:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if threading.current_thread() is threading.main_thread():
+        install_signal_handlers(cfg.watchdog.shutdown_timeout_s)
+    try:
+        run_training(cfg, resume, exit_deadline=True)
+    except Interrupted as e:
+        saved = " (and a checkpoint of this version)" if cfg.checkpoint.on_interrupt else ""
+        message = (f"interrupted by {signal.Signals(e.signum).name}: servers, executor and files "
+                   f"closed; the last completed checkpoint is kept{saved}")
+        code = 128 + e.signum
+    except RunStopped as e:
+        message, code = f"stopped: {e}", EXIT_CODES["stopped"]
+    except TrainerError as e:
+        message, code = f"error: {e}", EXIT_CODES["bad_input"]
+    except Exception as e:  # with several processes the others must hear of it
+        guard = job_guard()
+        if guard is None:
+            raise
+        lost = _lost_peer_message(e, guard)
+        if lost:
+            message, code = lost, EXIT_CODES["crash"]
+        else:
+
+            traceback.print_exc()
+            message, code = f"error: {type(e).__name__}: {e}", EXIT_CODES["crash"]
+    else:
+        return EXIT_CODES["done"], ""
+    print(message, file=sys.stderr, flush=True)
+    return code, message
+
+
+def run_training(cfg: TrainConfig, resume: bool | None = None, *,
+                 exit_deadline: bool = False) -> dict[str, Any]:
+    """Runs (or resumes) a training run; returns the last metrics row.
+
+    ``resume``: None resumes when the run dir has a checkpoint, True requires one,
+    False refuses a run dir that already has one. ``exit_deadline`` (scripts/train.py):
+    once the run ends, the process has ``watchdog.shutdown_timeout_s`` to exit, or it
+    kills its servers and exits with status 4.
+    """
+    with contextlib.ExitStack() as stack:
+        trainer = build_trainer(cfg, resume, stack)
+        # Runs first when the stack unwinds: every shutdown step after it is time-bounded.
+        if exit_deadline:
+            stack.callback(arm_shutdown_deadline, cfg.watchdog.shutdown_timeout_s,
+                           EXIT_CODES["shutdown_timeout"])
+        try:
+            return trainer.run()
+        except Interrupted:
+            if cfg.checkpoint.on_interrupt:
+                arm_shutdown_deadline(cfg.watchdog.shutdown_timeout_s,
+                                      EXIT_CODES["shutdown_timeout"])
+                trainer.checkpoint_on_interrupt()
+            raise
 
 
 def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitStack) -> Trainer:
@@ -40,7 +174,6 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     if cfg.rollout.server_cpu_cores and not cfg.rollout.servers:
         # Checked here, before the learner pins this process, so the error names the key
         # (the servers would report their own flag, --cpu-affinity).
-        from areal_jax.cpu_affinity import check_cpus_available
 
         try:
             check_cpus_available(cfg.rollout.server_cpu_cores)
@@ -49,7 +182,6 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     if cfg.rollout.learner_cpu_cores:
         # Before JAX starts its CPU backend: XLA sizes its thread pools to these cores, and
         # every thread of the process stays on them (cpu_affinity.py).
-        from areal_jax.cpu_affinity import pin_process_to_cpus
 
         try:
             pin_process_to_cpus(cfg.rollout.learner_cpu_cores)
@@ -58,7 +190,6 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     # Several processes (JAX multi-controller): join before anything touches JAX devices.
     # A one-process run skips this; with nothing set, srun / TPU pod / mpirun jobs are
     # detected by JAX itself (distributed.auto_detect).
-    from areal_jax.parallel import detected_cluster, initialize_distributed, start_job_guard
 
     d = cfg.distributed
     try:
@@ -66,7 +197,6 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
                                auto_detect=d.auto_detect and detected_cluster() is not None)
     except ValueError as e:
         raise TrainerError(f"distributed: {e}") from None
-    import jax
 
     is_main, multi = jax.process_index() == 0, jax.process_count() > 1
     xla_cache_dir = enable_compilation_cache(cfg.compilation_cache_dir)  # before any compile
@@ -87,7 +217,6 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     raise_if_interrupted()  # a safe point for SIGINT/SIGTERM
     run_dir, ckpt_dir, has_ckpt = prepare_run_dir(cfg, resume)
     if not is_main:  # a learner only: its rows of every batch come from process 0
-        from areal_jax.data.trajectories import ProcessRowsDataset
 
         learner_side = _build_learner_side(cfg, resume, stack, model_path, ckpt_dir, has_ckpt)
         learner_side.pop("first_params"), learner_side.pop("meta")
@@ -154,10 +283,6 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     # Rollout side (process 0): reward pool, workflow, metrics files, prompts, executor,
     # built while the servers may still be compiling (the metrics writer's TensorBoard
     # import alone, which pulls in torch, takes seconds); then the executor starts.
-    from areal_jax.data.trajectories import ProcessRowsDataset, TrajectoryBatchDataset
-    from areal_jax.metrics import MetricsWriter
-    from areal_jax.parallel import n_batch_shards
-    from areal_jax.rewards.pool import RewardPool
 
     reward_pool = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s,
                              max_abs=cfg.reward.max_abs)
@@ -178,15 +303,12 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
         executor.pause()  # nothing is generated before the servers hold this version
     executor.start()
     stack.callback(executor.stop, 30.0, True)
-    from areal_jax.checkpoint.publish import ADAPTER_SUBDIR
-    from areal_jax.rollout.weight_sync import WeightSync
 
     weights = WeightSync(executor, lambda params, version: publisher.publish(
         params, learner.model_cfg, version, tokenizer_dir=tokenizer_dir),
         interruptible=cfg.rollout.interruptible,
         adapter_subdir=ADAPTER_SUBDIR if adapter_mode else None)
     if load_first:  # external servers, or adapter mode: bring them to the current weights
-        from areal_jax.rollout.client import RolloutError
 
         try:
             executor.run_coroutine(weights.update_servers(str(first), start_version))
@@ -215,7 +337,6 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
 
 
 def _load_tokenizer(tokenizer_dir: Path) -> Any:
-    from areal_jax.data.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(tokenizer_dir)
@@ -225,9 +346,6 @@ def _load_tokenizer(tokenizer_dir: Path) -> Any:
 
 def _check_reward_fn(spec: str) -> str:
     """The reward function's import spec, checked to resolve now (not in a worker later)."""
-    from areal_jax.rewards import reward_fn_spec
-    from areal_jax.rewards.pool import resolve_reward_fn
-
     try:
         reward_fn = reward_fn_spec(spec)
         resolve_reward_fn(reward_fn)
@@ -238,8 +356,6 @@ def _check_reward_fn(spec: str) -> str:
 
 def _weight_publisher(cfg: TrainConfig, run_dir: str) -> Any:
     """Where the servers read the serving weights (bf16 safetensors for a bf16 model)."""
-    from areal_jax.checkpoint import WeightPublisher
-
     try:
         publish_dir = (storage.check_location(cfg.checkpoint.publish_dir, "checkpoint.publish_dir",
                                               write=True)
@@ -250,8 +366,6 @@ def _weight_publisher(cfg: TrainConfig, run_dir: str) -> Any:
 
 
 def _workflow(cfg: TrainConfig, tokenizer: Any, reward_fn: str, stack: contextlib.ExitStack) -> Any:
-    from areal_jax.rollout.workflows import RLVRWorkflow
-    from areal_jax.sampling_params import SamplingParams
 
     ro = cfg.rollout
     sampling = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
@@ -278,10 +392,6 @@ def _executor(cfg: TrainConfig, workflow: Any, tokenizer: Any, reward_pool: Any,
               ) -> tuple[Any, list[dict]]:
     """The rollout executor over the training prompts (its accounting restored from the
     checkpoint's meta), and the eval items."""
-    from areal_jax.data.prompts import load_prompt_dataset, read_records
-    from areal_jax.rollout.client import RolloutClient
-    from areal_jax.rollout.executor import RolloutExecutor
-
     data, ro = cfg.data, cfg.rollout
     try:
         prompts = load_prompt_dataset(train_path, prompt_key=data.prompt_key,
@@ -319,11 +429,7 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
     checkpointer, the restored state and progress. Returns the Trainer's learner-side
     arguments plus ``mesh``, the checkpoint's ``meta`` and ``first_params`` (a host copy of
     the current weights, for publishing; gathering it is a collective)."""
-    import jax
 
-    from areal_jax.checkpoint import TrainCheckpointer
-    from areal_jax.learner import Learner
-    from areal_jax.parallel import make_mesh
 
     multi, is_main = jax.process_count() > 1, jax.process_index() == 0
     try:
@@ -346,7 +452,6 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
     stack.callback(checkpointer.close)
     critic = critic_ckpt = None
     if cfg.algo.name == "ppo":  # actor-critic: a value model with its own optimizer state
-        from areal_jax.learner.critic import Critic
 
         critic = Critic.from_hf(str(model_path), optim, value_eps_clip=cfg.algo.value_eps_clip,
                                 value_coef=cfg.algo.value_coef,
@@ -370,7 +475,7 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
     return dict(learner=learner, ref_learner=ref_learner, critic=critic,
                 critic_checkpointer=critic_ckpt, checkpointer=checkpointer,
                 progress=Progress.from_meta(meta), mesh=mesh, meta=meta,
-                first_params=serving_copy(cfg, learner.model))
+                first_params=serving_copy(learner.model, cfg.model))
 
 
 def _restore_newest(checkpointer: Any, state: dict[str, Any], is_main: bool
@@ -378,9 +483,7 @@ def _restore_newest(checkpointer: Any, state: dict[str, Any], is_main: bool
     """The newest checkpoint that restores. Newer ones that do not (truncated or missing
     files) are named with their cause and renamed ``<step>.unrestorable``, kept; none
     restoring is a TrainerError."""
-    import jax
 
-    from areal_jax.checkpoint.orbax_ckpt import CheckpointError
 
     try:
         step, params, opt_state, meta, skipped = checkpointer.restore_newest(
@@ -395,7 +498,6 @@ def _restore_newest(checkpointer: Any, state: dict[str, Any], is_main: bool
                   f"{step} instead (the broken one is kept as {kept})", file=sys.stderr,
                   flush=True)
     if skipped and jax.process_count() > 1:
-        from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("areal_jax: unrestorable checkpoints set aside")
         checkpointer.reload()
@@ -406,8 +508,6 @@ def learner_configs(cfg: TrainConfig) -> tuple[Any, Any, dict[str, Any]]:
     """The learner's (optim, algo, keyword arguments) for a run config: the ``algo`` section
     as is, ``optim`` with the cosine schedule's length filled in, and the settings that other
     sections hold (the sampling temperature, the logprob chunk, Dr.GRPO's normaliser)."""
-    import dataclasses
-
     optim = dataclasses.replace(cfg.optim, total_steps=cfg.optimizer_steps)
     seq_norm = (float(cfg.rollout.max_new_tokens) if cfg.algo.agg_mode == "seq-mean-token-sum"
                 else None)  # Dr.GRPO: a constant normaliser, the max generation length
@@ -430,8 +530,6 @@ def engine_placement(ro: Any) -> tuple[str, dict[str, str] | None]:
     """(JAX_PLATFORMS, extra env) for the embedded engines: ``rollout.engine_platform``
     (default: this process's backend) and ``rollout.engine_devices`` as the platform's
     visible-device variable."""
-    import jax
-
     platform = ro.engine_platform or jax.default_backend()
     if ro.engine_devices is None:
         # Sharing the learner's accelerator: allocate on demand rather than grabbing a
@@ -457,7 +555,6 @@ def _server_start_error(i: int, e: Exception, cfg: TrainConfig) -> TrainerError:
 
 
 def _wait_for_servers(cfg: TrainConfig, handles: list) -> None:
-    from areal_jax.engine.launch import ServerStartError, wait_healthy
 
     try:
         wait_healthy(handles, cfg.rollout.server_startup_timeout_s)
@@ -471,8 +568,6 @@ def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,
     """Starts the embedded servers on ``weights`` without waiting for them (the caller
     waits with ``_wait_for_servers`` once the learner has compiled); later versions come
     from ``publish_dir``. Returns their handles."""
-    from areal_jax.engine.launch import ServerStartError, launch_servers
-
     ro = cfg.rollout
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
