@@ -1,9 +1,19 @@
-"""Evaluate a policy on a prompt dataset: pass@1 averaged over k samples.
+"""Evaluate a policy on a benchmark or a prompt dataset: mean reward and pass@k.
 
-    python scripts/eval.py --model runs/tiny_demo/weights/v40 --data builtin:eval -k 4
+    python scripts/eval.py --model Qwen/Qwen2.5-1.5B-Instruct --benchmark gsm8k -n 8 --pass-at 1,4,8
+    python scripts/eval.py --ckpt runs/qwen2.5-1.5b_gsm8k/checkpoints --benchmark math500
+    python scripts/eval.py --model runs/tiny_demo/weights/v40 --data builtin:eval -n 4
     python scripts/eval.py --ckpt runs/tiny_demo/checkpoints [--step 40] --data builtin:eval
     # with an already-running server:
     python scripts/eval.py --model DIR --server http://127.0.0.1:30000 ...
+
+``--benchmark gsm8k`` (GSM8K test) and ``--benchmark math500`` (MATH-500) name the hub
+dataset, its columns, the reward (``math``) and the prompt (the problem, then "Please reason
+step by step, and put your final answer within \\boxed{}.", through the model's chat
+template); see ``BENCHMARKS`` in areal_jax/rollout/evaluate.py. With ``--data`` as well,
+the benchmark's prompt, columns and reward are used on that file (e.g. a local copy).
+``--pass-at 1,4,8`` reports the unbiased pass@k of Chen et al. 2021 for each k (at most
+the samples per prompt, ``-n``); the default is pass@1 and pass@n.
 
 ``--model`` is an HF directory (e.g. a published ``weights/v{N}``) or a Hugging Face hub id
 (``Qwen/Qwen2.5-1.5B-Instruct``, fetched into the hub cache); ``--ckpt`` is an
@@ -14,8 +24,9 @@ are read from the checkpoint, never the optimizer state.
 Every path (``--model``, ``--ckpt``, ``--tokenizer``, ``--data``, ``--out``) may be local or
 ``gs://`` (see docs/cloud.md); ``--data hf://openai/gsm8k?config=main&split=test``
 reads a hub dataset through ``datasets``.
-Without ``--server`` an embedded engine is started on the weights. Prints the result
-and writes it as JSON (``--out``).
+Without ``--server`` an embedded engine is started on the weights (``--platform cpu`` by
+default; ``--platform auto`` lets JAX pick the accelerator). Prints a table and writes the
+result as JSON (``--out``; printed after the table without it).
 """
 
 from __future__ import annotations
@@ -39,8 +50,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="with a hub id as --model: its branch, tag or commit (default: main)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer dir (default: the model dir; with --ckpt, the run's tokenizer)")
-    p.add_argument("--data", required=True,
-                   help="JSONL/Parquet path, hf://ORG/NAME?config=C&split=S, or builtin:eval")
+    p.add_argument("--benchmark", default=None,
+                   help="a named benchmark: gsm8k (GSM8K test) or math500 (MATH-500)")
+    p.add_argument("--data", default=None,
+                   help="JSONL/Parquet path, hf://ORG/NAME?config=C&split=S, or builtin:eval "
+                        "(default: the benchmark's dataset)")
     p.add_argument("--prompt-key", default=None,
                    help="default: the run's data.prompt_key, else question")
     p.add_argument("--answer-key", default=None,
@@ -48,13 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reward", default=None,
                    help="builtin | math | code | module:function (default: the run's reward.fn, "
                         "else builtin)")
-    p.add_argument("-k", "--n-samples", type=int, default=1)
+    p.add_argument("-n", "-k", "--n-samples", type=int, default=1, help="samples per prompt")
+    p.add_argument("--pass-at", default=None,
+                   help="comma-separated k of pass@k, each <= -n (default: 1 and n)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: the benchmark's (gsm8k 1024, math500 2048), else 64")
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--server", action="append", default=[], help="use running server(s) instead")
     p.add_argument("--max-slots", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--dtype", default="float32", help="the embedded engine's weights dtype")
+    p.add_argument("--platform", default="cpu",
+                   help="JAX_PLATFORMS of the embedded engine (cpu, cuda, tpu); auto: JAX picks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reward-workers", type=int, default=2, help="reward worker processes")
     p.add_argument("--reward-timeout", type=float, default=10.0,
@@ -62,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="JSON output path")
     args = p.parse_args(argv)
     if args.n_samples < 1:
-        p.error("-k must be >= 1")
+        p.error("-n must be >= 1")
     if args.reward_workers < 1 or not args.reward_timeout > 0:
         p.error("--reward-workers must be >= 1 and --reward-timeout > 0")
 
@@ -72,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from areal_jax.rewards import reward_fn_spec
     from areal_jax.rewards.pool import RewardPool
     from areal_jax.rollout.client import RolloutClient
-    from areal_jax.rollout.evaluate import evaluate_prompts
+    from areal_jax.rollout.evaluate import check_pass_at, evaluate_prompts, get_benchmark
     from areal_jax.run_inputs import (
         TrainerError,
         resolve_dataset,
@@ -80,6 +100,18 @@ def main(argv: list[str] | None = None) -> int:
         saved_run_config,
     )
     from areal_jax.sampling_params import SamplingParams
+
+    try:  # the arguments, before any model is loaded
+        bench = get_benchmark(args.benchmark) if args.benchmark else None
+        if bench is None and args.data is None:
+            raise ValueError("name a --benchmark (gsm8k, math500) or a --data set")
+        pass_at = _parse_pass_at(args.pass_at, args.n_samples)
+        check_pass_at(pass_at, args.n_samples)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args.data = args.data or bench.data
+    args.max_new_tokens = args.max_new_tokens or (bench.max_new_tokens if bench else 64)
 
     tmp = tempfile.TemporaryDirectory(prefix="areal-eval-")
     try:
@@ -113,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             if not args.model.startswith("builtin:") and storage.name_of(weights_dir) == "weights":
                 # a run's published weights (RUN_DIR/weights/vN): that run's config.yaml
                 run_cfg = saved_run_config(weights_dir, {}) or {}
+        if bench is not None:  # the benchmark's columns and reward, not the run's
+            run_cfg = {}
+            args.prompt_key = args.prompt_key or bench.prompt_key
+            args.answer_key = args.answer_key or bench.answer_key
+            args.reward = args.reward or bench.reward
         data_cfg = run_cfg.get("data") or {}
         args.prompt_key = args.prompt_key or data_cfg.get("prompt_key") or "question"
         args.answer_key = args.answer_key or data_cfg.get("answer_key") or "answer"
@@ -127,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.prompt_key not in r or args.answer_key not in r:
                 raise TrainerError(f"{args.data}: rows need keys {args.prompt_key!r} and "
                                    f"{args.answer_key!r}; got {sorted(r)}")
-            items.append({**r, "prompt": r[args.prompt_key], "answer": r[args.answer_key]})
+            prompt = (bench.prompt({**r, bench.prompt_key: r[args.prompt_key]}) if bench
+                      else r[args.prompt_key])
+            items.append({**r, "prompt": prompt, "answer": r[args.answer_key]})
+        if not items:
+            raise TrainerError(f"{args.data} has no rows")
         reward = reward_fn_spec(args.reward)
         if args.out:
             storage.check_location(args.out, "--out", write=False)
@@ -140,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     if not servers:
         from areal_jax.engine.launch import launch_server
 
-        handles.append(launch_server(model_dir, max_slots=args.max_slots,
-                                     max_seq_len=args.max_seq_len))
+        handles.append(launch_server(
+            model_dir, max_slots=args.max_slots, max_seq_len=args.max_seq_len, dtype=args.dtype,
+            jax_platforms=None if args.platform == "auto" else args.platform))
         servers = [handles[0].url]
     try:
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
@@ -153,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 return await evaluate_prompts(client, items, tokenizer=tokenizer, reward_fn=reward,
                                               reward_pool=pool, sampling=sampling,
-                                              n_samples=args.n_samples, seed=args.seed)
+                                              n_samples=args.n_samples, seed=args.seed,
+                                              pass_at=pass_at)
             finally:
                 await client.aclose()
                 pool.close()
@@ -163,12 +206,43 @@ def main(argv: list[str] | None = None) -> int:
         for h in handles:
             h.terminate()
         tmp.cleanup()
-    result.update({"model": args.model or args.ckpt, "data": args.data, "reward": args.reward,
-                   "temperature": args.temperature})
-    print(json.dumps(result, indent=2))
+    result.update({"model": args.model or args.ckpt, "benchmark": args.benchmark,
+                   "data": args.data, "reward": args.reward, "mean_reward": result["accuracy"],
+                   "pass_at": {str(k): result[f"pass@{k}"] for k in pass_at},
+                   "temperature": args.temperature, "max_new_tokens": args.max_new_tokens})
+    print(result_table(result))
     if args.out:
         storage.write_text(args.out, json.dumps(result, indent=2))
+    else:
+        print(json.dumps(result, indent=2))
     return 0
+
+
+def _parse_pass_at(spec: str | None, n_samples: int) -> list[int]:
+    """``"1,4,8"`` -> [1, 4, 8]; None -> pass@1 and pass@n."""
+    if spec is None:
+        return sorted({1, n_samples})
+    try:
+        ks = sorted({int(k) for k in spec.split(",")})
+    except ValueError:
+        raise ValueError(f"--pass-at {spec!r}: give comma-separated integers, e.g. 1,4,8") \
+            from None
+    return ks
+
+
+def result_table(result: dict) -> str:
+    """The result as a two-column table: what was evaluated, mean reward, pass@k."""
+    name = result["benchmark"] or result["data"]
+    rows = [("evaluated", f"{result['model']} on {name}"),
+            ("prompts", f"{int(result['n_prompts'])} x {int(result['n_samples'])} samples, "
+                        f"temperature {result['temperature']}, "
+                        f"at most {result['max_new_tokens']} new tokens"),
+            ("mean reward", f"{result['mean_reward']:.4f}"),
+            *((f"pass@{k}", f"{v:.4f}") for k, v in result["pass_at"].items()),
+            ("mean tokens", f"{result['mean_completion_tokens']:.1f}"),
+            ("reward failures", f"{int(result['reward_failures'])}")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 if __name__ == "__main__":

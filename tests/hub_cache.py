@@ -51,8 +51,9 @@ def add_hub_dataset(hf_home: Path, repo_id: str, config: str,
                     splits: dict[str, list[dict[str, Any]]], commit: str = COMMIT) -> Path:
     """A dataset repo as ``load_dataset(repo_id, config)`` leaves it after one online load:
     the repo's Parquet files in ``hub/datasets--ORG--NAME/snapshots/COMMIT/CONFIG/`` and the
-    prepared Arrow cache ``datasets/ORG___NAME/CONFIG/0.0.0/COMMIT/`` (``NAME-SPLIT.arrow`` +
-    ``dataset_info.json``), which is what ``datasets`` reads offline. The Arrow cache is
+    prepared Arrow cache ``datasets/ORG___SNAKE/CONFIG/0.0.0/COMMIT/`` (``SNAKE-SPLIT.arrow``
+    + ``dataset_info.json``, SNAKE being NAME in datasets' snake_case), which is what
+    ``datasets`` reads offline. The Arrow cache is
     written by datasets' own Parquet builder from those files. Returns the snapshot dir."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -69,14 +70,25 @@ def add_hub_dataset(hf_home: Path, repo_id: str, config: str,
         pq.write_table(pa.Table.from_pylist(rows), files[split])
     org, name = repo_id.split("/")
     # Online, datasets names the builder (repo_id, dataset_name=NAME) and its files hf://...;
-    # offline the same layout comes from the local files under the cache's own folder name.
-    builder = Parquet(cache_dir=str(Path(hf_home) / "datasets"), dataset_name=f"{org}___{name}",
+    # offline the same layout comes from the local files, built under a folder of their own
+    # and moved to where datasets keeps a hub dataset: ORG___SNAKE/ with SNAKE-SPLIT.arrow,
+    # SNAKE being datasets' snake_case of NAME ("MATH-500" -> "math-500").
+    from datasets.naming import camelcase_to_snakecase
+
+    snake = camelcase_to_snakecase(name)
+    cache = Path(hf_home) / "datasets"
+    builder = Parquet(cache_dir=str(cache / "_build"), dataset_name=f"{org}___{name}",
                       config_name=config, config_id=config, hash=commit, data_files=files)
     builder.download_and_prepare()
-    out = Path(builder.cache_dir)
-    for f in out.glob(f"{org}___{name}-*"):
-        f.rename(out / f.name.replace(f"{org}___{name}-", f"{name}-"))
-    shutil.rmtree(Path(hf_home) / "datasets" / "downloads", ignore_errors=True)
+    built = Path(builder.cache_dir)
+    out = cache / f"{org}___{snake}" / built.relative_to(built.parents[2])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    built.rename(out)
+    prefix = f"{builder.dataset_name}-"
+    for f in out.glob(f"{prefix}*"):
+        f.rename(out / f"{snake}-{f.name[len(prefix):]}")
+    shutil.rmtree(cache / "_build", ignore_errors=True)
+    shutil.rmtree(cache / "downloads", ignore_errors=True)
     return data_dir
 
 

@@ -1,17 +1,24 @@
-"""Evaluation: pass@1 of a policy served by rollout servers, averaged over k samples.
+"""Evaluation: mean reward and pass@k of a policy served by rollout servers.
 
 Used by the trainer (periodic eval) and ``scripts/eval.py``. Each prompt is sampled
-``n_samples`` times with the given sampling params; pass@1 is the mean reward
-(a verifier reward in {0, 1}) over all prompts and samples. Rewards are scored by a
-``RewardPool``, as in training: each call runs in a worker process under the pool's
-timeout, so a hanging verifier cannot hang an eval. A sample whose reward function
-fails or times out counts as 0 and is reported in ``reward_failures``.
+``n_samples`` times with the given sampling params; ``accuracy`` is the mean reward
+(a verifier reward in {0, 1}) over all prompts and samples, and ``pass@k`` for each
+requested k is the unbiased estimator of Chen et al. 2021 (:func:`pass_at_k`), a sample
+being correct when its reward is positive. Rewards are scored by a ``RewardPool``, as in
+training: each call runs in a worker process under the pool's timeout, so a hanging
+verifier cannot hang an eval. A sample whose reward function fails or times out counts
+as 0 and is reported in ``reward_failures``.
+
+:data:`BENCHMARKS` names the standard sets (``gsm8k``, ``math500``): their hub dataset,
+columns, reward and prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,14 +29,81 @@ from areal_jax.sampling_params import SamplingParams
 
 EVAL_BATCH = 16  # samples per batched /generate
 
+# The instruction after each benchmark problem (Qwen2.5-Math's chain-of-thought prompt); the
+# math reward reads the last \boxed{...} of the completion, else its last number.
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """A named evaluation set: its dataset, the columns holding the problem and the reference
+    answer, the reward that checks a completion, and the prompt.
+
+    The prompt is the problem, a newline and ``instruction``, sent as one user message
+    through the model's chat template (as it is when the tokenizer has none).
+    """
+
+    name: str
+    data: str  # hf://ORG/NAME?config=C&split=S
+    prompt_key: str
+    answer_key: str
+    reward: str  # a short name of areal_jax.rewards.REWARD_FUNCTIONS or "module:function"
+    instruction: str
+    max_new_tokens: int  # the default generation budget
+
+    def prompt(self, row: dict[str, Any]) -> str:
+        return f"{row[self.prompt_key]}\n{self.instruction}"
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    # GSM8K test (1319 problems). The reference is a worked solution ending in "#### 72";
+    # the math reward compares against the number after ####.
+    "gsm8k": Benchmark("gsm8k", "hf://openai/gsm8k?config=main&split=test", "question",
+                       "answer", "math", BOXED_INSTRUCTION, max_new_tokens=1024),
+    # MATH-500 (Lightman et al. 2023's subset of the MATH test set): the reference is the
+    # bare answer ("\frac{14}{3}"), compared with math-verify.
+    "math500": Benchmark("math500", "hf://HuggingFaceH4/MATH-500?split=test", "problem",
+                         "answer", "math", BOXED_INSTRUCTION, max_new_tokens=2048),
+}
+
+
+def get_benchmark(name: str) -> Benchmark:
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}: use one of {', '.join(BENCHMARKS)}, "
+                         "or --data for any other dataset")
+    return BENCHMARKS[name]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one problem from ``n`` samples of which ``c`` are correct:
+    1 - C(n-c, k) / C(n, k), the chance that k of the n samples drawn without replacement
+    hold a correct one (Chen et al. 2021, "Evaluating Large Language Models Trained on
+    Code"). Exact integer binomials, so large n loses nothing."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def check_pass_at(ks: Sequence[int], n_samples: int) -> None:
+    """Each k of pass@k must be in [1, n_samples]."""
+    for k in ks:
+        if k < 1:
+            raise ValueError(f"pass@{k}: k must be at least 1")
+        if k > n_samples:
+            raise ValueError(f"pass@{k} needs {k} samples per prompt but there are {n_samples}: "
+                             f"sample at least {k} (-n {k}) or drop {k} from --pass-at")
+
 
 async def evaluate_prompts(client: Any, items: Sequence[dict[str, Any]], *, tokenizer: Any,
                            reward_fn: Any, reward_pool: RewardPool, sampling: SamplingParams,
                            n_samples: int = 1, answer_key: str = "answer", seed: int = 0,
-                           max_concurrency: int = 256) -> dict[str, float]:
-    """Pass@1 over ``items`` (each with a ``prompt`` or ``input_ids`` and an answer)."""
+                           max_concurrency: int = 256,
+                           pass_at: Sequence[int] = ()) -> dict[str, float]:
+    """Mean reward over ``items`` (each with a ``prompt`` or ``input_ids`` and an answer), and
+    ``pass@k`` for each k in ``pass_at`` (each at most ``n_samples``)."""
     if not items:
         raise ValueError("evaluate_prompts got no prompts")
+    check_pass_at(pass_at, n_samples)
     if not isinstance(reward_pool, RewardPool):
         raise TypeError(f"evaluate_prompts needs a RewardPool (rewards run under its timeout), "
                         f"got {type(reward_pool).__name__}")
@@ -67,10 +141,13 @@ async def evaluate_prompts(client: Any, items: Sequence[dict[str, Any]], *, toke
     rewards = np.array([r for r, _ in results], np.float64)
     lengths = np.array([n for _, n in results], np.float64)
     per_prompt = rewards.reshape(len(items), n_samples)
+    n_correct = (per_prompt > 0).sum(1)
     return {
         "accuracy": float(rewards.mean()),
         "accuracy_std_over_samples": float(per_prompt.mean(0).std()) if n_samples > 1 else 0.0,
-        "pass_at_k": float((per_prompt > 0).any(1).mean()),
+        "pass_at_k": float((n_correct > 0).mean()),  # any of the n samples correct: pass@n
+        **{f"pass@{k}": float(np.mean([pass_at_k(n_samples, int(c), k) for c in n_correct]))
+           for k in sorted(set(pass_at))},
         "n_prompts": float(len(items)),
         "n_samples": float(n_samples),
         "mean_completion_tokens": float(lengths.mean()),
