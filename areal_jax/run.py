@@ -134,7 +134,6 @@ def _run_for_status(cfg: TrainConfig, resume: bool | None) -> tuple[int, str]:
         if lost:
             message, code = lost, EXIT_CODES["crash"]
         else:
-
             traceback.print_exc()
             message, code = f"error: {type(e).__name__}: {e}", EXIT_CODES["crash"]
     else:
@@ -174,7 +173,6 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     if cfg.rollout.server_cpu_cores and not cfg.rollout.servers:
         # Checked here, before the learner pins this process, so the error names the key
         # (the servers would report their own flag, --cpu-affinity).
-
         try:
             check_cpus_available(cfg.rollout.server_cpu_cores)
         except ValueError as e:
@@ -182,7 +180,6 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     if cfg.rollout.learner_cpu_cores:
         # Before JAX starts its CPU backend: XLA sizes its thread pools to these cores, and
         # every thread of the process stays on them (cpu_affinity.py).
-
         try:
             pin_process_to_cpus(cfg.rollout.learner_cpu_cores)
         except ValueError as e:
@@ -190,7 +187,6 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     # Several processes (JAX multi-controller): join before anything touches JAX devices.
     # A one-process run skips this; with nothing set, srun / TPU pod / mpirun jobs are
     # detected by JAX itself (distributed.auto_detect).
-
     d = cfg.distributed
     try:
         initialize_distributed(d.coordinator_address, d.num_processes, d.process_id,
@@ -217,7 +213,6 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     raise_if_interrupted()  # a safe point for SIGINT/SIGTERM
     run_dir, ckpt_dir, has_ckpt = prepare_run_dir(cfg, resume)
     if not is_main:  # a learner only: its rows of every batch come from process 0
-
         learner_side = _build_learner_side(cfg, resume, stack, model_path, ckpt_dir, has_ckpt)
         learner_side.pop("first_params"), learner_side.pop("meta")
         start = learner_side["progress"].start_version
@@ -283,7 +278,6 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     # Rollout side (process 0): reward pool, workflow, metrics files, prompts, executor,
     # built while the servers may still be compiling (the metrics writer's TensorBoard
     # import alone, which pulls in torch, takes seconds); then the executor starts.
-
     reward_pool = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s,
                              max_abs=cfg.reward.max_abs)
     stack.callback(reward_pool.close)
@@ -309,7 +303,6 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
         interruptible=cfg.rollout.interruptible,
         adapter_subdir=ADAPTER_SUBDIR if adapter_mode else None)
     if load_first:  # external servers, or adapter mode: bring them to the current weights
-
         try:
             executor.run_coroutine(weights.update_servers(str(first), start_version))
         except RolloutError as e:
@@ -429,8 +422,6 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
     checkpointer, the restored state and progress. Returns the Trainer's learner-side
     arguments plus ``mesh``, the checkpoint's ``meta`` and ``first_params`` (a host copy of
     the current weights, for publishing; gathering it is a collective)."""
-
-
     multi, is_main = jax.process_count() > 1, jax.process_index() == 0
     try:
         mesh = make_mesh(cfg.mesh)
@@ -452,7 +443,6 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
     stack.callback(checkpointer.close)
     critic = critic_ckpt = None
     if cfg.algo.name == "ppo":  # actor-critic: a value model with its own optimizer state
-
         critic = Critic.from_hf(str(model_path), optim, value_eps_clip=cfg.algo.value_eps_clip,
                                 value_coef=cfg.algo.value_coef,
                                 ppo_n_minibatches=cfg.algo.ppo_n_minibatches, **model_kw)
@@ -498,7 +488,6 @@ def _restore_newest(checkpointer: Any, state: dict[str, Any], is_main: bool
                   f"{step} instead (the broken one is kept as {kept})", file=sys.stderr,
                   flush=True)
     if skipped and jax.process_count() > 1:
-
         multihost_utils.sync_global_devices("areal_jax: unrestorable checkpoints set aside")
         checkpointer.reload()
     return params, opt_state, meta
