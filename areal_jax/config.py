@@ -168,6 +168,11 @@ class RolloutConfig:
     # tokens decoded per slot per call; null: the engine's defaults (EngineConfig).
     prefill_rows: int | None = None
     decode_steps: int | None = None
+    # Embedded engine: dtype of its params and KV cache, and of the published serving
+    # weights; null: model.dtype. "float32" with model.dtype "bfloat16" gives the servers
+    # the fp32 master weights while the learner computes in bf16 (the two then differ by
+    # the learner's bf16 rounding alone: mismatch/lag0_* measures it).
+    engine_dtype: Literal["float32", "bfloat16"] | None = None
     n_samples: int = 8  # samples per prompt (the group)
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -422,6 +427,12 @@ class TrainConfig:
     @property
     def eta(self) -> int | None:
         return 0 if self.mode == "sync" else self.rollout.max_staleness
+
+    @property
+    def serving_dtype(self) -> str:
+        """The embedded engines' and the published weights' dtype (rollout.engine_dtype,
+        else model.dtype)."""
+        return self.rollout.engine_dtype or self.model.dtype
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:

@@ -353,7 +353,8 @@ def _weight_publisher(cfg: TrainConfig, run_dir: str) -> Any:
         publish_dir = (storage.check_location(cfg.checkpoint.publish_dir, "checkpoint.publish_dir",
                                               write=True)
                        if cfg.checkpoint.publish_dir else storage.join(run_dir, "weights"))
-        return WeightPublisher(publish_dir, keep=cfg.checkpoint.keep_weights, dtype=cfg.model.dtype)
+        return WeightPublisher(publish_dir, keep=cfg.checkpoint.keep_weights,
+                           dtype=cfg.serving_dtype)
     except (storage.StorageError, OSError, ValueError, RuntimeError) as e:
         raise TrainerError(f"checkpoint.publish_dir: {e}") from None
 
@@ -465,7 +466,7 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
     return dict(learner=learner, ref_learner=ref_learner, critic=critic,
                 critic_checkpointer=critic_ckpt, checkpointer=checkpointer,
                 progress=Progress.from_meta(meta), mesh=mesh, meta=meta,
-                first_params=serving_copy(learner.model, cfg.model))
+                first_params=serving_copy(learner.model, cfg.model, cfg.serving_dtype))
 
 
 def _restore_newest(checkpointer: Any, state: dict[str, Any], is_main: bool
@@ -570,7 +571,7 @@ def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,
     try:
         return launch_servers(weights, ro.num_servers, wait=False, log_dir=logs, on_start=register,
                               max_slots=ro.max_slots, max_seq_len=ro.max_seq_len,
-                              dtype=cfg.model.dtype, jax_platforms=platform, env=device_env,
+                              dtype=cfg.serving_dtype, jax_platforms=platform, env=device_env,
                               cpu_affinity=ro.server_cpu_cores, api_key=ro.api_key,
                               allowed_weight_dirs=[publish_dir],  # later versions
                               warmup=True,  # compile every shape now, not mid-run

@@ -250,14 +250,15 @@ class Trainer:
         servers' update runs in the background."""
         self.wait_published()
         if self.cfg.checkpoint.publish_mode == "inline":
-            weights = serving_copy(self.learner.model, self.cfg.model, inline=True)
+            weights = serving_copy(self.learner.model, self.cfg.model, self.cfg.serving_dtype,
+                                   inline=True)
             if not self.is_main:
-                join_inline_publish(weights, self.learner.model_cfg, self.cfg.model.dtype)
+                join_inline_publish(weights, self.learner.model_cfg, self.cfg.serving_dtype)
                 return
             with _weight_sync_stops_the_run():
                 self.rollout.weights.publish_inline(weights, version)
             return
-        params = serving_copy(self.learner.model, self.cfg.model)
+        params = serving_copy(self.learner.model, self.cfg.model, self.cfg.serving_dtype)
         if self.is_main:
             self.rollout.weights.publish(params, version)
 

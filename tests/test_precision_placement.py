@@ -112,3 +112,25 @@ def test_rollout_engine_tuning_keys_reach_the_launched_server():
     for key in ("prefill_rows", "decode_steps"):
         with pytest.raises(ValueError, match=f"rollout.{key} must be > 0"):
             RolloutConfig(**{key: 0})
+
+
+def test_engine_dtype_sets_the_servers_and_published_weights_apart(tmp_path):
+    """rollout.engine_dtype: the embedded engines' and the published weights' dtype,
+    apart from the learner's model.dtype (issue 30: a bf16 learner against fp32 engines)."""
+    from areal_jax.checkpoint.publish import serving_copy
+    from areal_jax.config import ConfigError, load_config
+
+    demo = "configs/tiny_demo.yaml"
+    assert load_config(demo, ["model.dtype=bfloat16"]).serving_dtype == "bfloat16"
+    cfg = load_config(demo, ["model.dtype=bfloat16", "rollout.engine_dtype=float32"])
+    assert cfg.model.dtype == "bfloat16" and cfg.serving_dtype == "float32"
+    with pytest.raises(ConfigError, match="rollout.engine_dtype"):
+        load_config(demo, ["rollout.engine_dtype=float16"])
+    path = str(make_tiny_hf_checkpoint(tmp_path, arch="qwen2", seed=5))
+    model, _ = load_hf(path, dtype="float32")
+    for dtype in ("float32", "bfloat16"):
+        weights = serving_copy(model, cfg.model, cfg.serving_dtype if dtype == "float32"
+                               else None)
+        floats = {x.dtype for x in jax.tree.leaves(weights.params)
+                  if np.issubdtype(x.dtype, np.floating) or x.dtype == jnp.bfloat16}
+        assert floats == {jnp.dtype(dtype)}, (dtype, floats)

@@ -144,17 +144,17 @@ def serving_model(model: CausalLM, *, with_adapter: bool = False,
     return ServingWeights(merge_lora(model), adapter)
 
 
-def serving_copy(model: CausalLM, section: ModelSection, inline: bool = False
-                 ) -> ServingWeights:
+def serving_copy(model: CausalLM, section: ModelSection, dtype: str | None = None,
+                 inline: bool = False) -> ServingWeights:
     """What a version of a run publishes, from the run config's ``model`` section: the
     params, LoRA adapters merged, and with ``model.lora.publish_adapter`` the adapter
-    alone, in the serving dtype. A host copy (:func:`serving_weights`), or with ``inline``
+    alone, in the serving ``dtype`` (default ``model.dtype``). A host copy (:func:`serving_weights`), or with ``inline``
     the merged model on its devices (:func:`serving_model`). A collective with several
     processes."""
     make = serving_model if inline else serving_weights
     lora = section.lora
     return make(model, with_adapter=lora is not None and lora.publish_adapter,
-                base_model_name_or_path=section.path, dtype=section.dtype)
+                base_model_name_or_path=section.path, dtype=dtype or section.dtype)
 
 
 def join_inline_publish(weights: ServingWeights, model_cfg: ModelConfig | Mapping[str, Any],
