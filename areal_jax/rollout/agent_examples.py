@@ -11,10 +11,16 @@ attempt (trained on) and the re-asked questions between them (not trained on).
       workflow: agent
       agent: areal_jax.rollout.agent_examples:arith_retry_agent
       max_turns: 2
+
+``arith_calculator_agent`` gives the model a ``calculator`` tool through the chat API's
+``tools`` and must call it (configs/arith_tools.yaml, with the ``builtin:arith_tools``
+checkpoint, whose chat template writes calls in the task's vocabulary).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from areal_jax.rewards.builtin import builtin_reward
@@ -37,4 +43,50 @@ async def arith_retry_agent(base_url: str, item: dict[str, Any], *, max_attempts
             if builtin_reward(text, item["answer"]) > 0:
                 return 1.0 / (attempt + 1)
             prompt = prompt + text + "<eos>" + question  # the feedback: "that was wrong, again"
+    return 0.0
+
+
+# ---------------------------------------------------------------------- tool calls
+CALCULATOR_TOOL = {"type": "function", "function": {
+    "name": "calculator",
+    "description": "Evaluates a chain of integer additions and subtractions, e.g. 17+5-8.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}
+_EXPRESSION_RE = re.compile(r"\d+([+-]\d+)*")
+
+
+def calculator(expression: str) -> str:
+    """The tool: the value of ``17+5-8``-style expressions, "" for anything else."""
+    if not isinstance(expression, str) or not _EXPRESSION_RE.fullmatch(expression):
+        return ""
+    return str(sum(int(t) for t in re.findall(r"[+-]?\d+", expression)))
+
+
+async def arith_calculator_agent(base_url: str, item: dict[str, Any], *, max_calls: int = 2,
+                                 max_tokens: int = 24) -> float:
+    """Solves the built-in task with a calculator tool it must call, through the OpenAI
+    chat API's ``tools``: the model's calls are run and their results sent back as ``tool``
+    messages until it answers. Reward 1 for a right ``A:<n>`` after at least one call,
+    else 0."""
+    import openai
+
+    messages: list[dict[str, Any]] = [{"role": "user", "content": item["prompt"]}]
+    called = False
+    timeout = openai.Timeout(600.0, connect=60.0)
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0,
+                                  timeout=timeout) as client:
+        for _ in range(max_calls + 1):
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, tools=[CALCULATOR_TOOL],
+                max_tokens=max_tokens)
+            message = reply.choices[0].message
+            if not message.tool_calls:
+                right = builtin_reward(message.content or "", item["answer"]) > 0
+                return 1.0 if called and right else 0.0
+            called = True
+            messages.append(message.model_dump(exclude_none=True))
+            for call in message.tool_calls:
+                args = json.loads(call.function.arguments)
+                messages.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": calculator(args.get("expression", ""))})
     return 0.0

@@ -1,0 +1,48 @@
+"""The tool-calling demo (configs/arith_tools.yaml): the calculator tool, and the
+``builtin:arith_tools`` checkpoint's tokenizer and chat template, which write a calculator
+call in the task's vocabulary that the engine's Qwen-form parser reads, and render an
+episode to the tokens the SFT traces (scripts/make_tools_checkpoint.py) were made of."""
+
+from __future__ import annotations
+
+import json
+
+from areal_jax.config import load_config
+from areal_jax.data import builtin_task as bt
+from areal_jax.data.tokenizer import load_tokenizer
+from areal_jax.engine.openai_api import chat_prompt_ids
+from areal_jax.engine.tool_calls import HERMES, parse_tool_calls, tool_call_format
+from areal_jax.rollout.agent_examples import CALCULATOR_TOOL, calculator
+from areal_jax.run_inputs import ASSETS_DIR
+
+CALL, CLOSE, R_OPEN, R_CLOSE = 20, 21, 22, 23
+
+
+def test_calculator():
+    assert calculator("17+5-8") == "14" and calculator("3") == "3"
+    assert calculator("2-9") == "-7"
+    for bad in ["", "17+", "+5", "1+2*3", "2--1", "x", None]:
+        assert calculator(bad) == "", bad
+
+
+def test_checkpoint_writes_calls_the_parser_reads():
+    tok = load_tokenizer(ASSETS_DIR / "arith_tools")
+    assert tool_call_format(tok.chat_template) == HERMES
+    generated = [CALL] + bt.encode("17+5-8") + [CLOSE, bt.EOS_ID]
+    text = tok.decode(generated[:-1], skip_special_tokens=True)
+    content, (call,) = parse_tool_calls(text, HERMES, {"calculator"})
+    assert content is None and call["function"]["name"] == "calculator"
+    assert json.loads(call["function"]["arguments"]) == {"expression": "17+5-8"}
+    # The episode as the agent sends it back renders to the SFT trace's tokens.
+    messages = [{"role": "user", "content": "Q:17+5-8="},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": call["function"]}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "14"}]
+    ids = chat_prompt_ids(tok, messages, [CALCULATOR_TOOL])
+    assert ids == bt.encode("Q:17+5-8=") + generated + [R_OPEN] + bt.encode("14") + [R_CLOSE]
+
+
+def test_config_loads():
+    cfg = load_config("configs/arith_tools.yaml", [])
+    assert cfg.rollout.workflow == "agent" and cfg.model.path == "builtin:arith_tools"
+    assert cfg.rollout.agent.endswith(":arith_calculator_agent")
