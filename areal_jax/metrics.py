@@ -9,15 +9,26 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # annotations only: this room never loads the run config
+    from areal_jax.config import TrainConfig
 
 logger = logging.getLogger("areal_jax.trainer")
 
 
 class MetricsWriter:
     """metrics.jsonl (one row per version), TensorBoard events and a progress bar."""
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, run_dir: Path, start_version: int,
+                    resumed: bool) -> MetricsWriter:
+        """The run's writer in ``run_dir`` (its local working copy), from version
+        ``start_version`` of ``train.total_versions``."""
+        return cls(run_dir, cfg.train.total_versions, start_version, cfg.progress_bar,
+                   resumed=resumed)
 
     def __init__(self, run_dir: Path, total: int, initial: int, progress_bar: bool,
                  resumed: bool = False) -> None:

@@ -31,7 +31,7 @@ from areal_jax import storage
 from areal_jax.checkpoint import TrainCheckpointer, WeightPublisher
 from areal_jax.checkpoint.orbax_ckpt import CheckpointError
 from areal_jax.checkpoint.publish import ADAPTER_SUBDIR, serving_copy
-from areal_jax.config import TrainConfig, to_dict
+from areal_jax.config import RolloutConfig, TrainConfig, to_dict
 from areal_jax.cpu_affinity import check_cpus_available, pin_process_to_cpus
 from areal_jax.data.advantages import group_advantages_for
 from areal_jax.data.prompts import load_prompt_dataset, read_records
@@ -40,6 +40,7 @@ from areal_jax.data.trajectories import ProcessRowsDataset, TrajectoryBatchDatas
 from areal_jax.engine.launch import ServerStartError, launch_servers, wait_healthy
 from areal_jax.interrupt import Interrupted, raise_if_interrupted
 from areal_jax.learner import Learner
+from areal_jax.learner.config import AlgoConfig, OptimConfig
 from areal_jax.learner.critic import Critic
 from areal_jax.metrics import MetricsWriter
 from areal_jax.parallel import (
@@ -278,12 +279,10 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     # Rollout side (process 0): reward pool, workflow, metrics files, prompts, executor,
     # built while the servers may still be compiling (the metrics writer's TensorBoard
     # import alone, which pulls in torch, takes seconds); then the executor starts.
-    reward_pool = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s,
-                             max_abs=cfg.reward.max_abs)
+    reward_pool = RewardPool.from_config(cfg.reward)
     stack.callback(reward_pool.close)
     workflow = _workflow(cfg, tokenizer, reward_fn, stack)
-    writer = MetricsWriter(local_dir, cfg.train.total_versions, start_version, cfg.progress_bar,
-                           resumed=bool(meta))
+    writer = MetricsWriter.from_config(cfg, local_dir, start_version, resumed=bool(meta))
     stack.callback(writer.close)
     executor, eval_items = _executor(cfg, workflow, tokenizer, reward_pool, train_path, eval_path,
                                      list(cfg.rollout.servers) or [h.url for h in handles], meta)
@@ -330,7 +329,6 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
 
 
 def _load_tokenizer(tokenizer_dir: Path) -> Any:
-
     try:
         return load_tokenizer(tokenizer_dir)
     except (ValueError, FileNotFoundError, ImportError, AttributeError) as e:
@@ -347,20 +345,15 @@ def _check_reward_fn(spec: str) -> str:
     return reward_fn
 
 
-def _weight_publisher(cfg: TrainConfig, run_dir: str) -> Any:
+def _weight_publisher(cfg: TrainConfig, run_dir: str) -> WeightPublisher:
     """Where the servers read the serving weights (bf16 safetensors for a bf16 model)."""
     try:
-        publish_dir = (storage.check_location(cfg.checkpoint.publish_dir, "checkpoint.publish_dir",
-                                              write=True)
-                       if cfg.checkpoint.publish_dir else storage.join(run_dir, "weights"))
-        return WeightPublisher(publish_dir, keep=cfg.checkpoint.keep_weights,
-                           dtype=cfg.serving_dtype)
+        return WeightPublisher.from_config(cfg.checkpoint, run_dir, cfg.serving_dtype)
     except (storage.StorageError, OSError, ValueError, RuntimeError) as e:
         raise TrainerError(f"checkpoint.publish_dir: {e}") from None
 
 
 def _workflow(cfg: TrainConfig, tokenizer: Any, reward_fn: str, stack: contextlib.ExitStack) -> Any:
-
     ro = cfg.rollout
     sampling = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
                               top_p=ro.top_p, top_k=ro.top_k)
@@ -381,12 +374,12 @@ def _workflow(cfg: TrainConfig, tokenizer: Any, reward_fn: str, stack: contextli
     return workflow
 
 
-def _executor(cfg: TrainConfig, workflow: Any, tokenizer: Any, reward_pool: Any, train_path: str,
-              eval_path: str | None, addresses: list[str], meta: dict[str, Any]
-              ) -> tuple[Any, list[dict]]:
+def _executor(cfg: TrainConfig, workflow: Any, tokenizer: Any, reward_pool: RewardPool,
+              train_path: str, eval_path: str | None, addresses: list[str],
+              meta: dict[str, Any]) -> tuple[RolloutExecutor, list[dict[str, Any]]]:
     """The rollout executor over the training prompts (its accounting restored from the
     checkpoint's meta), and the eval items."""
-    data, ro = cfg.data, cfg.rollout
+    data = cfg.data
     try:
         prompts = load_prompt_dataset(train_path, prompt_key=data.prompt_key,
                                       answer_key=data.answer_key, seed=cfg.seed,
@@ -403,15 +396,9 @@ def _executor(cfg: TrainConfig, workflow: Any, tokenizer: Any, reward_pool: Any,
             eval_items = eval_items[: data.max_eval_prompts or None]
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise TrainerError(str(e)) from None
-    client = RolloutClient(addresses, request_timeout=ro.request_timeout_s, api_key=ro.api_key,
-                           retry_deadline_s=ro.request_retry_deadline_s)
-    wd = cfg.watchdog
-    executor = RolloutExecutor(client, workflow, iter(prompts), batch_size=cfg.train.batch_size,
-                               max_concurrent=cfg.max_concurrent, max_staleness=cfg.eta,
-                               seed=cfg.seed, reward_pool=reward_pool, tokenizer=tokenizer,
-                               reward_timeout_s=cfg.reward.timeout_s,
-                               max_attempts_without_progress=wd.max_attempts_without_progress,
-                               max_seconds_without_progress=wd.max_seconds_without_progress)
+    executor = RolloutExecutor.from_config(cfg, RolloutClient.from_config(cfg.rollout, addresses),
+                                           workflow, iter(prompts), reward_pool=reward_pool,
+                                           tokenizer=tokenizer)
     if meta.get("executor"):
         executor.load_state_dict(meta["executor"])
     return executor, eval_items
@@ -439,15 +426,15 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
     if cfg.algo.kl_coef > 0:
         ref_learner = Learner.from_hf(str(model_path), optim, algo, trainable=False,
                                       process_local_batches=multi, **model_kw, **loss_kw)
-    ckpt_kw = dict(keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
-    checkpointer = TrainCheckpointer(ckpt_dir, **ckpt_kw)
+    checkpointer = TrainCheckpointer.from_config(cfg.checkpoint, ckpt_dir)
     stack.callback(checkpointer.close)
     critic = critic_ckpt = None
     if cfg.algo.name == "ppo":  # actor-critic: a value model with its own optimizer state
         critic = Critic.from_hf(str(model_path), optim, value_eps_clip=cfg.algo.value_eps_clip,
                                 value_coef=cfg.algo.value_coef,
                                 ppo_n_minibatches=cfg.algo.ppo_n_minibatches, **model_kw)
-        critic_ckpt = TrainCheckpointer(f"{ckpt_dir.rstrip('/')}-critic", **ckpt_kw)
+        critic_ckpt = TrainCheckpointer.from_config(cfg.checkpoint,
+                                                    f"{ckpt_dir.rstrip('/')}-critic")
         stack.callback(critic_ckpt.close)
     meta: dict[str, Any] = {}
     if has_ckpt and resume is not False:
@@ -469,13 +456,11 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
                 first_params=serving_copy(learner.model, cfg.model, cfg.serving_dtype))
 
 
-def _restore_newest(checkpointer: Any, state: dict[str, Any], is_main: bool
+def _restore_newest(checkpointer: TrainCheckpointer, state: dict[str, Any], is_main: bool
                     ) -> tuple[Any, Any, dict[str, Any]]:
     """The newest checkpoint that restores. Newer ones that do not (truncated or missing
     files) are named with their cause and renamed ``<step>.unrestorable``, kept; none
     restoring is a TrainerError."""
-
-
     try:
         step, params, opt_state, meta, skipped = checkpointer.restore_newest(
             params_target=state["params"], opt_state_target=state["opt_state"])
@@ -494,7 +479,7 @@ def _restore_newest(checkpointer: Any, state: dict[str, Any], is_main: bool
     return params, opt_state, meta
 
 
-def learner_configs(cfg: TrainConfig) -> tuple[Any, Any, dict[str, Any]]:
+def learner_configs(cfg: TrainConfig) -> tuple[OptimConfig, AlgoConfig, dict[str, Any]]:
     """The learner's (optim, algo, keyword arguments) for a run config: the ``algo`` section
     as is, ``optim`` with the cosine schedule's length filled in, and the settings that other
     sections hold (the sampling temperature, the logprob chunk, Dr.GRPO's normaliser)."""
@@ -516,7 +501,7 @@ def process_start_time() -> float:
         return time.time()
 
 
-def engine_placement(ro: Any) -> tuple[str, dict[str, str] | None]:
+def engine_placement(ro: RolloutConfig) -> tuple[str, dict[str, str] | None]:
     """(JAX_PLATFORMS, extra env) for the embedded engines: ``rollout.engine_platform``
     (default: this process's backend) and ``rollout.engine_devices`` as the platform's
     visible-device variable."""
@@ -545,7 +530,6 @@ def _server_start_error(i: int, e: Exception, cfg: TrainConfig) -> TrainerError:
 
 
 def _wait_for_servers(cfg: TrainConfig, handles: list) -> None:
-
     try:
         wait_healthy(handles, cfg.rollout.server_startup_timeout_s)
     except ServerStartError as e:
@@ -582,7 +566,7 @@ def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,
         raise _server_start_error(e.index or 0, e, cfg) from None
 
 
-def engine_tuning_args(ro: Any) -> list[str]:
+def engine_tuning_args(ro: RolloutConfig) -> list[str]:
     """``serve.py`` flags for the rollout section's engine tuning keys that are set."""
     args = []
     if ro.prefill_rows is not None:

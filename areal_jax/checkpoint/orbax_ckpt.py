@@ -25,7 +25,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -33,6 +33,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from model_defs import CheckpointError
+
+if TYPE_CHECKING:  # annotations only: this room never loads the run config
+    from areal_jax.config import CheckpointConfig
 
 PARAMS, OPT_STATE, META = "params", "opt_state", "meta"
 
@@ -170,6 +173,11 @@ class TrainCheckpointer:
     Keeps the newest ``keep`` checkpoints. ``save`` is asynchronous unless
     ``async_save=False``; call ``wait()`` before relying on it being on disk.
     """
+
+    @classmethod
+    def from_config(cls, checkpoint: CheckpointConfig, directory: str) -> TrainCheckpointer:
+        """The run's checkpointer in ``directory``, from its ``checkpoint`` section."""
+        return cls(directory, keep=checkpoint.keep, async_save=checkpoint.async_save)
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
                  read_only: bool = False):

@@ -47,8 +47,8 @@ from model_defs import (
     save_hf,
 )
 
-if TYPE_CHECKING:  # the run config's model section (checkpoint/ never imports config)
-    from areal_jax.config import ModelSection
+if TYPE_CHECKING:  # the run config's sections (checkpoint/ never imports config)
+    from areal_jax.config import CheckpointConfig, ModelSection
 
 COMMIT_MARKER = "COMMIT"
 ADAPTER_SUBDIR = "adapter"  # v{N}/adapter: the LoRA adapter alone (PEFT layout), if published
@@ -148,9 +148,9 @@ def serving_copy(model: CausalLM, section: ModelSection, dtype: str | None = Non
                  inline: bool = False) -> ServingWeights:
     """What a version of a run publishes, from the run config's ``model`` section: the
     params, LoRA adapters merged, and with ``model.lora.publish_adapter`` the adapter
-    alone, in the serving ``dtype`` (default ``model.dtype``). A host copy (:func:`serving_weights`), or with ``inline``
-    the merged model on its devices (:func:`serving_model`). A collective with several
-    processes."""
+    alone, in the serving ``dtype`` (default ``model.dtype``). A host copy
+    (:func:`serving_weights`), or with ``inline`` the merged model on its devices
+    (:func:`serving_model`). A collective with several processes."""
     make = serving_model if inline else serving_weights
     lora = section.lora
     return make(model, with_adapter=lora is not None and lora.publish_adapter,
@@ -256,6 +256,16 @@ def _fsync_dir(path: Path) -> None:
 
 class WeightPublisher:
     """Writes serving weights to ``weights_dir/v{version}`` and keeps the newest ``keep``."""
+
+    @classmethod
+    def from_config(cls, checkpoint: CheckpointConfig, run_dir: str, dtype: str
+                    ) -> WeightPublisher:
+        """The run's publisher: ``checkpoint.publish_dir`` (checked writable) or
+        ``RUN_DIR/weights``, keeping ``checkpoint.keep_weights`` versions in ``dtype``."""
+        publish_dir = (storage.check_location(checkpoint.publish_dir, "checkpoint.publish_dir",
+                                              write=True)
+                       if checkpoint.publish_dir else storage.join(run_dir, "weights"))
+        return cls(publish_dir, keep=checkpoint.keep_weights, dtype=dtype)
 
     def __init__(self, weights_dir: str | os.PathLike, keep: int = 3, *, dtype: str | None = None):
         if not isinstance(keep, int) or keep < 1:

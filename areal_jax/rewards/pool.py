@@ -34,9 +34,12 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_jax.plugins import import_callable
+
+if TYPE_CHECKING:  # annotations only: this room never loads the run config
+    from areal_jax.config import RewardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +181,11 @@ class _Worker:
 
 class RewardPool:
     """Runs reward functions in ``num_workers`` processes, each call limited to ``timeout_s``."""
+
+    @classmethod
+    def from_config(cls, reward: RewardConfig) -> RewardPool:
+        """The run's pool, from its ``reward`` section."""
+        return cls(reward.num_workers, reward.timeout_s, max_abs=reward.max_abs)
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, *,
                  preload: tuple[str, ...] = (), startup_timeout_s: float = 120.0,

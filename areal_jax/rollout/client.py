@@ -54,7 +54,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -65,6 +65,9 @@ from areal_jax.rollout.types import (
     GenerateRequest,
     GenerateResponse,
 )
+
+if TYPE_CHECKING:  # annotations only: this room never loads the run config
+    from areal_jax.config import RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +215,12 @@ def _checked_finish(finish_reason: Any, server: ServerState, rid: str) -> str:
 
 class RolloutClient:
     """Async client over several SGLang-protocol servers. Use from one event loop."""
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig, addresses: list[str]) -> RolloutClient:
+        """The run's client over ``addresses``, from its ``rollout`` section."""
+        return cls(addresses, request_timeout=rollout.request_timeout_s, api_key=rollout.api_key,
+                   retry_deadline_s=rollout.request_retry_deadline_s)
 
     def __init__(
         self,

@@ -66,13 +66,16 @@ import traceback
 from collections import Counter, deque
 from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_jax.interrupt import POLL_S, raise_if_interrupted
 from areal_jax.rewards.pool import RewardPool
 from areal_jax.rollout.staleness import StalenessGate
 from areal_jax.rollout.workflows import WorkflowContext, as_workflow_fn
 from areal_jax.trajectory import Trajectory
+
+if TYPE_CHECKING:  # annotations only: this room never loads the run config
+    from areal_jax.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +132,21 @@ class _Run:
 
 class RolloutExecutor:
     """Runs workflows asynchronously under the staleness gate described in the module doc."""
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, client: Any, workflow: Any,
+                    prompts: Iterable[dict], *, reward_pool: RewardPool | None,
+                    tokenizer: Any) -> RolloutExecutor:
+        """The run's executor: the gate from ``train.batch_size``, ``rollout.max_concurrent``
+        and η, the reward timeout from ``reward``, the no-progress limits from
+        ``watchdog``."""
+        wd = cfg.watchdog
+        return cls(client, workflow, prompts, batch_size=cfg.train.batch_size,
+                   max_concurrent=cfg.max_concurrent, max_staleness=cfg.eta, seed=cfg.seed,
+                   reward_pool=reward_pool, tokenizer=tokenizer,
+                   reward_timeout_s=cfg.reward.timeout_s,
+                   max_attempts_without_progress=wd.max_attempts_without_progress,
+                   max_seconds_without_progress=wd.max_seconds_without_progress)
 
     def __init__(self, client: Any, workflow: Any, prompts: Iterable[dict] | None = None, *,
                  batch_size: int, max_concurrent: int = 64, max_staleness: int | None = 0,
