@@ -50,13 +50,30 @@ def _normalize_platform(platform: str) -> str:
 
 
 def cudnn_available() -> bool:
-    """True when jax's CUDA plugin can load the cuDNN library (the fused-attention API
-    raises without it)."""
+    """True when the cuDNN library loads in this process (the fused-attention API raises
+    without it): from the ``nvidia-cudnn`` wheel that ``jax[cuda]`` installs, else from
+    the system's library path. Public means only (jax's own probe is private API)."""
+    import ctypes
+    import importlib.util
+    import os
+
+    names: list[str] = []
     try:
-        from jax._src.lib import cuda_versions
-        return cuda_versions is not None and cuda_versions.cudnn_get_version() > 0
-    except Exception:  # noqa: BLE001 - no plugin, no library, or a failed load: not usable
-        return False
+        spec = importlib.util.find_spec("nvidia.cudnn")
+    except (ImportError, ValueError):
+        spec = None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        lib = os.path.join(folder, "lib")
+        if os.path.isdir(lib):
+            names += [os.path.join(lib, n) for n in sorted(os.listdir(lib))
+                      if n.startswith("libcudnn.so")]
+    for name in [*names, "libcudnn.so.9", "libcudnn.so"]:
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def resolve_attention_impl(name: str, platform: str, *, interpret: bool = False) -> str:

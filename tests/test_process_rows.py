@@ -15,17 +15,18 @@ import pytest
 
 from areal_jax.parallel.board import BoardClient, BoardError, BoardServer
 
-PACKAGE = Path(__file__).resolve().parent.parent / "areal_jax"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_no_private_jax_api_in_the_package():
-    # jax._src moves between JAX releases; areal_jax uses only public (jax, jax.experimental,
-    # jax.extend) modules.
+    # jax._src moves between JAX releases; areal_jax and model_defs use only public (jax,
+    # jax.experimental, jax.extend) modules.
     private = re.compile(r"jax\._src|from\s+jax\s+import\s+[^\n]*\b_src\b")
-    found = [f"{path.relative_to(PACKAGE.parent)}:{n}: {line.strip()}"
-             for path in sorted(PACKAGE.rglob("*.py"))
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for package in ("areal_jax", "model_defs")
+             for path in sorted((ROOT / package).rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if private.search(line)]
-    assert not found, "private JAX API in areal_jax:\n" + "\n".join(found)
+    assert not found, "private JAX API in the package:\n" + "\n".join(found)
 
 
 @pytest.fixture
