@@ -142,6 +142,14 @@ class TrainRun:
     total_s: float  # the whole command, start to exit
 
 
+def kill_all(procs: Sequence[Any]) -> None:
+    """Kills and reaps every process of ``procs`` (``subprocess.Popen``) still running."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     text = (Path(run_dir) / "metrics.jsonl").read_text()
     return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from areal_jax.bench.common import REPO, read_metrics, repo_file, script_env
+from areal_jax.bench.common import REPO, kill_all, read_metrics, repo_file, script_env
 
 GIB = 2**30
 RUNS = (("fsdp=1", 1, "data=1,fsdp=1,tensor=1"), ("fsdp=2", 2, "data=1,fsdp=2,tensor=1"))
@@ -212,10 +212,7 @@ def train_run(name: str, n_procs: int, mesh: str, config: str, overrides: list[s
                 raise RuntimeError(f"{name}: not done after {timeout_s:.0f}s; logs {log_paths}")
             time.sleep(interval_s)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
     for i, p in enumerate(procs):
         if p.returncode != 0:
             tail = Path(log_paths[i]).read_text()[-3000:]

@@ -128,6 +128,9 @@ def run_workers(args: argparse.Namespace, repo: Path | None, tmp: Path) -> list[
     """Starts the workers (``repo``'s areal_jax, else this one); each one's JSON report."""
     import socket
 
+    # Here, not at the top: a worker runs this file with another checkout's areal_jax.
+    from areal_jax.bench.common import kill_all
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -148,10 +151,7 @@ def run_workers(args: argparse.Namespace, repo: Path | None, tmp: Path) -> list[
     try:
         codes = [p.wait(args.timeout) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
     for pid, code in enumerate(codes):
         if code != 0:
             log = (tmp / f"{outs[pid].stem}.log").read_text()[-3000:]
