@@ -28,7 +28,7 @@ import yaml
 from jax.experimental import multihost_utils
 
 from areal_jax import storage
-from areal_jax.checkpoint import TrainCheckpointer, WeightPublisher
+from areal_jax.checkpoint import CheckpointMeta, TrainCheckpointer, WeightPublisher
 from areal_jax.checkpoint.orbax_ckpt import CheckpointError
 from areal_jax.checkpoint.publish import ADAPTER_SUBDIR, serving_copy
 from areal_jax.config import RolloutConfig, TrainConfig, to_dict
@@ -77,6 +77,7 @@ from areal_jax.run_inputs import (
 )
 from areal_jax.sampling_params import SamplingParams
 from areal_jax.trainer import Progress, RolloutSide, Trainer
+from model_defs import PyTree
 
 __all__ = ["build_trainer", "main_guarded", "run_training"]
 
@@ -282,7 +283,7 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     reward_pool = RewardPool.from_config(cfg.reward)
     stack.callback(reward_pool.close)
     workflow = _workflow(cfg, tokenizer, reward_fn, stack)
-    writer = MetricsWriter.from_config(cfg, local_dir, start_version, resumed=bool(meta))
+    writer = MetricsWriter.from_config(cfg, local_dir, start_version, resumed=meta is not None)
     stack.callback(writer.close)
     executor, eval_items = _executor(cfg, workflow, tokenizer, reward_pool, train_path, eval_path,
                                      list(cfg.rollout.servers) or [h.url for h in handles], meta)
@@ -376,9 +377,9 @@ def _workflow(cfg: TrainConfig, tokenizer: Any, reward_fn: str, stack: contextli
 
 def _executor(cfg: TrainConfig, workflow: Any, tokenizer: Any, reward_pool: RewardPool,
               train_path: str, eval_path: str | None, addresses: list[str],
-              meta: dict[str, Any]) -> tuple[RolloutExecutor, list[dict[str, Any]]]:
+              meta: CheckpointMeta | None) -> tuple[RolloutExecutor, list[dict[str, Any]]]:
     """The rollout executor over the training prompts (its accounting restored from the
-    checkpoint's meta), and the eval items."""
+    checkpoint's meta; None: a fresh run), and the eval items."""
     data = cfg.data
     try:
         prompts = load_prompt_dataset(train_path, prompt_key=data.prompt_key,
@@ -399,8 +400,8 @@ def _executor(cfg: TrainConfig, workflow: Any, tokenizer: Any, reward_pool: Rewa
     executor = RolloutExecutor.from_config(cfg, RolloutClient.from_config(cfg.rollout, addresses),
                                            workflow, iter(prompts), reward_pool=reward_pool,
                                            tokenizer=tokenizer)
-    if meta.get("executor"):
-        executor.load_state_dict(meta["executor"])
+    if meta is not None and meta.executor:
+        executor.load_state_dict(meta.executor)
     return executor, eval_items
 
 
@@ -408,7 +409,8 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
                         model_path: Path, ckpt_dir: str, has_ckpt: bool) -> dict[str, Any]:
     """What every process has: the learner (and reference model, critic) on the mesh, the
     checkpointer, the restored state and progress. Returns the Trainer's learner-side
-    arguments plus ``mesh``, the checkpoint's ``meta`` and ``first_params`` (a host copy of
+    arguments plus ``mesh``, the checkpoint's ``meta`` (None for a fresh run) and
+    ``first_params`` (a host copy of
     the current weights, for publishing; gathering it is a collective)."""
     multi, is_main = jax.process_count() > 1, jax.process_index() == 0
     try:
@@ -436,19 +438,19 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
         critic_ckpt = TrainCheckpointer.from_config(cfg.checkpoint,
                                                     f"{ckpt_dir.rstrip('/')}-critic")
         stack.callback(critic_ckpt.close)
-    meta: dict[str, Any] = {}
+    meta: CheckpointMeta | None = None
     if has_ckpt and resume is not False:
         st = learner.state_dict()
         params, opt_state, meta = _restore_newest(checkpointer, st, is_main)
-        learner.load_state(params, opt_state, step=meta["step"], version=meta["version"])
+        learner.load_state(params, opt_state, step=meta.step, version=meta.version)
         if critic is not None:
             cst = critic.state_dict()
-            cstep = meta["version"] if meta["version"] in critic_ckpt.all_steps() else None
+            cstep = meta.version if meta.version in critic_ckpt.all_steps() else None
             cp, co, cmeta = critic_ckpt.restore(cstep, params_target=cst["params"],
                                                 opt_state_target=cst["opt_state"])
-            critic.load_state(cp, co, step=cmeta["step"], version=cmeta["version"])
+            critic.load_state(cp, co, step=cmeta.step, version=cmeta.version)
         if is_main:
-            print(f"resumed from {ckpt_dir} at version {meta['version']} (step {meta['step']})",
+            print(f"resumed from {ckpt_dir} at version {meta.version} (step {meta.step})",
                   flush=True)
     return dict(learner=learner, ref_learner=ref_learner, critic=critic,
                 critic_checkpointer=critic_ckpt, checkpointer=checkpointer,
@@ -457,7 +459,7 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
 
 
 def _restore_newest(checkpointer: TrainCheckpointer, state: dict[str, Any], is_main: bool
-                    ) -> tuple[Any, Any, dict[str, Any]]:
+                    ) -> tuple[PyTree, PyTree | None, CheckpointMeta]:
     """The newest checkpoint that restores. Newer ones that do not (truncated or missing
     files) are named with their cause and renamed ``<step>.unrestorable``, kept; none
     restoring is a TrainerError."""

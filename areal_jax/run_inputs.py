@@ -9,10 +9,13 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_jax import hub, storage
 from areal_jax.config import TrainConfig
+
+if TYPE_CHECKING:
+    from areal_jax.checkpoint.meta import CheckpointMeta
 
 ASSETS_DIR = Path(__file__).resolve().parent / "data" / "assets"
 
@@ -59,11 +62,11 @@ def resolve_model_path(spec: str, cache_dir: str | None = None, key: str = "mode
     return path
 
 
-def saved_run_config(ckpt_dir: str, meta: dict[str, Any]) -> dict[str, Any] | None:
+def saved_run_config(ckpt_dir: str, meta: CheckpointMeta | None) -> dict[str, Any] | None:
     """The config of the run that wrote a checkpoint: from its meta (``run_config``), else
     the ``config.yaml`` next to the checkpoint directory (the run dir); None if neither."""
-    if isinstance(meta.get("run_config"), dict):
-        return meta["run_config"]
+    if meta is not None and meta.run_config is not None:
+        return meta.run_config
     import yaml
 
     path = storage.join(storage.parent_of(ckpt_dir), "config.yaml")

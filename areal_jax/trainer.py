@@ -39,8 +39,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
+from areal_jax.checkpoint.meta import CheckpointMeta
+from areal_jax.checkpoint.orbax_ckpt import rng_to_json
 from areal_jax.checkpoint.publish import join_inline_publish, serving_copy
 from areal_jax.config import TrainConfig, to_dict
 from areal_jax.data.advantages import gae_targets_for
@@ -76,11 +79,12 @@ class Progress:
     t_start: float = field(default_factory=time.time)
 
     @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> Progress:
-        version = int(meta.get("version", 0))
-        return cls(start_version=version, consumed_tokens=int(meta.get("consumed_tokens", 0)),
-                   last_saved_version=version if meta else -1,
-                   elapsed_before=float(meta.get("elapsed_s", 0.0)))
+    def from_meta(cls, meta: CheckpointMeta | None) -> Progress:
+        """The progress of a run resumed from a checkpoint with ``meta``; None: a fresh run."""
+        if meta is None:
+            return cls()
+        return cls(start_version=meta.version, consumed_tokens=meta.consumed_tokens,
+                   last_saved_version=meta.version, elapsed_before=meta.elapsed_s)
 
     def elapsed(self) -> float:
         return self.elapsed_before + (time.time() - self.t_start)
@@ -270,28 +274,25 @@ class Trainer:
 
     # ------------------------------------------------------------------ step 6
     def save_checkpoint(self) -> None:
-        import jax
-
-        from areal_jax.checkpoint.orbax_ckpt import rng_to_json
-
         self.wait_published()  # the executor state must be at the published version
         st = self.learner.state_dict()
         version = int(st["version"])
-        meta = {  # every process saves; process 0 writes meta (only it has an executor)
-            "step": int(st["step"]),
-            "version": version,
-            "executor": self.rollout.executor.state_dict() if self.is_main else {},
-            "model_config": self.learner.model_cfg.to_hf_dict(),
-            "run_config": to_dict(self.cfg),  # eval.py/convert.py: tokenizer, reward, keys
-            "consumed_tokens": self.progress.consumed_tokens,
-            "elapsed_s": self.progress.elapsed(),
-            "rng": rng_to_json(jax.random.key(self.cfg.seed + version)),
-        }
+        meta = CheckpointMeta(  # every process saves; process 0 writes meta (it has the executor)
+            step=int(st["step"]),
+            version=version,
+            executor=self.rollout.executor.state_dict() if self.is_main else {},
+            model_config=self.learner.model_cfg.to_hf_dict(),
+            run_config=to_dict(self.cfg),  # eval.py/convert.py: tokenizer, reward, keys
+            consumed_tokens=self.progress.consumed_tokens,
+            elapsed_s=self.progress.elapsed(),
+            rng=rng_to_json(jax.random.key(self.cfg.seed + version)),
+        )
         self.checkpointer.save(version, st["params"], st["opt_state"], meta)
         if self.critic is not None:
             cs = self.critic.state_dict()
             self.critic_checkpointer.save(version, cs["params"], cs["opt_state"],
-                                          {"step": int(cs["step"]), "version": int(cs["version"])})
+                                          CheckpointMeta(step=int(cs["step"]),
+                                                         version=int(cs["version"])))
         self.progress.last_saved_version = version
 
     def checkpoint_on_interrupt(self) -> None:

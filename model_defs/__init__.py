@@ -4,6 +4,7 @@ from model_defs.config import (
     PRESETS,
     SUPPORTED_ARCHITECTURES,
     ConfigError,
+    JsonDict,
     ModelConfig,
     ModelDirNotFoundError,
     UnsupportedArchitectureError,
@@ -14,6 +15,7 @@ from model_defs.model import REMAT_POLICIES, CausalLM, remat_policy_name
 from model_defs.peft_io import PeftAdapter, load_peft_adapter, peft_adapter, save_peft_adapter
 from model_defs.sharding import (
     LOGICAL_AXIS_RULES,
+    PyTree,
     current_mesh,
     logical_to_spec,
     param_logical_axes,
@@ -27,6 +29,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "HF_PARAM_TABLE",
+    "JsonDict",
     "LOGICAL_AXIS_RULES",
     "LORA_TARGETS",
     "LoraConfig",
@@ -34,6 +37,7 @@ __all__ = [
     "ModelDirNotFoundError",
     "PRESETS",
     "PeftAdapter",
+    "PyTree",
     "REMAT_POLICIES",
     "add_lora",
     "SUPPORTED_ARCHITECTURES",

@@ -19,6 +19,11 @@ MODEL_TYPE_BY_ARCH = {
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
+# A JSON object: an HF config.json, a checkpoint's meta, a request body. Its values are
+# whatever JSON holds (numbers, strings, lists, nested objects): truly arbitrary, hence Any.
+JsonDict = dict[str, Any]
+
+
 class ConfigError(ValueError):
     """A config value that cannot be used: a model's config.json or ModelConfig field, or a
     run config key (``areal_jax.config``); the message names the key."""

@@ -17,6 +17,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MeshAxes = str | tuple[str, ...] | None
 
+# A pytree of parameters, or of what has their structure (gradients, optimizer state,
+# shardings, ShapeDtypeStructs): nested dicts/lists/tuples, nnx.State, optax states, with
+# array leaves. Python's types cannot spell a tree of any depth and container, so this is
+# Any under a name; the one alias every room uses (model_defs is the room all may import).
+PyTree = Any
+
 # Logical dim name -> mesh axis (or axes). Names missing here are replicated.
 LOGICAL_AXIS_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "fsdp"),

@@ -27,6 +27,7 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work
 
 from areal_jax import storage
+from areal_jax.checkpoint import CheckpointMeta
 from areal_jax.checkpoint.orbax_ckpt import TrainCheckpointer
 from areal_jax.checkpoint.publish import PublishError, params_to_hf_dir
 from model_defs import (
@@ -71,20 +72,20 @@ def hf_to_orbax(hf_dir: str, out: str, dtype: str = "float32",
     model, cfg = load_hf(storage.local_copy(local), dtype=dtype)
     from flax import nnx
 
-    meta = {"step": 0, "version": 0, "model_config": cfg.to_hf_dict(dtype),
-            "source_hf_dir": storage.normalize(local)}
-    if local != hf_dir:  # a hub id: the snapshot above, and what it was named by
-        meta["source_hub_id"] = hf_dir
+    meta = CheckpointMeta(step=0, version=0, model_config=cfg.to_hf_dict(dtype),
+                          source_hf_dir=storage.normalize(local),
+                          # a hub id: the snapshot above, and what it was named by
+                          source_hub_id=hf_dir if local != hf_dir else None)
     with TrainCheckpointer(out, async_save=False) as ckpt:
         ckpt.save(0, nnx.state(model, nnx.Param), None, meta)
     return 0
 
 
-def _lora_model(meta: dict, params: dict, where: str, base: str | None
+def _lora_model(meta: CheckpointMeta, params: dict, where: str, base: str | None
                 ) -> tuple[CausalLM, str] | None:
     """For a LoRA run's checkpoint (adapters only): (the base model with the checkpoint's
     adapters attached, the base's path); None for a full fine-tuning checkpoint."""
-    model_section = (meta.get("run_config") or {}).get("model") or {}
+    model_section = (meta.run_config or {}).get("model") or {}
     if not model_section.get("lora"):
         return None
     from flax import nnx
@@ -123,11 +124,11 @@ def orbax_to_hf(ckpt_dir: str, out: str, step: int | None = None,
         config_from = str(storage.local_copy(config_from))
     with TrainCheckpointer(ckpt_dir, read_only=True) as ckpt:
         meta = ckpt.restore_meta(step)
-        where = f"{ckpt.directory}/{meta.get('step', step)}"
+        where = f"{ckpt.directory}/{ckpt.latest_step() if step is None else step}"
         if config_from is not None:
             model_cfg = ModelConfig.from_pretrained_dir(config_from)
-        elif meta.get("model_config"):
-            model_cfg = ModelConfig.from_hf_dict(meta["model_config"],
+        elif meta.model_config:
+            model_cfg = ModelConfig.from_hf_dict(meta.model_config,
                                                  source=f"{where} meta.model_config")
         else:
             raise CheckpointError(f"{where}: meta has no model_config; pass --config-from "

@@ -137,14 +137,18 @@ def main(argv: list[str] | None = None) -> int:
                 raise TrainerError(f"--ckpt {args.ckpt}: no saved run config (checkpoint meta or "
                                    "config.yaml in the run dir) names its tokenizer; "
                                    "pass --tokenizer")
-            params_to_hf_dir(params, meta["model_config"], model_dir, tokenizer_dir=tok_src)
+            if meta.model_config is None:
+                raise TrainerError(f"--ckpt {args.ckpt}: the checkpoint's meta has no "
+                                   "model_config (convert it with scripts/convert.py "
+                                   "orbax-to-hf --config-from HF_DIR, then pass --model)")
+            params_to_hf_dir(params, meta.model_config, model_dir, tokenizer_dir=tok_src)
         else:
             model_dir = resolve_model_path(args.model, key="--model", revision=args.revision)
             run_cfg = {}
             weights_dir = storage.parent_of(args.model)
             if not args.model.startswith("builtin:") and storage.name_of(weights_dir) == "weights":
                 # a run's published weights (RUN_DIR/weights/vN): that run's config.yaml
-                run_cfg = saved_run_config(weights_dir, {}) or {}
+                run_cfg = saved_run_config(weights_dir, None) or {}
         if bench is not None:  # the benchmark's columns and reward, not the run's
             run_cfg = {}
             args.prompt_key = args.prompt_key or bench.prompt_key

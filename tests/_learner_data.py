@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from areal_jax.checkpoint import TrainCheckpointer
+from areal_jax.checkpoint import CheckpointMeta, TrainCheckpointer
 from areal_jax.learner import AlgoConfig, Learner, OptimConfig, pack_trajectories
 from areal_jax.parallel import local_batch_rows
 from areal_jax.trajectory import Trajectory
@@ -130,7 +130,7 @@ def save_learner(learner: Any, path: Any) -> None:
     st = learner.state_dict()
     with TrainCheckpointer(path, async_save=False) as ckpt:
         ckpt.save(st["version"], st["params"], st["opt_state"],
-                  {"step": st["step"], "version": st["version"]})
+                  CheckpointMeta(step=int(st["step"]), version=int(st["version"])))
 
 
 def restore_learner(learner: Any, path: Any) -> None:
@@ -139,7 +139,7 @@ def restore_learner(learner: Any, path: Any) -> None:
     with TrainCheckpointer(path, read_only=True) as ckpt:
         params, opt_state, meta = ckpt.restore(params_target=st["params"],
                                                opt_state_target=st["opt_state"])
-    learner.load_state(params, opt_state, step=meta["step"], version=meta["version"])
+    learner.load_state(params, opt_state, step=meta.step, version=meta.version)
 
 
 def to_host(x: Any) -> np.ndarray:

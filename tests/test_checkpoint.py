@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from areal_jax.checkpoint import CheckpointMeta
 from areal_jax.checkpoint.orbax_ckpt import (
     CheckpointError,
     TrainCheckpointer,
@@ -58,8 +59,10 @@ def _assert_trees_equal(a, b):
 def test_round_trip_params_opt_state_meta(tmp_path):
     params, opt_state = _params_and_opt()
     key = jax.random.key(123)
-    meta = {"version": 7, "rng": rng_to_json(key), "executor": {"accepted": 12, "running": 3},
-            "data_iter": {"next_index": 40}, "model_config": {"hidden_size": 16}}
+    meta = CheckpointMeta(step=5, version=7, rng=rng_to_json(key),
+                          executor={"accepted": 12, "running": 3},
+                          model_config={"hidden_size": 16},
+                          extra={"data_iter": {"next_index": 40}})
     ckpt = TrainCheckpointer(tmp_path / "ckpt", keep=3, async_save=True)
     assert ckpt.latest_step() is None
     assert ckpt.save(5, params, opt_state, meta)
@@ -75,10 +78,11 @@ def test_round_trip_params_opt_state_meta(tmp_path):
     assert isinstance(got_params, nnx.State)
     _assert_trees_equal(got_params, params)
     _assert_trees_equal(got_opt, opt_state)
-    assert got_meta["step"] == 5 and got_meta["version"] == 7
-    assert got_meta["executor"] == {"accepted": 12, "running": 3}
-    assert got_meta["data_iter"] == {"next_index": 40}
-    np.testing.assert_array_equal(jax.random.key_data(rng_from_json(got_meta["rng"])),
+    assert got_meta.step == 5 and got_meta.version == 7 and got_meta.has_opt_state is True
+    assert got_meta.executor == {"accepted": 12, "running": 3}
+    assert got_meta.extra == {"data_iter": {"next_index": 40}}
+    assert got_meta.model_config == {"hidden_size": 16} and got_meta.run_config is None
+    np.testing.assert_array_equal(jax.random.key_data(rng_from_json(got_meta.rng)),
                                   jax.random.key_data(key))
     # The restored nnx.State plugs back into a fresh model.
     fresh = TinyNet(nnx.Rngs(99))
@@ -110,7 +114,7 @@ def test_restore_onto_sharded_target(tmp_path):
     saved_params = place(params.to_pure_dict(), save_mesh, P("fsdp", None))
     saved_opt = place(opt_state, save_mesh, P("fsdp", None))
     with TrainCheckpointer(tmp_path / "ckpt", async_save=True) as ckpt:
-        ckpt.save(1, saved_params, saved_opt, {"version": 1})
+        ckpt.save(1, saved_params, saved_opt, CheckpointMeta(version=1))
 
     restore_mesh = Mesh(devices.reshape(4, 2), ("fsdp", "tensor"))
 
@@ -155,7 +159,7 @@ def test_learner_layout_nested_states_and_donated_buffers(tmp_path):
     abstract_opt = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), opt_state)
     with TrainCheckpointer(tmp_path / "ckpt", async_save=True) as ckpt:
-        ckpt.save(3, params, opt_state, {"version": 3})
+        ckpt.save(3, params, opt_state, CheckpointMeta(version=3))
         for x in jax.tree.leaves(params) + jax.tree.leaves(opt_state):
             x.delete()  # what buffer donation does to them
         ckpt.wait()
@@ -177,24 +181,24 @@ def test_keep_k_and_missing_step(tmp_path):
     params, opt_state = _params_and_opt()
     with TrainCheckpointer(tmp_path / "ckpt", keep=2, async_save=False) as ckpt:
         for step in (1, 2, 3, 4):
-            ckpt.save(step, params, opt_state, {"version": step})
+            ckpt.save(step, params, opt_state, CheckpointMeta(version=step))
         ckpt.wait()
         assert ckpt.all_steps() == [3, 4]
         assert sorted(p for p in os.listdir(tmp_path / "ckpt") if p.isdigit()) == ["3", "4"]
         with pytest.raises(CheckpointError, match=r"step 1 not found .*available steps: \[3, 4\]"):
             ckpt.restore(1)
-        assert ckpt.restore_meta()["version"] == 4
+        assert ckpt.restore_meta().version == 4
         with pytest.raises(CheckpointError, match="step 4 already exists"):
-            ckpt.save(4, params, opt_state, {})
+            ckpt.save(4, params, opt_state, CheckpointMeta())
 
 
 def test_params_only_checkpoint(tmp_path):
     params, opt_state = _params_and_opt()
     with TrainCheckpointer(tmp_path / "ckpt", async_save=False) as ckpt:
-        ckpt.save(0, params, None, {"source": "hf"})
+        ckpt.save(0, params, None, CheckpointMeta(extra={"source": "hf"}))
     with TrainCheckpointer(tmp_path / "ckpt", read_only=True) as ckpt:
         got_params, got_opt, meta = ckpt.restore(params_target=params)
-        assert got_opt is None and meta["has_opt_state"] is False and meta["source"] == "hf"
+        assert got_opt is None and meta.has_opt_state is False and meta.extra == {"source": "hf"}
         _assert_trees_equal(got_params, params)
         with pytest.raises(CheckpointError, match="params only"):
             ckpt.restore(params_target=params, opt_state_target=opt_state)
@@ -216,8 +220,10 @@ def test_clear_errors(tmp_path):
         with pytest.raises(CheckpointError, match="no checkpoint found in .*ckpt"):
             ckpt.restore()
         with pytest.raises(TypeError, match=r"meta\['rng'\] is not JSON-serialisable"):
-            ckpt.save(1, params, opt_state, {"rng": jax.random.key(0)})
-        ckpt.save(1, params, opt_state, {})
+            ckpt.save(1, params, opt_state, CheckpointMeta(rng=jax.random.key(0)))
+        with pytest.raises(TypeError, match="meta must be a CheckpointMeta, got dict"):
+            ckpt.save(1, params, opt_state, {"version": 1})
+        ckpt.save(1, params, opt_state, CheckpointMeta())
         # A target of a different model: shape mismatch named by key path.
         wrong = jax.tree.map(lambda x: x, params.to_pure_dict())
         wrong["embed"]["embedding"] = jnp.zeros((64, 16))
@@ -236,16 +242,16 @@ _KILL_CHILD = textwrap.dedent("""
     import os, sys, time
     os.environ["JAX_PLATFORMS"] = "cpu"
     import numpy as np
-    from areal_jax.checkpoint.orbax_ckpt import TrainCheckpointer
+    from areal_jax.checkpoint import CheckpointMeta, TrainCheckpointer
     ckpt = TrainCheckpointer(sys.argv[1], keep=100, async_save=True)
     def params(step):  # ~32 MB per save, values identify the step
         return {"w": np.full((2048, 4096), float(step), np.float32), "b": np.arange(7.0) + step}
-    ckpt.save(1, params(1), None, {"version": 1})
+    ckpt.save(1, params(1), None, CheckpointMeta(version=1))
     ckpt.wait()
     print("committed 1", flush=True)
     step = 2
     while True:
-        ckpt.save(step, params(step), None, {"version": step})
+        ckpt.save(step, params(step), None, CheckpointMeta(version=step))
         ckpt.wait()
         step += 1
 """)
@@ -277,15 +283,15 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
         assert steps and steps == list(range(1, steps[-1] + 1))
         latest = ckpt.latest_step()
         params, opt_state, meta = ckpt.restore()
-        assert meta["version"] == latest and opt_state is None
+        assert meta.version == latest and opt_state is None
         np.testing.assert_array_equal(np.asarray(params["b"]), np.arange(7.0) + latest)
         w = np.asarray(params["w"])
         assert float(w.min()) == float(w.max()) == latest
         # The run goes on: the next save after resume commits normally.
-        ckpt.save(latest + 1, params, None, {"version": latest + 1})
+        ckpt.save(latest + 1, params, None, CheckpointMeta(version=latest + 1))
         ckpt.wait()
         assert ckpt.latest_step() == latest + 1
-        assert ckpt.restore_meta()["version"] == latest + 1
+        assert ckpt.restore_meta().version == latest + 1
         assert not any("tmp" in n for n in os.listdir(ckpt_dir)), os.listdir(ckpt_dir)
 
 
@@ -319,14 +325,14 @@ def test_restore_newest_skips_a_corrupt_latest_checkpoint(tmp_path, corruption):
     params, opt = _params_and_opt(0)
     newer, _ = _params_and_opt(1)
     ckpt = TrainCheckpointer(tmp_path / "ck", keep=3, async_save=False)
-    ckpt.save(10, params, opt, {"version": 10})
-    ckpt.save(20, newer, opt, {"version": 20})
+    ckpt.save(10, params, opt, CheckpointMeta(version=10))
+    ckpt.save(20, newer, opt, CheckpointMeta(version=20))
     ckpt.wait()
     _CORRUPTIONS[corruption](tmp_path / "ck" / "20")
     files = _files(tmp_path / "ck")
     step, got, got_opt, meta, skipped = ckpt.restore_newest(params_target=params,
                                                             opt_state_target=opt)
-    assert step == 10 and meta["version"] == 10
+    assert step == 10 and meta.version == 10
     assert [s for s, _ in skipped] == [20] and skipped[0][1], skipped
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # a copy: bit-exact
@@ -335,7 +341,7 @@ def test_restore_newest_skips_a_corrupt_latest_checkpoint(tmp_path, corruption):
     # Set aside (kept under another name), the run can save version 20 again.
     kept = ckpt.set_aside(20)
     assert os.path.isdir(kept) and ckpt.all_steps() == [10]
-    ckpt.save(20, newer, opt, {"version": 20})
+    ckpt.save(20, newer, opt, CheckpointMeta(version=20))
     ckpt.wait()
     assert ckpt.restore_newest(params_target=params, opt_state_target=opt)[0] == 20
     ckpt.close()
@@ -345,7 +351,7 @@ def test_restore_newest_when_none_restores_names_each(tmp_path):
     params, opt = _params_and_opt(0)
     ckpt = TrainCheckpointer(tmp_path / "ck", keep=3, async_save=False)
     for step in (1, 2):
-        ckpt.save(step, params, opt, {"version": step})
+        ckpt.save(step, params, opt, CheckpointMeta(version=step))
     ckpt.wait()
     _CORRUPTIONS["meta_truncated"](tmp_path / "ck" / "2")
     _CORRUPTIONS["params_d_missing"](tmp_path / "ck" / "1")
@@ -355,3 +361,88 @@ def test_restore_newest_when_none_restores_names_each(tmp_path):
         ckpt.restore_newest(params_target=params, opt_state_target=opt)
     assert _files(tmp_path / "ck") == files
     ckpt.close()
+
+
+# ------------------------------------------------------------------- the meta record
+# A trainer checkpoint's meta as the trainer wrote it before CheckpointMeta (and writes it
+# now): the file is the same JSON dict, key for key.
+_TRAINER_META_JSON = {
+    "step": 12, "version": 6,
+    "executor": {"gate": {"accepted": 48, "running": 2}, "prompt_iter": {"next_index": 40}},
+    "model_config": {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 16},
+    "run_config": {"model": {"path": "builtin:arith"}, "seed": 1},
+    "consumed_tokens": 9123, "elapsed_s": 81.5, "rng": [0, 7], "has_opt_state": True,
+}
+
+
+def _write_meta_json(step_dir, meta_json: dict) -> None:
+    """Replaces a saved checkpoint's meta item with ``meta_json`` (Orbax's JSON handler
+    keeps the item as this one file)."""
+    import json
+
+    (step_dir / "meta" / "metadata").write_text(json.dumps(meta_json))
+
+
+def test_meta_of_todays_format_restores_and_writes_back_identically(tmp_path):
+    from areal_jax.trainer import Progress
+
+    params, opt = _params_and_opt()
+    with TrainCheckpointer(tmp_path / "ck", async_save=False) as ckpt:
+        ckpt.save(6, params, opt, CheckpointMeta(version=6))
+    _write_meta_json(tmp_path / "ck" / "6", _TRAINER_META_JSON)
+    with TrainCheckpointer(tmp_path / "ck", read_only=True) as ckpt:
+        meta = ckpt.restore_meta()
+        _, got_opt, meta2 = ckpt.restore(params_target=params, opt_state_target=opt)
+    assert meta == meta2 and got_opt is not None
+    assert (meta.step, meta.version, meta.consumed_tokens, meta.elapsed_s) == (12, 6, 9123, 81.5)
+    assert meta.executor["gate"] == {"accepted": 48, "running": 2}
+    assert meta.model_config["hidden_size"] == 16 and meta.run_config["seed"] == 1
+    assert meta.rng == [0, 7] and meta.has_opt_state is True and meta.extra == {}
+    assert meta.to_json() == _TRAINER_META_JSON  # written back: the same JSON
+    assert list(meta.to_json()) == list(_TRAINER_META_JSON)  # in the same key order
+    progress = Progress.from_meta(meta)
+    assert (progress.start_version, progress.consumed_tokens, progress.last_saved_version,
+            progress.elapsed_before) == (6, 9123, 6, 81.5)
+    # The critic's meta and convert.py's were smaller dicts, and still are.
+    assert CheckpointMeta(step=3, version=3, has_opt_state=True).to_json() == {
+        "step": 3, "version": 3, "has_opt_state": True}
+    assert CheckpointMeta(model_config={"a": 1}, source_hf_dir="/m", source_hub_id="o/m",
+                          has_opt_state=False).to_json() == {
+        "step": 0, "version": 0, "model_config": {"a": 1}, "source_hf_dir": "/m",
+        "source_hub_id": "o/m", "has_opt_state": False}
+
+
+def test_meta_missing_newer_keys_takes_defaults_and_keeps_unknown_ones(tmp_path):
+    """An older checkpoint: no has_opt_state, consumed_tokens, elapsed_s, model_config or
+    run_config; a key no reader knows any more (data_iter)."""
+    from areal_jax.trainer import Progress
+
+    params, opt = _params_and_opt()
+    old = {"step": 4, "version": 2, "executor": {"accepted": 8},
+           "data_iter": {"next_index": 16}}
+    with TrainCheckpointer(tmp_path / "ck", async_save=False) as ckpt:
+        ckpt.save(2, params, opt, CheckpointMeta(version=2))
+    _write_meta_json(tmp_path / "ck" / "2", old)
+    with TrainCheckpointer(tmp_path / "ck", read_only=True) as ckpt:
+        # has_opt_state missing: the saved items say there is an optimizer state
+        step, _, got_opt, meta, skipped = ckpt.restore_newest(params_target=params,
+                                                              opt_state_target=opt)
+    assert step == 2 and not skipped and got_opt is not None
+    assert meta == CheckpointMeta(step=4, version=2, executor={"accepted": 8},
+                                  extra={"data_iter": {"next_index": 16}})
+    assert meta.has_opt_state is None and meta.model_config is None and meta.rng is None
+    assert meta.to_json() == old  # nothing lost
+    progress = Progress.from_meta(meta)
+    assert (progress.start_version, progress.consumed_tokens, progress.elapsed_before) == (2, 0, 0)
+    assert Progress.from_meta(None).last_saved_version == -1  # a fresh run
+
+
+def test_meta_record_errors():
+    with pytest.raises(CheckpointError, match=r"meta\['version'\] is '3'; expected int"):
+        CheckpointMeta.from_json({"version": "3"})
+    with pytest.raises(CheckpointError, match=r"meta\['step'\] is True; expected int"):
+        CheckpointMeta.from_json({"step": True})
+    with pytest.raises(CheckpointError, match="must be a JSON object, got list"):
+        CheckpointMeta.from_json([1, 2])
+    with pytest.raises(ValueError, match=r"extra keys \['version'\] are fields"):
+        CheckpointMeta(extra={"version": 3})

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hf_fixtures import hf_logits, make_tiny_hf_checkpoint
 
+from areal_jax.checkpoint import CheckpointMeta
 from areal_jax.checkpoint.orbax_ckpt import TrainCheckpointer
 from areal_jax.data.builtin_task import save_tokenizer
 
@@ -51,8 +52,8 @@ def test_cli_round_trip_hf_orbax_hf(tmp_path, hf_dir):
     with TrainCheckpointer(ckpt_dir, read_only=True) as ckpt:
         assert ckpt.all_steps() == [0]
         meta = ckpt.restore_meta()
-        assert meta["model_config"]["architectures"] == ["Qwen3ForCausalLM"]
-        assert meta["has_opt_state"] is False and meta["version"] == 0
+        assert meta.model_config["architectures"] == ["Qwen3ForCausalLM"]
+        assert meta.has_opt_state is False and meta.version == 0
     proc = _run_cli("orbax-to-hf", "--ckpt", str(ckpt_dir), "--out", str(out_dir),
                     "--tokenizer", str(tok_dir))
     assert proc.returncode == 0, proc.stderr
@@ -69,7 +70,7 @@ def test_orbax_to_hf_step_and_config_from(tmp_path, hf_dir, convert):
     # A training checkpoint that lacks model_config (step 3) needs --config-from.
     with TrainCheckpointer(ckpt_dir, async_save=False) as ckpt:
         params, _, _ = ckpt.restore(0)
-        ckpt.save(3, params, None, {"version": 3})
+        ckpt.save(3, params, None, CheckpointMeta(version=3))
     assert convert.main(["orbax-to-hf", "--ckpt", str(ckpt_dir), "--step", "0",
                          "--out", str(tmp_path / "s0"), "--dtype", "bfloat16"]) == 0
     assert '"torch_dtype": "bfloat16"' in (tmp_path / "s0" / "config.json").read_text()
@@ -102,7 +103,7 @@ def test_named_errors(tmp_path, hf_dir, convert, capsys):
     assert "is not empty" in err(["hf-to-orbax", "--hf", str(hf_dir), "--out", str(ckpt_dir)])
     with TrainCheckpointer(ckpt_dir, async_save=False) as ckpt:
         params, _, _ = ckpt.restore(0)
-        ckpt.save(1, params, None, {})
+        ckpt.save(1, params, None, CheckpointMeta())
     assert "meta has no model_config; pass --config-from" in err(
         ["orbax-to-hf", "--ckpt", str(ckpt_dir), "--out", str(tmp_path / "o5")])
     assert not (tmp_path / "o4").exists() and not (tmp_path / "o5").exists()

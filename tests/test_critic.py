@@ -9,7 +9,7 @@ from _learner_data import FAST_COMPILE, TINY, init_model, random_trajectories
 from hf_fixtures import make_hf_model, make_tiny_hf_checkpoint
 from tolerance import hf_path_length, network_tolerance
 
-from areal_jax.checkpoint import TrainCheckpointer
+from areal_jax.checkpoint import CheckpointMeta, TrainCheckpointer
 from areal_jax.learner import OptimConfig, pack_trajectories, unpack_per_token
 from areal_jax.learner.critic import Critic, gae_advantages, scatter_per_token
 from areal_jax.parallel import make_mesh
@@ -266,14 +266,15 @@ def test_checkpoint_round_trip_restores_values_and_optimizer(tmp_path, critic):
     saved_values = critic.compute_values(batches)
     st = critic.state_dict()
     with TrainCheckpointer(tmp_path / "critic", async_save=False) as ckpt:
-        ckpt.save(st["version"], st["params"], st["opt_state"], {"version": st["version"]})
+        ckpt.save(st["version"], st["params"], st["opt_state"],
+                  CheckpointMeta(version=st["version"]))
         critic.train_step(batches, returns=returns)  # moves away from the saved state
         after_one_more = critic.train_step(batches, returns=returns)
         assert not np.allclose(critic.compute_values(batches)[0], saved_values[0])
         st = critic.state_dict()
         params, opt_state, meta = ckpt.restore(params_target=st["params"],
                                                opt_state_target=st["opt_state"])
-    critic.load_state(params, opt_state, step=meta["step"], version=meta["version"])
+    critic.load_state(params, opt_state, step=meta.step, version=meta.version)
     for a, b in zip(critic.compute_values(batches), saved_values, strict=True):
         np.testing.assert_array_equal(a, b)
     critic.train_step(batches, returns=returns)  # same AdamW moments -> same next step

@@ -283,5 +283,5 @@ def test_serve_and_convert_take_hub_ids(tmp_path):
 
     with TrainCheckpointer(str(out), read_only=True) as ck:
         _, _, meta = ck.restore(0, params_only=True)
-    assert meta["source_hf_dir"].endswith(f"models--areal-test--arith-sft/snapshots/{COMMIT}")
-    assert meta["source_hub_id"] == "areal-test/arith-sft"
+    assert meta.source_hf_dir.endswith(f"models--areal-test--arith-sft/snapshots/{COMMIT}")
+    assert meta.source_hub_id == "areal-test/arith-sft"

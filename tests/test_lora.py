@@ -19,7 +19,7 @@ from _learner_data import (
 from flax import nnx
 from hf_fixtures import hf_logits, jit_logits, logit_tolerance, make_tiny_hf_checkpoint
 
-from areal_jax.checkpoint import TrainCheckpointer
+from areal_jax.checkpoint import CheckpointMeta, TrainCheckpointer
 from areal_jax.checkpoint.publish import ADAPTER_SUBDIR, WeightPublisher, host_params
 from areal_jax.config import ConfigError, load_config
 from areal_jax.learner import AlgoConfig, Learner, OptimConfig
@@ -266,8 +266,9 @@ def test_convert_writes_a_lora_checkpoint_merged_and_as_a_peft_adapter(tmp_path)
     section = LoraSection(rank=2, alpha=4.0, target_modules=["k_proj", "gate_proj"])
     randomize_b(add_lora(model, section.spec(), rngs=nnx.Rngs(4)), seed=2)
     want = np.asarray(jit_logits(model, IDS))
-    meta = {"step": 1, "version": 1, "model_config": model_cfg.to_hf_dict(),
-            "run_config": {"model": {"path": str(base_dir), "lora": to_dict(section)}}}
+    meta = CheckpointMeta(step=1, version=1, model_config=model_cfg.to_hf_dict(),
+                          run_config={"model": {"path": str(base_dir),
+                                                "lora": to_dict(section)}})
     with TrainCheckpointer(tmp_path / "ckpt", async_save=False) as ckpt:  # as the trainer does
         ckpt.save(1, nnx.state(model, nnx.LoRAParam), None, meta)
 

@@ -129,12 +129,12 @@ def test_orbax_checkpoint_in_the_bucket_is_atomic(gcs):  # noqa: F811
     layer); a step without its commit marker is not taken for the latest."""
     import jax.numpy as jnp
 
-    from areal_jax.checkpoint import TrainCheckpointer
+    from areal_jax.checkpoint import CheckpointMeta, TrainCheckpointer
 
     directory = "gs://test-bucket/ckpt-atomic"
     with TrainCheckpointer(directory, keep=3) as ck:
-        ck.save(1, {"w": jnp.arange(6.0).reshape(2, 3)}, None, {"version": 1})
-        ck.save(2, {"w": jnp.arange(6.0).reshape(2, 3) * 2}, None, {"version": 2})
+        ck.save(1, {"w": jnp.arange(6.0).reshape(2, 3)}, None, CheckpointMeta(version=1))
+        ck.save(2, {"w": jnp.arange(6.0).reshape(2, 3) * 2}, None, CheckpointMeta(version=2))
     assert storage.exists(storage.join(directory, "2", "commit_success.txt"))
     # A killed save: step 2's marker gone, as if the process died before committing it.
     storage.remove(storage.join(directory, "2", "commit_success.txt"))
@@ -142,7 +142,7 @@ def test_orbax_checkpoint_in_the_bucket_is_atomic(gcs):  # noqa: F811
         assert ck.latest_step() == 1
         params, _, meta = ck.restore()
     np.testing.assert_array_equal(np.asarray(params["w"]), np.arange(6.0).reshape(2, 3))
-    assert meta["version"] == 1
+    assert meta.version == 1
 
 
 def test_engine_reads_gs_weights_through_one_cache_slot(gcs, tmp_path, monkeypatch):  # noqa: F811

@@ -138,8 +138,8 @@ def test_two_processes_train_and_match_one_process(tmp_path, devices, mesh, publ
     params, opt_state, meta = ckpt.restore(params_target=st["params"],
                                            opt_state_target=st["opt_state"])
     ckpt.close()
-    assert meta["version"] == 2 and meta["executor"]  # process 0's executor accounting
-    learner.load_state(params, opt_state, step=meta["step"], version=meta["version"])
+    assert meta.version == 2 and meta.executor  # process 0's executor accounting
+    learner.load_state(params, opt_state, step=meta.step, version=meta.version)
     restored = tmp_path / "restored_v2"
     params_to_hf_dir(learner.model, learner.model_cfg, restored)
     served = hf_tensors(run_dir / "weights" / "v2")

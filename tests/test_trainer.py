@@ -95,10 +95,10 @@ def test_unwritable_run_dir_fails_early(tmp_path):
 
 
 def test_no_resume_refuses_existing_checkpoints(tmp_path):
-    from areal_jax.checkpoint import TrainCheckpointer
+    from areal_jax.checkpoint import CheckpointMeta, TrainCheckpointer
 
     ckpt = TrainCheckpointer(str(tmp_path / "run" / "checkpoints"), async_save=False)
-    ckpt.save(1, {"w": __import__("numpy").zeros(2)}, None, {"step": 1, "version": 1})
+    ckpt.save(1, {"w": __import__("numpy").zeros(2)}, None, CheckpointMeta(step=1, version=1))
     ckpt.close()
     res = _run([f"run_dir={tmp_path / 'run'}", "--no-resume"], timeout=120)
     assert res.returncode == 2
@@ -228,8 +228,8 @@ def test_inline_publish_serves_the_learners_own_bf16_weights(tmp_path):
     params, opt_state, meta = ckpt.restore(params_target=st["params"],
                                            opt_state_target=st["opt_state"])
     ckpt.close()
-    assert meta["version"] == 2
-    learner.load_state(params, opt_state, step=meta["step"], version=meta["version"])
+    assert meta.version == 2
+    learner.load_state(params, opt_state, step=meta.step, version=meta.version)
     want_dir = params_to_hf_dir(learner.model, learner.model_cfg, tmp_path / "want",
                                 dtype="bfloat16")
     served, want = (load_file(str(d / "model.safetensors"))

@@ -1,5 +1,6 @@
 """Training checkpoints (Orbax) and serving-weight publishing (HF dirs per version)."""
 
+from areal_jax.checkpoint.meta import CheckpointMeta
 from areal_jax.checkpoint.orbax_ckpt import (
     CheckpointError,
     TrainCheckpointer,
@@ -18,6 +19,7 @@ from areal_jax.checkpoint.publish import (
 __all__ = [
     "COMMIT_MARKER",
     "CheckpointError",
+    "CheckpointMeta",
     "PublishError",
     "TrainCheckpointer",
     "WeightPublisher",

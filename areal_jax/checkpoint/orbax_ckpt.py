@@ -5,8 +5,9 @@ One checkpoint is one step directory ``DIR/<step>/`` with three items:
 * ``params``    a PyTree of arrays (an ``nnx.State`` is saved as its pure dict);
 * ``opt_state`` a PyTree of arrays (an optax state; ``nnx.State``s inside it are saved
   as pure dicts too);
-* ``meta``      a JSON dict: step, version, rng, executor accounting, grain iterator
-  state, the HF ``model_config`` and anything else JSON-serialisable.
+* ``meta``      a JSON dict, the :class:`~areal_jax.checkpoint.meta.CheckpointMeta` record:
+  step, version, rng, the executor's accounting, the HF ``model_config``, the run config
+  (and any other writer's JSON keys, kept in its ``extra``).
 
 Saves are asynchronous: ``save`` returns once the arrays are copied off the devices
 and the write continues in a background thread (so donating the buffers to the next
@@ -21,10 +22,9 @@ arrays come back on the default device and containers as plain dicts/lists.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import sys
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -32,7 +32,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from model_defs import CheckpointError
+from areal_jax import storage
+from areal_jax.checkpoint.meta import CheckpointMeta
+from model_defs import CheckpointError, PyTree
 
 if TYPE_CHECKING:  # annotations only: this room never loads the run config
     from areal_jax.config import CheckpointConfig
@@ -48,8 +50,6 @@ def require_gcs_support(path: str) -> None:
     """Checks the scheme (local or ``gs://``, see ``areal_jax.storage``) and, for ``gs://``,
     that gcsfs is installed (Orbax's directory operations use it through etils.epath);
     points tensorstore at ``STORAGE_EMULATOR_HOST`` when that is set."""
-    from areal_jax import storage
-
     try:
         storage.scheme_of(path)
     except storage.StorageError as e:
@@ -71,11 +71,11 @@ def _item_handlers() -> dict[str, ocp.CheckpointHandler]:
     }
 
 
-def _is_state(x: Any) -> bool:
+def _is_state(x: object) -> bool:
     return isinstance(x, nnx.State)
 
 
-def _to_pure(tree: Any) -> Any:
+def _to_pure(tree: PyTree) -> PyTree:
     """Every ``nnx.State`` in ``tree`` (also inside an optax state) as its pure dict.
 
     Checkpoints then hold plain nested dicts, independent of NNX's Variable classes.
@@ -84,11 +84,11 @@ def _to_pure(tree: Any) -> Any:
                         is_leaf=_is_state)
 
 
-def _abstract(tree: Any) -> Any:
+def _abstract(tree: PyTree) -> PyTree:
     """Arrays / ShapeDtypeStructs -> ShapeDtypeStructs, keeping (or defaulting) shardings."""
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
-    def leaf(x: Any) -> Any:
+    def leaf(x: object) -> jax.ShapeDtypeStruct:
         if isinstance(x, jax.ShapeDtypeStruct):
             return x if x.sharding is not None else jax.ShapeDtypeStruct(
                 x.shape, x.dtype, sharding=default)
@@ -107,11 +107,12 @@ def _key_str(path: tuple) -> str:
                     for k in path) or "<root>"
 
 
-def _flat_by_key(tree: Any) -> dict[str, Any]:
+def _flat_by_key(tree: PyTree) -> dict[str, Any]:
     return {_key_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _check_target(saved_meta_tree: Any, target_abstract: Any, item: str, where: str) -> None:
+def _check_target(saved_meta_tree: PyTree, target_abstract: PyTree, item: str,
+                  where: str) -> None:
     """Names the first mismatching keys/shapes instead of letting Orbax fail deep inside."""
     saved = _flat_by_key(saved_meta_tree)
     wanted = _flat_by_key(target_abstract)
@@ -132,28 +133,15 @@ def _check_target(saved_meta_tree: Any, target_abstract: Any, item: str, where: 
             )
 
 
-def _default_target(saved_meta_tree: Any) -> Any:
+def _default_target(saved_meta_tree: PyTree) -> PyTree:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.tree.map(
         lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), saved_meta_tree
     )
 
 
-def _json_copy(meta: Mapping[str, Any]) -> dict[str, Any]:
-    if not isinstance(meta, Mapping):
-        raise TypeError(f"checkpoint meta must be a dict, got {type(meta).__name__}")
-    for key, value in meta.items():
-        if not isinstance(key, str):
-            raise TypeError(f"checkpoint meta key {key!r} is not a string")
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"checkpoint meta[{key!r}] is not JSON-serialisable: {e}") from None
-    return json.loads(json.dumps(dict(meta)))
-
-
 def rng_to_json(key: jax.Array) -> list[int]:
-    """A JAX PRNG key (typed or raw uint32) as a list of ints for ``meta['rng']``."""
+    """A JAX PRNG key (typed or raw uint32) as a list of ints for ``CheckpointMeta.rng``."""
     if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.key_data(key)
     return [int(v) for v in np.asarray(key).reshape(-1)]
@@ -205,11 +193,12 @@ class TrainCheckpointer:
                                               item_handlers=_item_handlers())
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, params: Any, opt_state: Any | None, meta: Mapping[str, Any],
+    def save(self, step: int, params: PyTree, opt_state: PyTree | None, meta: CheckpointMeta,
              *, force: bool = False) -> bool:
         """Starts saving checkpoint ``step``; returns True if a save was started.
 
-        ``opt_state=None`` saves params only (e.g. a converted HF model). A step that
+        ``opt_state=None`` saves params only (e.g. a converted HF model); the saved meta
+        says which (``has_opt_state``). A step that
         already exists is an error, never overwritten. ``force`` is passed to Orbax's
         save policy (every step is eligible here, so it rarely matters).
         """
@@ -218,12 +207,13 @@ class TrainCheckpointer:
         step = int(step)
         if step in self.all_steps():
             raise CheckpointError(f"{self.directory}: checkpoint step {step} already exists")
-        meta = _json_copy(meta)
-        meta.setdefault("step", step)
-        meta["has_opt_state"] = opt_state is not None
-        items: dict[str, Any] = {
+        if not isinstance(meta, CheckpointMeta):
+            raise TypeError(f"checkpoint meta must be a CheckpointMeta, got "
+                            f"{type(meta).__name__}")
+        meta_json = dataclasses.replace(meta, has_opt_state=opt_state is not None).to_json()
+        items: dict[str, ocp.args.CheckpointArgs] = {
             PARAMS: ocp.args.StandardSave(_to_pure(params)),
-            META: ocp.args.JsonSave(meta),
+            META: ocp.args.JsonSave(meta_json),
         }
         if opt_state is not None:
             items[OPT_STATE] = ocp.args.StandardSave(_to_pure(opt_state))
@@ -255,17 +245,17 @@ class TrainCheckpointer:
             )
         return int(step)
 
-    def restore_meta(self, step: int | None = None) -> dict[str, Any]:
-        """Only the JSON ``meta`` item of checkpoint ``step`` (default: latest)."""
+    def restore_meta(self, step: int | None = None) -> CheckpointMeta:
+        """Only the ``meta`` item of checkpoint ``step`` (default: latest)."""
         step = self._resolve_step(step)
         args = ocp.args.Composite(**{META: ocp.args.JsonRestore()})
         restored = self._manager.restore(step, args=args)
-        return dict(restored[META])
+        return CheckpointMeta.from_json(restored[META])
 
     # --------------------------------------------------------------- restore
-    def restore(self, step: int | None = None, *, params_target: Any = None,
-                opt_state_target: Any = None, params_only: bool = False
-                ) -> tuple[Any, Any, dict[str, Any]]:
+    def restore(self, step: int | None = None, *, params_target: PyTree | None = None,
+                opt_state_target: PyTree | None = None, params_only: bool = False
+                ) -> tuple[PyTree, PyTree | None, CheckpointMeta]:
         """Returns ``(params, opt_state, meta)`` of checkpoint ``step`` (default: latest).
 
         A target (PyTree of arrays or ``jax.ShapeDtypeStruct`` with shardings, or an
@@ -280,7 +270,8 @@ class TrainCheckpointer:
         where = f"{self.directory}/{step}"
         saved = self._manager.item_metadata(step)
         meta = self.restore_meta(step)
-        has_opt = bool(meta.get("has_opt_state", saved.get(OPT_STATE) is not None))
+        has_opt = (meta.has_opt_state if meta.has_opt_state is not None
+                   else saved.get(OPT_STATE) is not None)
         if params_only:
             if opt_state_target is not None:
                 raise ValueError("restore(params_only=True) takes no opt_state_target")
@@ -291,7 +282,7 @@ class TrainCheckpointer:
             raise CheckpointError(f"{where} holds params only (no optimizer state) but an "
                                   f"opt_state_target was given")
 
-        def prepare(item: str, target: Any) -> Any:
+        def prepare(item: str, target: PyTree | None) -> PyTree:
             saved_tree = saved[item].tree
             if target is None:
                 return _default_target(saved_tree)
@@ -310,8 +301,10 @@ class TrainCheckpointer:
         opt_state = _back_to_target(restored[OPT_STATE], opt_state_target) if has_opt else None
         return params, opt_state, meta
 
-    def restore_newest(self, **kwargs: Any) -> tuple[int, Any, Any, dict[str, Any],
-                                                      list[tuple[int, str]]]:
+    def restore_newest(self, *, params_target: PyTree | None = None,
+                       opt_state_target: PyTree | None = None, params_only: bool = False
+                       ) -> tuple[int, PyTree, PyTree | None, CheckpointMeta,
+                                  list[tuple[int, str]]]:
         """Restores the newest checkpoint that restores (``restore``'s keyword arguments):
         ``(step, params, opt_state, meta, skipped)``, ``skipped`` the newer steps that did
         not, each with why (a truncated file, a missing array file, a broken metadata
@@ -321,7 +314,9 @@ class TrainCheckpointer:
         _quiet_closed_loop_callbacks()  # what a failing restore leaves behind
         for step in reversed(self.all_steps()):
             try:
-                params, opt_state, meta = self.restore(step, **kwargs)
+                params, opt_state, meta = self.restore(
+                    step, params_target=params_target, opt_state_target=opt_state_target,
+                    params_only=params_only)
             except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
                 cause = e.__cause__ if isinstance(e, CheckpointError) and e.__cause__ else e
                 text = " ".join(str(cause).split())
@@ -340,8 +335,6 @@ class TrainCheckpointer:
     def set_aside(self, step: int) -> str:
         """Renames checkpoint ``step`` to ``<step>.unrestorable`` (kept, for a look; no
         longer a step, so the run can save that version again). Returns the new path."""
-        from areal_jax import storage
-
         src = storage.join(self.directory, str(step))
         dst = f"{src}.unrestorable"
         n = 1
@@ -364,7 +357,7 @@ class TrainCheckpointer:
     def __enter__(self) -> TrainCheckpointer:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -376,7 +369,7 @@ def _quiet_closed_loop_callbacks() -> None:
     if getattr(previous, "_drops_closed_loop", False):
         return
 
-    def hook(unraisable: Any) -> None:
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
         e = unraisable.exc_value
         if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
             previous(unraisable)
@@ -385,7 +378,7 @@ def _quiet_closed_loop_callbacks() -> None:
     sys.unraisablehook = hook
 
 
-def _back_to_target(restored_pure: Any, target: Any) -> Any:
+def _back_to_target(restored_pure: PyTree, target: PyTree | None) -> PyTree:
     """The restored arrays in the target's own containers (nnx.State, optax tuples...).
 
     ``restored_pure`` has the structure of ``_to_pure(target)``, whose leaves come in the
