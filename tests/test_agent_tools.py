@@ -22,7 +22,14 @@ from areal_jax.rollout.client import RolloutClient
 from areal_jax.rollout.workflows import WorkflowContext
 from areal_jax.sampling_params import SamplingParams
 from tests.server_fixtures import start_server
-from tests.tool_fixtures import ADDED, CALL_A, CALL_B, WEATHER_TOOL, tool_chat_model_dir
+from tests.tool_fixtures import (
+    ADDED,
+    CALL_A,
+    CALL_B,
+    PAD_ID,
+    WEATHER_TOOL,
+    tool_chat_model_dir,
+)
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 ITEM = {"prompt_id": "p0", "prompt": "Weather in Paris, three times please.", "answer": "x"}
@@ -66,6 +73,7 @@ async def weather_agent(base_url, item, *, turns=3, edit=False, seen=None):
 
 
 def run_episode(server, tok, **kwargs):
+    """One sample of ``weather_agent`` through the workflow: (trajectory, replies, counts)."""
     seen, counts = [], Counter()
     workflow = AgenticWorkflow(weather_agent, n_samples=1, gconfig=GREEDY, tokenizer=tok,
                                max_turns=4, max_total_tokens=1024,
@@ -131,3 +139,20 @@ def test_an_edited_turn_is_retokenized_counted_and_not_trained(server, tok):
     assert trained == head + head + head + tok.encode(CALL_B + "</tool_call>") + \
         [tok.eos_token_id]
     assert traj.info["calls_unmatched"] == 0
+
+
+def test_generated_ids_past_the_tokenizer_vocabulary_are_kept(tmp_path_factory):
+    """Real checkpoints pad their vocabulary past the tokenizer's; a turn that holds a
+    padding id (which decodes to nothing) is sent back with it, and trained on."""
+    model_dir = tool_chat_model_dir(tmp_path_factory, "agentpadded", padded_vocab=True)
+    tok = load_tokenizer(model_dir)
+    assert PAD_ID >= tok.vocab_size
+    with start_server(model_dir, tmp_path_factory, max_slots=2, max_seq_len=1024) as server:
+        traj, seen, counts = run_episode(server, tok, turns=2)
+    assert seen[1].choices[0].message.tool_calls[0].function.name == "get_weather"
+    ids = traj.input_ids.tolist()
+    trained = [ids[i] for i in np.flatnonzero(traj.loss_mask)]
+    turn = [tok.encode("<tool_call>")[0], tok.encode(CALL_A)[0], PAD_ID, tok.encode(CALL_B)[0],
+            tok.encode("</tool_call>")[0], tok.eos_token_id]
+    assert trained == turn + turn
+    assert traj.info["assistant_mismatch"] == 0 and traj.info["history_retokenized"] == 0

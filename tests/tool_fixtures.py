@@ -94,6 +94,8 @@ CALL_B = '"arguments": {"city": "Paris"}}\n'
 ADDED = ["<tool_call>", "</tool_call>", CALL_A, CALL_B, CALL_A + CALL_B]
 CHARS = [c for c in string.printable if c not in "\x0b\x0c"]
 VOCAB = SPECIALS + CHARS + ADDED + ["<unk>"]
+PAD_ROW = "<padding row>"  # a model row past the tokenizer's vocabulary (padded_vocab)
+PAD_ID = len(VOCAB) + 1
 TOOL_CALL_TEXT = "<tool_call>" + CALL_A + CALL_B + "</tool_call>"
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -114,15 +116,20 @@ def _tokenizer_json() -> dict[str, Any]:
             "model": {"type": "WordLevel", "vocab": ids, "unk_token": "<unk>"}}
 
 
-def tool_chat_model_dir(tmp_path_factory: Any, name: str = "toolchat") -> Path:
-    """The checkpoint folder (config, safetensors, tokenizer, chat template)."""
+def tool_chat_model_dir(tmp_path_factory: Any, name: str = "toolchat",
+                        padded_vocab: bool = False) -> Path:
+    """The checkpoint folder (config, safetensors, tokenizer, chat template).
+
+    With ``padded_vocab`` the model's vocabulary is 4 rows larger than the tokenizer's (as
+    real checkpoints pad theirs) and the call is written ``CALL_A, PAD_ID, CALL_B``: the
+    padding id decodes to nothing, so the text is the same call."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     out = tmp_path_factory.mktemp(name) / "qwen2-tools"
     out.mkdir()
     ids = {tok: i for i, tok in enumerate(VOCAB)}
-    vocab = len(VOCAB)
+    vocab = len(VOCAB) + (4 if padded_vocab else 0)
     hidden = 128
     assert vocab <= hidden, "one-hot embeddings need hidden_size >= vocab"
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=64,
@@ -133,6 +140,9 @@ def tool_chat_model_dir(tmp_path_factory: Any, name: str = "toolchat") -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     chain = {"\n": "<tool_call>", "<tool_call>": CALL_A, CALL_A: CALL_B,
              CALL_B: "</tool_call>"}
+    if padded_vocab:
+        ids[PAD_ROW] = PAD_ID
+        chain.update({CALL_A: PAD_ROW, PAD_ROW: CALL_B})
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()

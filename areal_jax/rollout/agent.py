@@ -166,10 +166,11 @@ class AgentProxy:
         stops = tuple(getattr(tokenizer, "stop_token_ids", None) or ())
         self._stops = set(stops)
         app = FastAPI(title="areal-jax agent proxy", docs_url=None, redoc_url=None)
-        OpenAIRoutes(self._generate, tokenizer=tokenizer, vocab_size=vocab_size,
-                     max_seq_len=max_seq_len, model_name="policy", stop_token_ids=stops,
-                     renderer=self._render, on_reply=self._on_reply,
-                     ).register(app, prefix="/traj/{key}")
+        self._routes = OpenAIRoutes(
+            self._generate, tokenizer=tokenizer, vocab_size=vocab_size,
+            max_seq_len=max_seq_len, model_name="policy", stop_token_ids=stops,
+            renderer=self._render, on_reply=self._on_reply)
+        self._routes.register(app, prefix="/traj/{key}")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
@@ -300,6 +301,11 @@ class AgentProxy:
                               kind="server_error") from None
         call = RecordedCall(list(input_ids), list(resp.output_ids), list(resp.output_logprobs),
                             list(resp.output_versions), resp.finish_reason, resp.n_interruptions)
+        if call.output_ids:  # ids the model writes are valid in prompts (a model's vocabulary
+            # may be larger than its tokenizer's: rows past it are padding it can sample)
+            top = max(call.output_ids) + 1
+            if top > self._routes.vocab_size:
+                self._routes.vocab_size = top
         with rec.lock:
             rendered = rec.rendered.pop(tuple(input_ids), None)
             if rendered is not None:
