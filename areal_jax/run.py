@@ -35,7 +35,7 @@ from areal_jax.config import RolloutConfig, TrainConfig, to_dict
 from areal_jax.cpu_affinity import check_cpus_available, pin_process_to_cpus
 from areal_jax.data.advantages import group_advantages_for
 from areal_jax.data.prompts import load_prompt_dataset, read_records
-from areal_jax.data.tokenizer import load_tokenizer
+from areal_jax.data.tokenizer import ChatTokenizer, load_tokenizer
 from areal_jax.data.trajectories import ProcessRowsDataset, TrajectoryBatchDataset
 from areal_jax.engine.launch import ServerStartError, launch_servers, wait_healthy
 from areal_jax.interrupt import Interrupted, raise_if_interrupted
@@ -329,7 +329,7 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     return Trainer(cfg, batches=batches, rollout=rollout, startup=startup, **learner_side)
 
 
-def _load_tokenizer(tokenizer_dir: Path) -> Any:
+def _load_tokenizer(tokenizer_dir: Path) -> ChatTokenizer:
     try:
         return load_tokenizer(tokenizer_dir)
     except (ValueError, FileNotFoundError, ImportError, AttributeError) as e:

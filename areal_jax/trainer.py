@@ -54,6 +54,7 @@ from areal_jax.run_inputs import RunStopped
 
 if TYPE_CHECKING:
     from areal_jax.checkpoint import TrainCheckpointer
+    from areal_jax.data.tokenizer import ChatTokenizer
     from areal_jax.data.trajectories import TrainBatch
     from areal_jax.learner import Learner
     from areal_jax.learner.critic import Critic
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from areal_jax.rewards.pool import RewardPool
     from areal_jax.rollout.executor import RolloutExecutor
     from areal_jax.rollout.weight_sync import WeightSync
+    from areal_jax.rollout.workflows import PromptItem
     from areal_jax.storage import RunFiles
 
 __all__ = ["Progress", "RolloutSide", "Trainer"]
@@ -99,10 +101,10 @@ class RolloutSide:
     weights: WeightSync
     writer: MetricsWriter
     run_files: RunFiles  # metrics, logs, config (uploaded for gs://)
-    tokenizer: Any  # a transformers tokenizer (any class it returns)
+    tokenizer: ChatTokenizer
     reward_fn: str
     reward_pool: RewardPool
-    eval_items: list[dict[str, Any]]
+    eval_items: list[PromptItem]
 
 
 class Trainer:

@@ -27,25 +27,29 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from areal_jax import storage
 from areal_jax.checkpoint.orbax_ckpt import require_gcs_support
 from model_defs import (
     CausalLM,
+    JsonDict,
     ModelConfig,
     PeftAdapter,
+    PyTree,
     merge_lora,
     parse_dtype,
     peft_adapter,
     save_hf,
 )
+from model_defs.hf_io import join_save_gathers
 
 if TYPE_CHECKING:  # the run config's sections (checkpoint/ never imports config)
     from areal_jax.config import CheckpointConfig, ModelSection
@@ -57,6 +61,8 @@ TOKENIZER_FILES = (
     "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
     "generation_config.json",
 )
+# What a publish takes: a CausalLM, the nnx.State of its params, or that state's pure dict.
+Weights = CausalLM | nnx.State | PyTree
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 _TMP_DIR = re.compile(r"^\.v(\d+)\.(tmp|old)-(\d+)$")
 
@@ -69,7 +75,7 @@ def _is_url(path: str) -> bool:
     return "://" in path
 
 
-def _as_model_config(model_cfg: ModelConfig | Mapping[str, Any]) -> ModelConfig:
+def _as_model_config(model_cfg: ModelConfig | JsonDict) -> ModelConfig:
     if isinstance(model_cfg, ModelConfig):
         return model_cfg
     if isinstance(model_cfg, Mapping):
@@ -78,17 +84,15 @@ def _as_model_config(model_cfg: ModelConfig | Mapping[str, Any]) -> ModelConfig:
                     f"{type(model_cfg).__name__}")
 
 
-def _gather_to_host(pure: Any) -> Any:
+def _gather_to_host(pure: PyTree) -> PyTree:
     """Arrays spread over several hosts are all-gathered (a collective: every process calls)."""
     leaves = jax.tree.leaves(pure)
     if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
         return pure
-    from jax.experimental import multihost_utils
-
     return multihost_utils.process_allgather(pure, tiled=True)
 
 
-def host_params(model: Any, dtype: str | None = None) -> Any:
+def host_params(model: Weights, dtype: str | None = None) -> PyTree:
     """A host (numpy) copy of a model's state, as its pure dict: what :meth:`WeightPublisher.
     publish` needs, safe to write from another thread while the learner trains on.
 
@@ -115,7 +119,7 @@ class ServingWeights:
     """A host copy of what one version publishes: ``params`` (see :func:`host_params`) and,
     for a LoRA model, optionally its ``adapter`` alone (written to ``v{N}/adapter``)."""
 
-    params: Any
+    params: PyTree
     adapter: PeftAdapter | None = None
 
 
@@ -157,16 +161,14 @@ def serving_copy(model: CausalLM, section: ModelSection, dtype: str | None = Non
                 base_model_name_or_path=section.path, dtype=dtype or section.dtype)
 
 
-def join_inline_publish(weights: ServingWeights, model_cfg: ModelConfig | Mapping[str, Any],
+def join_inline_publish(weights: ServingWeights, model_cfg: ModelConfig | JsonDict,
                         dtype: str | None = None) -> None:
     """On every process but 0, while process 0 publishes ``weights`` (from
     :func:`serving_model`): their part of each tensor's all-gather, writing nothing."""
-    from model_defs.hf_io import join_save_gathers
-
     join_save_gathers(weights.params, _as_model_config(model_cfg), dtype)
 
 
-def params_to_model(params: Any, model_cfg: ModelConfig | Mapping[str, Any]) -> CausalLM:
+def params_to_model(params: Weights, model_cfg: ModelConfig | JsonDict) -> CausalLM:
     """A ``CausalLM`` holding ``params`` (a model, an ``nnx.State`` or its pure dict).
 
     Keys and shapes are checked against ``model_cfg``; the arrays are used as they are
@@ -205,7 +207,7 @@ def params_to_model(params: Any, model_cfg: ModelConfig | Mapping[str, Any]) -> 
     return nnx.merge(graphdef, state)
 
 
-def params_to_hf_dir(params: Any, model_cfg: ModelConfig | Mapping[str, Any],
+def params_to_hf_dir(params: Weights, model_cfg: ModelConfig | JsonDict,
                      out_dir: str | os.PathLike, *, dtype: str | None = None,
                      tokenizer_dir: str | os.PathLike | None = None) -> Path:
     """Writes ``params`` as an HF model dir (config.json + safetensors [+ tokenizer]).
@@ -316,8 +318,8 @@ class WeightPublisher:
         self._pinned.discard(int(version))
 
     # ---------------------------------------------------------------- publish
-    def publish(self, model: Any, model_cfg: ModelConfig | Mapping[str, Any], version: int,
-                tokenizer_dir: str | os.PathLike | None = None,
+    def publish(self, model: Weights | ServingWeights, model_cfg: ModelConfig | JsonDict,
+                version: int, tokenizer_dir: str | os.PathLike | None = None,
                 adapter: PeftAdapter | None = None) -> str:
         """Writes version ``version`` (replacing an existing one) and returns its path.
 
@@ -344,13 +346,13 @@ class WeightPublisher:
             self._garbage_collect(just_written=version)
         return os.fspath(self._root / f"v{version}")
 
-    def _write(self, model: Any, cfg: ModelConfig, out: Path,
+    def _write(self, model: Weights, cfg: ModelConfig, out: Path,
                tokenizer_dir: str | os.PathLike | None, adapter: PeftAdapter | None) -> None:
         params_to_hf_dir(model, cfg, out, dtype=self.dtype, tokenizer_dir=tokenizer_dir)
         if adapter is not None:
             adapter.save(out / ADAPTER_SUBDIR)
 
-    def _publish_by_rename(self, model: Any, cfg: ModelConfig, version: int,
+    def _publish_by_rename(self, model: Weights, cfg: ModelConfig, version: int,
                            tokenizer_dir: str | os.PathLike | None,
                            adapter: PeftAdapter | None = None) -> None:
         root = Path(self.weights_dir)
@@ -374,7 +376,7 @@ class WeightPublisher:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    def _publish_with_marker(self, model: Any, cfg: ModelConfig, version: int,
+    def _publish_with_marker(self, model: Weights, cfg: ModelConfig, version: int,
                              tokenizer_dir: str | os.PathLike | None,
                              adapter: PeftAdapter | None = None) -> None:
         final = self._root / f"v{version}"

@@ -11,7 +11,7 @@ NaN or Inf in the adapter or in the merged params.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from flax import nnx
 
@@ -25,8 +25,11 @@ from areal_jax.engine.weight_check import (
 from model_defs import load_peft_adapter, merge_lora
 from model_defs.peft_io import ADAPTER_CONFIG
 
+if TYPE_CHECKING:
+    from areal_jax.engine.runner import ModelRunner
 
-def load_adapter_update(adapter_path: str, base_state: nnx.State, runner: Any,
+
+def load_adapter_update(adapter_path: str, base_state: nnx.State, runner: ModelRunner,
                         check: bool = True) -> nnx.State:
     """The base params with the adapter in ``adapter_path`` merged in, ready to swap in.
 

@@ -42,6 +42,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from areal_jax.data.tokenizer import ChatTokenizer, load_tokenizer
 from areal_jax.engine.adapters import load_adapter_update
 from areal_jax.engine.config import EngineConfig
 from areal_jax.engine.model_dir import ModelPathError, check_model_dir, read_eos_token_ids
@@ -49,18 +50,16 @@ from areal_jax.engine.request import EngineRequest
 from areal_jax.engine.runner import ModelRunner, bucket_for
 from areal_jax.engine.weight_check import WeightCheckError, check_probe_forward, load_update
 from areal_jax.sampling_params import SamplingParams
-from model_defs import load_hf
+from model_defs import JsonDict, load_hf
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ_LEN = 2048
 
 
-def _optional_tokenizer(path: Path) -> Any:
+def _optional_tokenizer(path: Path) -> ChatTokenizer | None:
     """The model directory's tokenizer and chat template, or None (responses then have
     empty text and the OpenAI routes take token ids only)."""
-    from areal_jax.data.tokenizer import load_tokenizer
-
     if not (path / "tokenizer.json").is_file():
         return None
     try:
@@ -248,7 +247,7 @@ class GenerationEngine:
         return self._paused
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                 abort_all_requests: bool = False) -> dict[str, Any]:
+                                 abort_all_requests: bool = False) -> JsonDict:
         """Loads an HF checkpoint (in the calling thread) and swaps it in between steps.
 
         Running requests are aborted first if ``abort_all_requests`` (before the load, as
@@ -266,7 +265,7 @@ class GenerationEngine:
         return self._swap_in(load, weight_version, abort_all_requests, model_path,
                              adapter=None)
 
-    def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+    def load_lora_adapter(self, name: str, path: str) -> JsonDict:
         """Merges the PEFT adapter in ``path`` onto the base weights and serves the result
         as adapter ``name``, replacing the active adapter if there is one (one adapter at a
         time). Waits for running requests to finish; the weight version is unchanged
@@ -282,7 +281,7 @@ class GenerationEngine:
             logger.info("serving LoRA adapter %r from %s %s", name, path, result["message"])
         return self._lora_reply(result, f"Loaded LoRA adapter {name!r} from {path}")
 
-    def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+    def unload_lora_adapter(self, name: str) -> JsonDict:
         """Serves the base weights again. Fails if ``name`` is not the active adapter."""
         active = self.lora_adapters
         if name not in active:
@@ -297,7 +296,7 @@ class GenerationEngine:
         with self._lock:
             return dict([self._adapter]) if self._adapter is not None else {}
 
-    def _lora_reply(self, result: dict[str, Any], done: str = "") -> dict[str, Any]:
+    def _lora_reply(self, result: JsonDict, done: str = "") -> JsonDict:
         """SGLang's LoRAUpdateOutput fields (and a ``message``) of a swap's result."""
         ok = result["success"]
         return {"success": ok, "error_message": "" if ok else result["message"],
@@ -306,7 +305,7 @@ class GenerationEngine:
 
     def _swap_in(self, load: Callable[[], nnx.State], weight_version: str | None,
                  abort_all_requests: bool, source: str,
-                 adapter: tuple[str, str] | None) -> dict[str, Any]:
+                 adapter: tuple[str, str] | None) -> JsonDict:
         """Runs ``load`` (in the calling thread) and swaps its params in between steps; see
         :meth:`update_weights_from_disk`. ``adapter``: the (name, path) the new params
         serve, or None when they are base weights."""
@@ -387,7 +386,7 @@ class GenerationEngine:
 
         return self._call(flush)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> JsonDict:
         with self._lock:
             waiting = len(self._waiting)
         running = sum(s is not None for s in self._slots)
@@ -605,14 +604,14 @@ class GenerationEngine:
         elif n >= p.max_new_tokens or req.prompt_len + n >= self.max_seq_len:
             self._finish(slot, {"type": "length", "length": n})
 
-    def _finish(self, slot: int, reason: dict[str, Any]) -> None:
+    def _finish(self, slot: int, reason: JsonDict) -> None:
         req = self._slots[slot]
         assert req is not None
         self._slots[slot] = None
         self._release(req, reason)
 
     def _release(
-        self, req: EngineRequest, reason: dict[str, Any], error: str | None = None,
+        self, req: EngineRequest, reason: JsonDict, error: str | None = None,
         error_status: int = 500,
     ) -> None:
         with self._lock:

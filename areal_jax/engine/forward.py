@@ -35,13 +35,15 @@ Exactness is tested against model_defs' full forward and transformers.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.typing import DTypeLike
 
 from areal_jax.engine.sampling import first_argmax
+from model_defs import CausalLM, ModelConfig, PyTree
 from model_defs.attention import attention, merge_attention
 
 Array = jax.Array
@@ -60,7 +62,7 @@ class SlotCache:
     v: tuple[Array, ...]
 
 
-def init_slot_cache(cfg: Any, slots: int, max_len: int, dtype: Any) -> SlotCache:
+def init_slot_cache(cfg: ModelConfig, slots: int, max_len: int, dtype: DTypeLike) -> SlotCache:
     v_shape = (slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
     k_shape = (slots, cfg.num_key_value_heads, cfg.head_dim, max_len)
     layers = range(cfg.num_hidden_layers)
@@ -68,7 +70,7 @@ def init_slot_cache(cfg: Any, slots: int, max_len: int, dtype: Any) -> SlotCache
                      v=tuple(jnp.zeros(v_shape, dtype) for _ in layers))
 
 
-def prefill_forward(model: Any, prompt_pt: Array, prompt_len_p: Array, slot_p: Array,
+def prefill_forward(model: CausalLM, prompt_pt: Array, prompt_len_p: Array, slot_p: Array,
                     cache: SlotCache) -> tuple[Array, SlotCache]:
     """Runs right-padded prompts [P, T] and stores their keys/values in slots ``slot_p``
     (out-of-range slots, used for padding rows, are dropped). Returns the fp32 logits at
@@ -97,7 +99,7 @@ def prefill_forward(model: Any, prompt_pt: Array, prompt_len_p: Array, slot_p: A
     return model.logits_from_hidden(hidden_p1d)[:, 0], cache
 
 
-def decode_forward(model: Any, token_b: Array, position_b: Array, cache: SlotCache,
+def decode_forward(model: CausalLM, token_b: Array, position_b: Array, cache: SlotCache,
                    kv_len: int) -> tuple[Array, SlotCache]:
     """One token per slot at its own position (< kv_len). Returns logits [B, V], cache.
     (A one-step ``decode_chunk``; kept as the simple reference path.)"""
@@ -107,8 +109,9 @@ def decode_forward(model: Any, token_b: Array, position_b: Array, cache: SlotCac
     return logits_kbv[0], cache
 
 
-def decode_chunk(model: Any, token_b: Array, position_b: Array, cache: SlotCache, kv_len: int,
-                 steps: int, choose: Any) -> tuple[Any, SlotCache]:
+def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: SlotCache, kv_len: int,
+                 steps: int, choose: Callable[[Array, Array, Array], tuple[Array, PyTree]]
+                 ) -> tuple[PyTree, SlotCache]:
     """``steps`` decode steps for every slot, feeding back ``choose``'s tokens.
 
     Slot b feeds ``token_b[b]`` at ``position_b[b]``, then its own choices at the next

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -177,8 +178,6 @@ def launch_server(
     model_path = os.fspath(model_path)  # a local dir or a gs:// URL (the server downloads it)
     chosen_port = port if port is not None else free_port(host)
     if log_path is None:
-        import tempfile
-
         fd, name = tempfile.mkstemp(prefix=f"areal-engine-{chosen_port}-", suffix=".log")
         os.close(fd)
         log_path = name
@@ -251,8 +250,8 @@ def wait_healthy(handles: Sequence[ServerHandle], timeout: float = 180.0) -> Non
 
 def launch_servers(model_path: str | os.PathLike, count: int, *, startup_timeout: float = 180.0,
                    wait: bool = True, log_dir: str | os.PathLike | None = None,
-                   on_start: Callable[[ServerHandle], Any] | None = None,
-                   **kwargs: Any) -> list[ServerHandle]:
+                   on_start: Callable[[ServerHandle], object] | None = None,
+                   **kwargs: Any) -> list[ServerHandle]:  # Any: launch_server's keywords
     """Starts ``count`` servers in parallel (same arguments as ``launch_server``, each on
     its own free port, logging to ``log_dir/server{i}.log`` when given) and, with ``wait``,
     waits until all are healthy (else call ``wait_healthy`` later, e.g. after compiling

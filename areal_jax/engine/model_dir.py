@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
+from areal_jax import storage
 from model_defs import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -27,8 +30,6 @@ def check_model_dir(path: str | Path, *, required_file: str = "config.json",
     weight cache (``<cache>/weights/pid<PID>``, see ``areal_jax.storage``); the slot holds
     one model at a time, as loads are sequential and a loaded model lives in memory.
     """
-    from areal_jax import storage
-
     try:
         if storage.is_url(path):
             return check_model_dir(_download_to_slot(str(path)), required_file=required_file,
@@ -60,11 +61,6 @@ def _check_json_object(file: Path, field: str) -> None:
 
 
 def _download_to_slot(url: str) -> Path:
-    import os
-    import shutil
-
-    from areal_jax import storage
-
     root = storage.cache_root() / "weights"
     slot = root / f"pid{os.getpid()}"
     if root.is_dir():  # slots of processes that are gone

@@ -20,6 +20,7 @@ from areal_jax.sampling_params import (
     SEED_MAX,
     SamplingParams,
 )
+from model_defs import JsonDict
 
 
 class ProtocolError(ValueError):
@@ -41,7 +42,7 @@ _GENERATE_UNSUPPORTED = {
 _SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
                     "ignore_eos", "skip_special_tokens", "sampling_seed",
                     "spaces_between_special_tokens", "no_stop_trim"}
-_SAMPLING_NOOP_DEFAULTS: dict[str, Any] = {
+_SAMPLING_NOOP_DEFAULTS: JsonDict = {
     "n": 1, "min_new_tokens": 0, "min_p": 0.0, "frequency_penalty": 0.0,
     "presence_penalty": 0.0, "repetition_penalty": 1.0, "stop": None, "json_schema": None,
     "regex": None, "ebnf": None, "logit_bias": None, "custom_params": None,
@@ -63,7 +64,7 @@ class GenerateCall:
     lora_name: str | None = None  # SGLang's lora_path: the name of a loaded adapter
 
 
-def parse_json_body(raw: bytes, route: str, *, allow_empty: bool = False) -> dict[str, Any]:
+def parse_json_body(raw: bytes, route: str, *, allow_empty: bool = False) -> JsonDict:
     """Parses a JSON object body; an empty body is {} when ``allow_empty``."""
     if not raw.strip():
         if allow_empty:
@@ -121,7 +122,7 @@ def _is_number(v: Any) -> bool:
     return (isinstance(v, int | float)) and not isinstance(v, bool)
 
 
-def _get_bool(d: dict[str, Any], key: str, default: bool, where: str) -> bool:
+def _get_bool(d: JsonDict, key: str, default: bool, where: str) -> bool:
     v = d.get(key)
     if v is None:
         return default
@@ -130,7 +131,7 @@ def _get_bool(d: dict[str, Any], key: str, default: bool, where: str) -> bool:
     return v
 
 
-def _get_str(d: dict[str, Any], key: str, where: str, *, required: bool = False) -> str | None:
+def _get_str(d: JsonDict, key: str, where: str, *, required: bool = False) -> str | None:
     v = d.get(key)
     if v is None:
         if required:
@@ -146,7 +147,7 @@ def _check_length(value: str | None, key: str, limit: int, where: str) -> None:
         raise ProtocolError(f"{where}{key} is {len(value)} characters long; the limit is {limit}")
 
 
-def _reject_unknown(d: dict[str, Any], allowed: set[str], where: str) -> None:
+def _reject_unknown(d: JsonDict, allowed: set[str], where: str) -> None:
     unknown = sorted(set(d) - allowed)
     if unknown:
         raise ProtocolError(
@@ -222,7 +223,7 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
     )
 
 
-def parse_generate(body: dict[str, Any], vocab_size: int, max_seq_len: int) -> GenerateCall:
+def parse_generate(body: JsonDict, vocab_size: int, max_seq_len: int) -> GenerateCall:
     """Validates a /generate body against the served model (vocabulary, context length)."""
     for key, reason in _GENERATE_UNSUPPORTED.items():
         if body.get(key) is not None:
@@ -285,7 +286,7 @@ def is_batch(body: Any) -> bool:
     return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
 
 
-def parse_generate_batch(body: dict[str, Any], vocab_size: int, max_seq_len: int
+def parse_generate_batch(body: JsonDict, vocab_size: int, max_seq_len: int
                          ) -> list[GenerateCall]:
     """SGLang's batch form of /generate: ``input_ids`` a list of prompts, ``sampling_params``
     one dict for all or a list with one per prompt, ``rid`` None or a list of distinct
@@ -324,10 +325,10 @@ def parse_generate_batch(body: dict[str, Any], vocab_size: int, max_seq_len: int
     return calls
 
 
-def generate_reply(req: EngineRequest, call: GenerateCall, decode_text: Any) -> dict[str, Any]:
+def generate_reply(req: EngineRequest, call: GenerateCall, decode_text: Any) -> JsonDict:
     """SGLang's /generate reply for a finished request."""
     p = req.params
-    meta: dict[str, Any] = {
+    meta: JsonDict = {
         "id": req.rid,
         "finish_reason": req.finish_reason,
         "prompt_tokens": req.prompt_len,
@@ -348,7 +349,7 @@ def generate_reply(req: EngineRequest, call: GenerateCall, decode_text: Any) -> 
     }
 
 
-def parse_pause(body: dict[str, Any]) -> str:
+def parse_pause(body: JsonDict) -> str:
     mode = body.get("mode", "abort")
     if mode not in SUPPORTED_PAUSE_MODES:
         raise ProtocolError(
@@ -364,7 +365,7 @@ _UPDATE_FROM_DISK_FIELDS = {"model_path", "weight_version", "abort_all_requests"
                             "recapture_cuda_graph", "token_step"}
 
 
-def parse_update_weights_from_disk(body: dict[str, Any]) -> tuple[str, str | None, bool]:
+def parse_update_weights_from_disk(body: JsonDict) -> tuple[str, str | None, bool]:
     where = "/update_weights_from_disk: "
     _reject_unknown(body, _UPDATE_FROM_DISK_FIELDS, where)
     model_path = _get_str(body, "model_path", where, required=True)
@@ -381,7 +382,7 @@ def parse_update_weights_from_disk(body: dict[str, Any]) -> tuple[str, str | Non
     return model_path, version, abort_all
 
 
-def parse_update_weight_version(body: dict[str, Any]) -> tuple[str, bool]:
+def parse_update_weight_version(body: JsonDict) -> tuple[str, bool]:
     where = "/update_weight_version: "
     _reject_unknown(body, {"new_version", "abort_all_requests"}, where)
     version = _get_str(body, "new_version", where, required=True)
@@ -390,7 +391,7 @@ def parse_update_weight_version(body: dict[str, Any]) -> tuple[str, bool]:
     return version, _get_bool(body, "abort_all_requests", False, where)
 
 
-def _lora_name(body: dict[str, Any], where: str) -> str:
+def _lora_name(body: JsonDict, where: str) -> str:
     name = _get_str(body, "lora_name", where, required=True)
     if not name:
         raise ProtocolError(f"{where}lora_name is empty")
@@ -398,7 +399,7 @@ def _lora_name(body: dict[str, Any], where: str) -> str:
     return name
 
 
-def parse_load_lora_adapter(body: dict[str, Any]) -> tuple[str, str]:
+def parse_load_lora_adapter(body: JsonDict) -> tuple[str, str]:
     """(lora_name, lora_path) of SGLang's LoadLoRAAdapterReqInput (``pinned`` accepted)."""
     where = "/load_lora_adapter: "
     _reject_unknown(body, {"lora_name", "lora_path", "pinned"}, where)
@@ -410,13 +411,13 @@ def parse_load_lora_adapter(body: dict[str, Any]) -> tuple[str, str]:
     return name, path
 
 
-def parse_unload_lora_adapter(body: dict[str, Any]) -> str:
+def parse_unload_lora_adapter(body: JsonDict) -> str:
     where = "/unload_lora_adapter: "
     _reject_unknown(body, {"lora_name"}, where)
     return _lora_name(body, where)
 
 
-def parse_abort(body: dict[str, Any]) -> tuple[str | None, bool]:
+def parse_abort(body: JsonDict) -> tuple[str | None, bool]:
     where = "/abort_request: "
     _reject_unknown(body, {"rid", "abort_all", "abort_message"}, where)
     rid = _get_str(body, "rid", where) or None

@@ -6,9 +6,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from areal_jax.sampling_params import SamplingParams
+from model_defs import JsonDict
 
 
 @dataclass
@@ -21,7 +21,7 @@ class EngineRequest:
     on_finish: Callable[[EngineRequest], None] | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: JsonDict | None = None
     weight_version: str = ""
     error: str | None = None  # set when the request failed (HTTP ``error_status``)
     error_status: int = 500  # 500: the engine failed; 4xx: the request can no longer run
@@ -41,7 +41,7 @@ class EngineRequest:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def finish(self, reason: dict[str, Any], weight_version: str) -> None:
+    def finish(self, reason: JsonDict, weight_version: str) -> None:
         """Marks the request finished and fires its callback (called by the engine thread)."""
         self.finish_reason = reason
         self.weight_version = weight_version

@@ -30,12 +30,14 @@ import threading
 import time
 from collections.abc import Callable
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import areal_jax
+from areal_jax.compile_cache import enable_compilation_cache
 from areal_jax.cpu_affinity import pin_process_to_cpus
 from areal_jax.engine.config import SUPPORTED_DTYPES, EngineConfig, request_cpu_devices
 from areal_jax.engine.engine import (
@@ -61,6 +63,7 @@ from areal_jax.engine.protocol import (
     parse_update_weights_from_disk,
 )
 from areal_jax.engine.request import EngineRequest
+from areal_jax.hub import HubError, local_model_dir
 
 logger = logging.getLogger("areal_jax.engine.server")
 DISCONNECT_POLL_S = 1.0
@@ -490,12 +493,8 @@ def main(argv: list[str] | None = None) -> int:
                        "generate and pause or update weights (set %s)", args.host, API_KEY_ENV)
     request_cpu_devices(args.data_parallel)  # CPU devices for the slot shards
     if args.compilation_cache_dir:
-        from areal_jax.compile_cache import enable_compilation_cache
-
         enable_compilation_cache(args.compilation_cache_dir)
     try:
-        from areal_jax.hub import HubError, local_model_dir
-
         try:  # a Hugging Face hub id (org/name): its snapshot in the hub cache
             args.model_path = local_model_dir(args.model_path, args.revision, "--model-path")
         except HubError as e:
@@ -510,8 +509,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelPathError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import uvicorn
-
     # The model's own directory as given (a gs:// URL stays one) and its local copy.
     allowed = [args.model_path, engine.model_path, *(args.allowed_weight_dir or [])]
     app = create_app(engine, api_key=api_key, allowed_weight_dirs=allowed,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,9 @@ from safetensors import safe_open
 
 from areal_jax.engine.model_dir import ModelPathError, check_model_dir
 from model_defs import ModelConfig, load_hf
+
+if TYPE_CHECKING:
+    from areal_jax.engine.runner import ModelRunner
 
 # ModelConfig fields that may differ between the served model and a weight update.
 UPDATE_IGNORED_CONFIG_KEYS = ("bos_token_id", "eos_token_id")
@@ -74,14 +77,14 @@ PROBE_TOKENS = 16  # length of the probe prompt, spread over the vocabulary
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _probe_flags(graphdef: Any, state: nnx.State, ids_bt: jax.Array) -> jax.Array:
+def _probe_flags(graphdef: nnx.GraphDef, state: nnx.State, ids_bt: jax.Array) -> jax.Array:
     """[2] bool: the probe's logits are finite; its log-probs are finite."""
     logits_btv = nnx.merge(graphdef, state)(ids_bt).astype(jnp.float32)
     return jnp.stack([jnp.all(jnp.isfinite(logits_btv)),
                       jnp.all(jnp.isfinite(jax.nn.log_softmax(logits_btv, axis=-1)))])
 
 
-def check_probe_forward(state: nnx.State, runner: Any) -> None:
+def check_probe_forward(state: nnx.State, runner: ModelRunner) -> None:
     """Raises WeightCheckError unless a forward pass of ``state`` on a probe prompt (token
     ids spread over the vocabulary) gives finite logits and log-probs: finite weights that
     overflow would otherwise be served and fail every request."""
@@ -96,7 +99,7 @@ def check_probe_forward(state: nnx.State, runner: Any) -> None:
             "large)")
 
 
-def load_update(model_path: str, served: ModelConfig, dtype: str, runner: Any,
+def load_update(model_path: str, served: ModelConfig, dtype: str, runner: ModelRunner,
                 check: bool = True) -> nnx.State:
     """The params of ``model_path``, cast and placed like ``runner``'s, ready to swap in.
 
@@ -119,7 +122,7 @@ def load_update(model_path: str, served: ModelConfig, dtype: str, runner: Any,
     return ready_to_serve(state, runner, check, where=str(path))
 
 
-def ready_to_serve(state: nnx.State, runner: Any, check: bool, where: str) -> nnx.State:
+def ready_to_serve(state: nnx.State, runner: ModelRunner, check: bool, where: str) -> nnx.State:
     """``state`` checked against the served model's structure, placed like ``runner``'s
     params and (with ``check``) free of NaN/Inf; errors start with ``where``."""
     problem = runner.check_compatible(state)

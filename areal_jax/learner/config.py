@@ -8,7 +8,7 @@ key a user writes. Frozen, validated on construction.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from areal_jax.losses import AGG_MODES, GROUP_MODES, KL_ESTIMATORS, RATIO_LEVELS
 from areal_jax.losses.behav_correction import (
@@ -166,7 +166,7 @@ class AlgoConfig:
         return "cap" if self.behav_imp_weight_cap is not None else "none"
 
     @property
-    def behav_correction_kwargs(self) -> dict[str, Any]:
+    def behav_correction_kwargs(self) -> dict[str, str | float | None]:
         """The correction's arguments of ``areal_jax.losses.decoupled_ppo_loss``."""
         if self.behav_imp_weight_cap is not None:  # as before: caps exp(prox - behav)
             return {"behav_imp_weight_cap": self.behav_imp_weight_cap}

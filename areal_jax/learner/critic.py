@@ -26,25 +26,26 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from areal_jax.learner.config import OptimConfig
 from areal_jax.learner.learner import LOGP_KEYS
 from areal_jax.learner.packing import PackedBatch, unpack_per_token
-from areal_jax.learner.steps import cast_params
+from areal_jax.learner.steps import CompilerOptions, cast_params
 from areal_jax.learner.token_logp import predicted_mask, shift_right
 from areal_jax.learner.trainable import MicroBatch, TrainableModel, _get
 from areal_jax.losses import gae, normalize_advantages, ppo_value_loss
 from areal_jax.parallel.mesh import make_mesh, replicated
 from areal_jax.trajectory import Trajectory
-from model_defs import CausalLM, ModelConfig, load_hf, remat_policy_name, use_mesh
+from model_defs import CausalLM, ModelConfig, PyTree, load_hf, remat_policy_name, use_mesh
 
 VALUE_TRAIN_KEYS = (*LOGP_KEYS, "loss_mask", "returns", "old_values")
 VALUE_SUM_KEYS = ("value_loss", "token_count", "n_tokens", "value_clipped", "value_sum",
@@ -79,7 +80,8 @@ class ValueModel(nnx.Module):
         return jnp.where(predicted_mask(segment_ids_bt), shift_right(value_of_next_bt), 0.0)
 
 
-def make_values_fn(graphdef: nnx.GraphDef, compute_dtype: Any) -> Any:
+def make_values_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None
+                   ) -> Callable[..., jax.Array]:
     """(params, rest, batch) -> values_bt (fp32 [R, L])."""
 
     def values_fn(params, rest, batch):
@@ -89,8 +91,9 @@ def make_values_fn(graphdef: nnx.GraphDef, compute_dtype: Any) -> Any:
     return values_fn
 
 
-def make_value_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, value_eps_clip: float | None,
-                       value_coef: float) -> Any:
+def make_value_grad_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None,
+                       value_eps_clip: float | None, value_coef: float
+                       ) -> Callable[..., tuple[PyTree, dict[str, jax.Array]]]:
     """(params, rest, grads, sums, batch, denom, n_loss_tokens, version) -> (grads, sums).
 
     The signature of the learner's PPO grad function, so the learner's gradient
@@ -174,8 +177,9 @@ class Critic(TrainableModel):
 
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim: OptimConfig, *,
                  mesh: Mesh | None = None, value_eps_clip: float | None = 0.2,
-                 value_coef: float = 1.0, ppo_n_minibatches: int = 1, compute_dtype: Any = None,
-                 remat: bool | str | None = None, compiler_options: dict[str, Any] | None = None,
+                 value_coef: float = 1.0, ppo_n_minibatches: int = 1,
+                 compute_dtype: DTypeLike | None = None, remat: bool | str | None = None,
+                 compiler_options: CompilerOptions | None = None,
                  attention: str | None = None):
         if not isinstance(model, CausalLM):
             raise TypeError("Critic model must be a model_defs.CausalLM, "
@@ -197,9 +201,9 @@ class Critic(TrainableModel):
     @classmethod
     def from_hf(cls, path: str, optim: OptimConfig, *, mesh: Mesh | None = None,
                 value_eps_clip: float | None = 0.2, value_coef: float = 1.0,
-                ppo_n_minibatches: int = 1, compute_dtype: Any = "float32",
+                ppo_n_minibatches: int = 1, compute_dtype: DTypeLike = "float32",
                 remat: bool | str = False,
-                compiler_options: dict[str, Any] | None = None,
+                compiler_options: CompilerOptions | None = None,
                 attention: str | None = None) -> Critic:
         """A critic whose backbone is the HF checkpoint at ``path`` (fp32 master weights)."""
         mesh = make_mesh("data=-1") if mesh is None else mesh
@@ -298,7 +302,8 @@ class Critic(TrainableModel):
 
     def compute_gradients(self, micro_batches: Sequence[MicroBatch], *,
                           returns: Sequence[np.ndarray] | None = None,
-                          old_values: Sequence[np.ndarray] | None = None) -> tuple[float, Any]:
+                          old_values: Sequence[np.ndarray] | None = None
+                          ) -> tuple[float, PyTree]:
         """(value loss, grads) of all ``micro_batches`` taken as ONE minibatch, no update."""
         views = self._value_micro_batches(micro_batches, returns, old_values)
         with use_mesh(self.mesh):
@@ -309,7 +314,7 @@ class Critic(TrainableModel):
         return {k: jnp.zeros((), jnp.float32) for k in VALUE_SUM_KEYS}
 
     def _accumulate(self, group: Sequence[MicroBatch], keys: Sequence[str], version: jax.Array,
-                    **_: Any) -> tuple[Any, dict[str, jax.Array]]:
+                    **_: bool) -> tuple[PyTree, dict[str, jax.Array]]:
         """Gradient of one minibatch: the value loss normalised by its global loss-token
         count."""
         batches = [self._put(mb, keys) for mb in group]

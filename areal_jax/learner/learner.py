@@ -27,11 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from areal_jax.learner.config import AlgoConfig, OptimConfig, check_positive
 from areal_jax.learner.packing import OPTIONAL_FIELDS, PACKED_FIELDS
 from areal_jax.learner.steps import (
     MAX_KEYS,
+    CompilerOptions,
     make_denominator_fn,
     make_grad_fn,
     make_logp_fn,
@@ -51,6 +53,7 @@ from model_defs import (
     CausalLM,
     LoraConfig,
     ModelConfig,
+    PyTree,
     add_lora,
     load_hf,
     use_mesh,
@@ -123,8 +126,8 @@ class Learner(TrainableModel):
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim: OptimConfig,
                  algo: AlgoConfig, *, temperature: float = 1.0, logp_chunk_size: int = 4096,
                  seq_token_sum_normalizer: float | None = None, mesh: Mesh | None = None,
-                 compute_dtype: Any = None, remat: bool | str | None = None,
-                 compiler_options: dict[str, Any] | None = None, trainable: bool = True,
+                 compute_dtype: DTypeLike | None = None, remat: bool | str | None = None,
+                 compiler_options: CompilerOptions | None = None, trainable: bool = True,
                  process_local_batches: bool = False, attention: str | None = None):
         if not isinstance(algo, AlgoConfig):
             raise TypeError(f"algo must be an AlgoConfig, got {type(algo).__name__}")
@@ -145,8 +148,9 @@ class Learner(TrainableModel):
 
     @classmethod
     def from_hf(cls, path: str, optim: OptimConfig, algo: AlgoConfig, *,
-                mesh: Mesh | None = None, compute_dtype: Any = "float32", remat: bool | str = False,
-                lora: LoraConfig | None = None, lora_seed: int = 0, **kwargs: Any) -> Learner:
+                mesh: Mesh | None = None, compute_dtype: DTypeLike = "float32",
+                remat: bool | str = False, lora: LoraConfig | None = None, lora_seed: int = 0,
+                **kwargs: Any) -> Learner:  # Any: the constructor's keywords, passed on
         """Loads an HF checkpoint as fp32 master weights, placed directly on the mesh;
         with ``lora``, fresh adapters (B = 0, A from ``lora_seed``) are the trainable part.
         ``kwargs`` as for the constructor."""
@@ -300,7 +304,8 @@ class Learner(TrainableModel):
         return keys
 
     def _accumulate(self, group: Sequence[MicroBatch], keys: Sequence[str], version: jax.Array,
-                    prox_from_logp: bool = False, **_: Any) -> tuple[Any, dict[str, jax.Array]]:
+                    prox_from_logp: bool = False, **_: bool
+                    ) -> tuple[PyTree, dict[str, jax.Array]]:
         """Gradient of one minibatch (sum over its micro-batches of loss_sum / global
         denominator) and its statistic sums, on device."""
         batches = [self._put(mb, keys) for mb in group]
@@ -315,7 +320,7 @@ class Learner(TrainableModel):
         return grads, sums
 
     def compute_gradients(self, micro_batches: Sequence[MicroBatch], *,
-                          current_version: int | None = None) -> tuple[float, Any]:
+                          current_version: int | None = None) -> tuple[float, PyTree]:
         """(loss, grads) of all ``micro_batches`` taken as ONE minibatch, without updating
         anything. For checks and debugging; grads have the params' structure and shardings."""
         self._require_trainable("compute_gradients")

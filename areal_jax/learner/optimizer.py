@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import optax
 
 from areal_jax.learner.config import OptimConfig
+from model_defs import PyTree
 
 
 def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
@@ -32,7 +31,7 @@ def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
     return optax.join_schedules([warmup, main], [cfg.warmup_steps])
 
 
-def weight_decay_mask(params: Any) -> Any:
+def weight_decay_mask(params: PyTree) -> PyTree:
     """True for matrices (ndim >= 2, embeddings and lm head included); False for norm scales
     and biases (ndim <= 1, and the [heads, head_dim] attention biases)."""
 
@@ -46,7 +45,7 @@ def weight_decay_mask(params: Any) -> Any:
         lambda path, leaf: decays(tuple(p for p in path if not _is_value_key(p)), leaf), params)
 
 
-def _is_value_key(entry: Any) -> bool:
+def _is_value_key(entry: object) -> bool:
     # nnx.Variable flattens to a "value" child; skip it so the last key is the param name.
     return str(getattr(entry, "key", getattr(entry, "name", ""))) in ("value", "raw_value")
 

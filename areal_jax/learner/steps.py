@@ -9,17 +9,21 @@ FSDP all-gathers / reduce-scatters and the tensor-parallel collectives from the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.typing import DTypeLike
 
 from areal_jax.learner.config import AlgoConfig
 from areal_jax.learner.token_logp import packed_token_logprobs
 from areal_jax.losses import decoupled_ppo_loss_terms, loss_denominator, token_kl
 from areal_jax.losses.mismatch import lag_bucket_names, mismatch_terms
+from model_defs import PyTree
+
+# XLA compiler options (``jax.jit(compiler_options=...)``): flag name -> value.
+CompilerOptions = dict[str, str | bool | int | float]
 
 # Rollout-training mismatch per lag bucket (areal_jax.losses.mismatch), "mismatch/" keys.
 MISMATCH_SUM_KEYS = tuple(f"mismatch/{n}_{s}" for n in lag_bucket_names()
@@ -36,7 +40,7 @@ def zero_sums() -> dict[str, jax.Array]:
     return {k: jnp.zeros((), jnp.float32) for k in SUM_KEYS + MAX_KEYS}
 
 
-def cast_params(params: Any, compute_dtype: Any) -> Any:
+def cast_params(params: PyTree, compute_dtype: DTypeLike | None) -> PyTree:
     """Floating params in the compute dtype (bf16 compute from fp32 master weights)."""
     if jnp.dtype(compute_dtype) == jnp.float32:
         return params
@@ -44,7 +48,7 @@ def cast_params(params: Any, compute_dtype: Any) -> Any:
         lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
-def make_logp_fn(graphdef: nnx.GraphDef, compute_dtype: Any, temperature: float,
+def make_logp_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None, temperature: float,
                  chunk_size: int) -> Callable:
     """(params, rest, batch) -> (logp_bt, entropy_bt), no gradient. ``rest`` holds the
     frozen weights (LoRA's base), cast to the compute dtype.
@@ -78,7 +82,7 @@ def make_denominator_fn(agg_mode: str) -> Callable:
     return denominator_fn
 
 
-def _layer_accumulators(grads: Any) -> Any:
+def _layer_accumulators(grads: PyTree) -> PyTree | None:
     """The stacked decoder layers' part of the gradient accumulator (``grads["layers"]``),
     or None when it has none."""
     try:
@@ -87,20 +91,20 @@ def _layer_accumulators(grads: Any) -> Any:
         return None
 
 
-def _head_key(params: Any, rest: Any) -> str:
+def _head_key(params: PyTree, rest: PyTree) -> str:
     """The variable the output matrix is: ``lm_head_dv``, or the tied ``embed_vd``."""
     untied = any(_has_key(tree, "lm_head_dv") for tree in (params, rest))
     return "lm_head_dv" if untied else "embed_vd"
 
 
-def _has_key(tree: Any, key: str) -> bool:
+def _has_key(tree: PyTree, key: str) -> bool:
     try:
         return key in tree
     except TypeError:
         return False
 
 
-def _head_accumulator(grads: Any, key: str) -> Any:
+def _head_accumulator(grads: PyTree, key: str) -> PyTree | None:
     """The gradient accumulator's entry for the output matrix (a bare array), or None."""
     if not _has_key(grads, key):
         return None
@@ -108,7 +112,8 @@ def _head_accumulator(grads: Any, key: str) -> Any:
     return leaves[0] if len(leaves) == 1 else None
 
 
-def accumulate(grads: Any, g: Any, layers_done: bool, head_done: str | None = None) -> Any:
+def accumulate(grads: PyTree, g: PyTree, layers_done: bool, head_done: str | None = None
+               ) -> PyTree:
     """``grads + g``; with ``layers_done`` the decoder layers' entries of ``g`` already
     include ``grads`` (they were added inside each layer's backward step), and so does
     the top-level entry ``head_done`` (the output matrix, added chunk by chunk in the
@@ -128,7 +133,7 @@ def accumulate(grads: Any, g: Any, layers_done: bool, head_done: str | None = No
         for (path, a), gl in zip(acc_leaves, g_leaves, strict=True)])
 
 
-def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: Any, algo: AlgoConfig, *,
+def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None, algo: AlgoConfig, *,
                  temperature: float = 1.0, logp_chunk_size: int = 4096,
                  seq_token_sum_normalizer: float | None = None,
                  prox_from_logp: bool = False) -> Callable:
@@ -261,8 +266,8 @@ CPU_MEMORY_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIM
                       "xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
 
 
-def learner_compiler_options(platform: str, options: dict[str, Any] | None = None
-                             ) -> dict[str, Any]:
+def learner_compiler_options(platform: str, options: CompilerOptions | None = None
+                             ) -> CompilerOptions:
     """XLA options for the learner's jitted programs on ``platform`` ("cpu", "gpu", "tpu"):
     ``CPU_MEMORY_OPTIONS`` on CPU, under the caller's ``options``."""
     base = dict(CPU_MEMORY_OPTIONS) if platform == "cpu" else {}

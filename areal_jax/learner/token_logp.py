@@ -12,13 +12,11 @@ then divided by the temperature in fp32.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
 from areal_jax.losses import logprobs_from_hidden
-from model_defs import shard
+from model_defs import CausalLM, PyTree, shard
 
 
 def predicted_mask(segment_ids_bt: jax.Array) -> jax.Array:
@@ -32,9 +30,10 @@ def shift_right(x_bt: jax.Array) -> jax.Array:
     return jnp.pad(x_bt[:, :-1], ((0, 0), (1, 0)))
 
 
-def packed_token_logprobs(model, input_ids_bt: jax.Array, positions_bt: jax.Array,
+def packed_token_logprobs(model: CausalLM, input_ids_bt: jax.Array, positions_bt: jax.Array,
                           segment_ids_bt: jax.Array, *, temperature: float, chunk_size: int,
-                          layer_grad_acc: Any = None, head_grad_acc: Any = None,
+                          layer_grad_acc: PyTree | None = None,
+                          head_grad_acc: PyTree | None = None,
                           ) -> tuple[jax.Array, jax.Array]:
     """(logp_bt, entropy_bt), fp32 [B, T], for a ``model_defs.CausalLM``-like model.
 

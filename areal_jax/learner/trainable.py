@@ -12,8 +12,8 @@ of the other.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +22,12 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from areal_jax.learner.config import OptimConfig
 from areal_jax.learner.optimizer import learning_rate_schedule, make_optimizer
-from areal_jax.learner.steps import learner_compiler_options, make_apply_fn
+from areal_jax.learner.packing import PackedBatch
+from areal_jax.learner.steps import CompilerOptions, learner_compiler_options, make_apply_fn
 from areal_jax.parallel.mesh import (
     batch_sharding,
     make_mesh,
@@ -36,6 +38,7 @@ from areal_jax.parallel.mesh import (
 from model_defs import (
     CausalLM,
     ModelConfig,
+    PyTree,
     lora_config,
     param_shardings,
     parse_dtype,
@@ -44,10 +47,20 @@ from model_defs import (
 )
 from model_defs.fused_attention import ATTENTION_IMPLS
 
-MicroBatch = Any  # a PackedBatch or a Mapping[str, np.ndarray] of [R, L] arrays
+MicroBatch = PackedBatch | Mapping[str, np.ndarray]  # Mapping: of [R, L] arrays by field
 
 
-def _set_compute_dtype(model: nnx.Module, dtype: Any) -> None:
+class TrainState(TypedDict):
+    """``TrainableModel.state_dict()``: the sharded arrays (also valid Orbax restore
+    targets) and the counters."""
+
+    params: nnx.State
+    opt_state: PyTree | None  # an optax state; None for a frozen (reference) model
+    step: int
+    version: int
+
+
+def _set_compute_dtype(model: nnx.Module, dtype: DTypeLike | None) -> None:
     for _, module in nnx.iter_modules(model):
         if hasattr(module, "dtype"):
             module.dtype = dtype
@@ -66,14 +79,16 @@ def _get(mb: MicroBatch, key: str, index: int) -> np.ndarray:
 class Program:
     """A module-level function, jitted once, with its static arguments bound."""
 
-    def __init__(self, fn: Any, static: dict[str, Any], **jit_kwargs: Any):
+    # The static arguments are hashable config objects of any kind, and jax.jit's keyword
+    # arguments (donate_argnums, out_shardings...) each their own kind: Any.
+    def __init__(self, fn: Callable[..., PyTree], static: dict[str, Any], **jit_kwargs: Any):
         self._jitted = jax.jit(fn, static_argnames=tuple(static), **jit_kwargs)
         self._static = static
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: PyTree) -> PyTree:
         return self._jitted(*args, **self._static)
 
-    def lower(self, *args: Any) -> Any:
+    def lower(self, *args: PyTree) -> jax.stages.Lowered:
         return self._jitted.lower(*args, **self._static)
 
 
@@ -94,8 +109,9 @@ class TrainableModel(ABC):
     :class:`~areal_jax.learner.Learner`; ``n_minibatches``: optimizer steps per train step."""
 
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim: OptimConfig, *,
-                 n_minibatches: int = 1, mesh: Mesh | None = None, compute_dtype: Any = None,
-                 remat: bool | str | None = None, compiler_options: dict[str, Any] | None = None,
+                 n_minibatches: int = 1, mesh: Mesh | None = None,
+                 compute_dtype: DTypeLike | None = None, remat: bool | str | None = None,
+                 compiler_options: CompilerOptions | None = None,
                  trainable: bool = True, process_local_batches: bool = False,
                  attention: str | None = None):
         if not isinstance(optim, OptimConfig):
@@ -151,14 +167,14 @@ class TrainableModel(ABC):
         self._compile()
 
 
-    def _shardings(self, state: Any) -> Any:
+    def _shardings(self, state: PyTree) -> PyTree:
         """NamedShardings from the variables' logical axes (replicated where they have none),
         with ``state``'s own tree structure."""
         return jax.tree.unflatten(jax.tree.structure(state),
                                   jax.tree.leaves(param_shardings(state, self.mesh)))
 
     @staticmethod
-    def _place(tree: Any, shardings: Any) -> Any:
+    def _place(tree: PyTree, shardings: PyTree | jax.sharding.Sharding) -> PyTree:
         """``tree`` with the given shardings. Leaves elsewhere go through host memory:
         ``device_put`` of a device array onto a new sharding compiles a slicing program
         per shape, while host arrays are sliced by numpy."""
@@ -168,7 +184,7 @@ class TrainableModel(ABC):
         else:
             flat_sh = jax.tree.leaves(shardings)
 
-        def one(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+        def one(x: jax.Array | np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
             if isinstance(x, jax.Array):
                 if x.sharding == sharding:
                     return x
@@ -193,7 +209,7 @@ class TrainableModel(ABC):
 
     @abstractmethod
     def _accumulate(self, group: Sequence[MicroBatch], keys: Sequence[str], version: jax.Array,
-                    **kwargs: Any) -> tuple[Any, dict[str, jax.Array]]:
+                    **kwargs: bool) -> tuple[PyTree, dict[str, jax.Array]]:
         """One minibatch's gradient (params' structure) and statistic sums, on device."""
 
     @staticmethod
@@ -273,7 +289,7 @@ class TrainableModel(ABC):
                                "logprobs")
 
     def _optimizer_steps(self, groups: Sequence[Sequence[MicroBatch]], keys: Sequence[str],
-                         version: jax.Array, **accumulate_kw: Any) -> dict[str, float]:
+                         version: jax.Array, **accumulate_kw: bool) -> dict[str, float]:
         """One AdamW step per minibatch group (its gradient from the subclass's
         ``_accumulate``), then bump the version; returns the subclass's ``_metrics``."""
         # Host values, for logging only (this process's own CPU device: with several
@@ -302,13 +318,13 @@ class TrainableModel(ABC):
     def params_state(self) -> nnx.State:
         return self.params
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> TrainState:
         """params, opt_state (sharded arrays; also valid Orbax restore targets), step, version."""
         return {"params": self.params, "opt_state": self.opt_state, "step": self.step,
                 "version": self.version}
 
-    def load_state(self, params: Any, opt_state: Any | None = None, *, step: int | None = None,
-                   version: int | None = None) -> None:
+    def load_state(self, params: PyTree, opt_state: PyTree | None = None, *,
+                   step: int | None = None, version: int | None = None) -> None:
         """Replace the training state (e.g. after an Orbax restore), resharding onto the mesh."""
         want = jax.tree.structure(self.params)
         if jax.tree.structure(params) != want:

@@ -68,6 +68,7 @@ from areal_jax.rollout.types import (
 
 if TYPE_CHECKING:  # annotations only: this room never loads the run config
     from areal_jax.config import RolloutConfig
+    from model_defs import JsonDict
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ class _Reply:
     def text(self) -> str:
         return self.body.decode("utf-8", errors="replace")
 
-    def json(self) -> Any:
+    def json(self) -> Any:  # a server's JSON, of any shape until checked: Any
         """The JSON body; ValueError if it is not JSON."""
         return json.loads(self.body)
 
@@ -152,9 +153,9 @@ class _Http:
                                                   headers=self._headers)
         return self._session
 
-    async def request(self, method: str, url: str, json_body: Any = None,
+    async def request(self, method: str, url: str, json_body: JsonDict | None = None,
                       timeout: float | None = None) -> _Reply:
-        kwargs: dict[str, Any] = {}
+        kwargs: JsonDict = {}
         if json_body is not None:
             kwargs["data"] = json.dumps(json_body)
             kwargs["headers"] = {"Content-Type": "application/json"}
@@ -164,7 +165,8 @@ class _Http:
         async with self._get_session().request(method, url, **kwargs) as resp:
             return _Reply(resp.status, await resp.read(), resp.reason or "")
 
-    async def post(self, url: str, json: Any = None, timeout: float | None = None) -> _Reply:
+    async def post(self, url: str, json: JsonDict | None = None, timeout: float | None = None
+                   ) -> _Reply:
         return await self.request("POST", url, {} if json is None else json, timeout)
 
     async def get(self, url: str, timeout: float | None = None) -> _Reply:
@@ -191,7 +193,7 @@ def _error_message(resp: _Reply) -> str:
     return str(body)[:500]
 
 
-def _finish_type(finish_reason: Any) -> str | None:
+def _finish_type(finish_reason: object) -> str | None:
     if isinstance(finish_reason, dict):
         return finish_reason.get("type")
     if isinstance(finish_reason, str):
@@ -199,7 +201,7 @@ def _finish_type(finish_reason: Any) -> str | None:
     return None
 
 
-def _checked_finish(finish_reason: Any, server: ServerState, rid: str) -> str:
+def _checked_finish(finish_reason: object, server: ServerState, rid: str) -> str:
     """stop, length or abort (an interruption to resume); an abort for a bad request (4xx
     status) or an unknown reason raises."""
     kind = _finish_type(finish_reason)
@@ -324,7 +326,7 @@ class RolloutClient:
                     max_new_tokens=reqs[i].params.max_new_tokens - len(out_ids[i])),
                 "rid": rids[i] + suffix,
             } for i in pending]
-            payload: dict[str, Any] = (
+            payload: JsonDict = (
                 {key: [b[key] for b in bodies] for key in bodies[0]} if batch_form
                 else dict(bodies[0]))
             payload["return_logprob"] = True
@@ -382,7 +384,7 @@ class RolloutClient:
             n_interruptions=interruptions[i], server=server.url if server is not None else None,
             latency_s=latency, rid=rids[i]) for i, r in enumerate(reqs)]
 
-    async def _send_generate(self, server: ServerState, payload: dict[str, Any], n: int
+    async def _send_generate(self, server: ServerState, payload: JsonDict, n: int
                              ) -> _Reply | None:
         """POSTs a /generate (``n`` samples) to ``server`` with the current LoRA adapter;
         None when the server is down (it is marked so)."""
@@ -397,8 +399,8 @@ class RolloutClient:
         finally:
             server.inflight -= n
 
-    def _parse_item(self, data: Any, server: ServerState, where: str
-                    ) -> tuple[list[int], list[float], int, Any]:
+    def _parse_item(self, data: Any, server: ServerState, where: str  # a reply's JSON: Any
+                    ) -> tuple[list[int], list[float], int, object]:
         """(tokens, logprobs, weight version, finish_reason) of one /generate reply object."""
         meta = data.get("meta_info") if isinstance(data, dict) else None
         if not isinstance(meta, dict):
@@ -424,7 +426,7 @@ class RolloutClient:
         version = self._parse_version(meta.get("weight_version")) if tokens else -1
         return tokens, logprobs, version, finish_reason
 
-    def _parse_version(self, version: Any) -> int:
+    def _parse_version(self, version: object) -> int:
         """SGLang's weight_version is a string; ours are decimal integers."""
         try:
             return int(version)
@@ -441,7 +443,7 @@ class RolloutClient:
                                    "(launch SGLang with --weight-version 0)", version, fallback)
             return fallback
 
-    async def _call(self, server: ServerState, route: str, body: dict[str, Any],
+    async def _call(self, server: ServerState, route: str, body: JsonDict,
                     timeout: float | None, vary_rid: bool = False,
                     total_s: float | None = None) -> _Reply:
         """POSTs ``body`` to one server, retrying transient trouble (see the module doc).
@@ -591,19 +593,19 @@ class RolloutClient:
         when that is 0). Each attempt within it waits at most ``control_timeout``."""
         return self.retry_deadline_s or self.control_timeout
 
-    async def _post(self, server: ServerState, route: str, body: dict[str, Any] | None = None
+    async def _post(self, server: ServerState, route: str, body: JsonDict | None = None
                     ) -> _Reply:
         return await self._http.post(f"{server.url}{route}", json=body or {},
                                      timeout=self.control_deadline_s)
 
-    async def _broadcast(self, route: str, body: dict[str, Any] | None = None
-                         ) -> list[dict[str, Any]]:
+    async def _broadcast(self, route: str, body: JsonDict | None = None
+                         ) -> list[JsonDict]:
         """POSTs to every up server; unreachable ones are marked down (synced on revival)."""
         up = [s for s in self.servers if s.up]
         if not up:
             raise NoServerAvailableError(f"{route}: no rollout server is up")
 
-        async def one(s: ServerState) -> dict[str, Any] | None:
+        async def one(s: ServerState) -> JsonDict | None:
             try:
                 r = await self._call(s, route, body or {}, self.control_timeout,
                                      total_s=self.control_deadline_s)
@@ -633,18 +635,18 @@ class RolloutClient:
             raise RolloutError(f"{route} failed on {len(failed)} server(s): {detail}")
         return replies
 
-    async def pause(self) -> list[dict[str, Any]]:
+    async def pause(self) -> list[JsonDict]:
         """Pauses every server: running requests return as ``abort`` with partial output
         (this client resubmits them, where they wait until ``continue_``)."""
         self._paused = True
         return await self._broadcast("/pause_generation", {"mode": "abort"})
 
-    async def continue_(self) -> list[dict[str, Any]]:
+    async def continue_(self) -> list[JsonDict]:
         self._paused = False
         return await self._broadcast("/continue_generation", {})
 
     async def update_weights_from_disk(self, path: str, version: int,
-                                       abort_all_requests: bool = False) -> list[dict[str, Any]]:
+                                       abort_all_requests: bool = False) -> list[JsonDict]:
         """Loads an HF checkpoint directory on every server and sets ``weight_version``."""
         body = {"model_path": str(path), "weight_version": str(version),
                 "abort_all_requests": abort_all_requests, "flush_cache": True}
@@ -654,7 +656,7 @@ class RolloutClient:
         return replies
 
     async def load_lora_adapter(self, name: str, path: str, version: int
-                                ) -> list[dict[str, Any]]:
+                                ) -> list[JsonDict]:
         """Adapter mode: loads the PEFT adapter ``path`` as ``name`` on every server, sets
         ``weight_version`` (SGLang's ``/load_lora_adapter`` leaves it unchanged) and
         unloads the adapter loaded before it where the server still holds it (SGLang keeps
@@ -675,10 +677,10 @@ class RolloutClient:
                                    previous, _error_message(r))
         return replies
 
-    async def server_infos(self) -> list[dict[str, Any]]:
+    async def server_infos(self) -> list[JsonDict]:
         """``/get_server_info`` of every server (``{"url", "up": False, ...}`` if down)."""
 
-        async def one(s: ServerState) -> dict[str, Any]:
+        async def one(s: ServerState) -> JsonDict:
             if not s.up:
                 return {"url": s.url, "up": False, "last_error": s.last_error}
             try:

@@ -18,14 +18,23 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from areal_jax.rewards.pool import RewardPool, resolve_reward_fn
-from areal_jax.rollout.workflows import generate_all, prompt_token_ids, sample_request
+from areal_jax.rewards.pool import RewardFn, RewardPool, resolve_reward_fn
+from areal_jax.rollout.workflows import (
+    GenerateClient,
+    PromptItem,
+    generate_all,
+    prompt_token_ids,
+    sample_request,
+)
 from areal_jax.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # annotations only: rollout/ never imports data/
+    from areal_jax.data.tokenizer import ChatTokenizer
 
 EVAL_BATCH = 16  # samples per batched /generate
 
@@ -51,7 +60,7 @@ class Benchmark:
     instruction: str
     max_new_tokens: int  # the default generation budget
 
-    def prompt(self, row: dict[str, Any]) -> str:
+    def prompt(self, row: PromptItem) -> str:
         return f"{row[self.prompt_key]}\n{self.instruction}"
 
 
@@ -94,8 +103,9 @@ def check_pass_at(ks: Sequence[int], n_samples: int) -> None:
                              f"sample at least {k} (-n {k}) or drop {k} from --pass-at")
 
 
-async def evaluate_prompts(client: Any, items: Sequence[dict[str, Any]], *, tokenizer: Any,
-                           reward_fn: Any, reward_pool: RewardPool, sampling: SamplingParams,
+async def evaluate_prompts(client: GenerateClient, items: Sequence[PromptItem], *,
+                           tokenizer: ChatTokenizer | None, reward_fn: RewardFn,
+                           reward_pool: RewardPool, sampling: SamplingParams,
                            n_samples: int = 1, answer_key: str = "answer", seed: int = 0,
                            max_concurrency: int = 256,
                            pass_at: Sequence[int] = ()) -> dict[str, float]:
@@ -108,8 +118,6 @@ async def evaluate_prompts(client: Any, items: Sequence[dict[str, Any]], *, toke
         raise TypeError(f"evaluate_prompts needs a RewardPool (rewards run under its timeout), "
                         f"got {type(reward_pool).__name__}")
     if not sampling.stop_token_ids and getattr(tokenizer, "stop_token_ids", None):
-        from dataclasses import replace
-
         sampling = replace(sampling, stop_token_ids=tuple(tokenizer.stop_token_ids))
     resolve_reward_fn(reward_fn)  # a bad spec fails here, not once per sample
     failures = 0

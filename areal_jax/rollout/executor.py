@@ -66,16 +66,26 @@ import traceback
 from collections import Counter, deque
 from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
-from areal_jax.interrupt import POLL_S, raise_if_interrupted
+from areal_jax.interrupt import POLL_S, raise_if_interrupted, wait_future
 from areal_jax.rewards.pool import RewardPool
 from areal_jax.rollout.staleness import StalenessGate
-from areal_jax.rollout.workflows import WorkflowContext, as_workflow_fn
+from areal_jax.rollout.workflows import (
+    GenerateClient,
+    PromptItem,
+    Workflow,
+    WorkflowContext,
+    as_workflow_fn,
+)
 from areal_jax.trajectory import Trajectory
 
-if TYPE_CHECKING:  # annotations only: this room never loads the run config
+if TYPE_CHECKING:  # annotations only: this room never loads the run config (nor data/)
     from areal_jax.config import TrainConfig
+    from areal_jax.data.tokenizer import ChatTokenizer
+    from model_defs import JsonDict
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +121,7 @@ class _AcceptedGroup:
 
     seq: int  # submission order of its run
     start_version: int
-    item: dict[str, Any]
+    item: PromptItem
     group: list[Trajectory]
 
     @property
@@ -123,7 +133,7 @@ class _AcceptedGroup:
 @dataclass
 class _Run:
     seq: int  # submission order, unique over the executor's (restored) lifetime
-    item: dict[str, Any]
+    item: PromptItem
     attempt: int
     start_version: int
     task: asyncio.Task | None = None
@@ -134,9 +144,9 @@ class RolloutExecutor:
     """Runs workflows asynchronously under the staleness gate described in the module doc."""
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, client: Any, workflow: Any,
-                    prompts: Iterable[dict], *, reward_pool: RewardPool | None,
-                    tokenizer: Any) -> RolloutExecutor:
+    def from_config(cls, cfg: TrainConfig, client: GenerateClient, workflow: Workflow,
+                    prompts: Iterable[PromptItem], *, reward_pool: RewardPool | None,
+                    tokenizer: ChatTokenizer | None) -> RolloutExecutor:
         """The run's executor: the gate from ``train.batch_size``, ``rollout.max_concurrent``
         and η, the reward timeout from ``reward``, the no-progress limits from
         ``watchdog``."""
@@ -148,10 +158,11 @@ class RolloutExecutor:
                    max_attempts_without_progress=wd.max_attempts_without_progress,
                    max_seconds_without_progress=wd.max_seconds_without_progress)
 
-    def __init__(self, client: Any, workflow: Any, prompts: Iterable[dict] | None = None, *,
+    def __init__(self, client: GenerateClient, workflow: Workflow,
+                 prompts: Iterable[PromptItem] | None = None, *,
                  batch_size: int, max_concurrent: int = 64, max_staleness: int | None = 0,
                  seed: int = 0, max_retries: int = 2, reward_pool: RewardPool | None = None,
-                 tokenizer: Any = None, reward_timeout_s: float = 30.0,
+                 tokenizer: ChatTokenizer | None = None, reward_timeout_s: float = 30.0,
                  reward_max_abs: float | None = None,
                  max_attempts_without_progress: int = 0,
                  max_seconds_without_progress: float = 0.0) -> None:
@@ -179,7 +190,7 @@ class RolloutExecutor:
         self._cond = threading.Condition()
         self._next_seq = 0
         self._running: dict[int, _Run] = {}
-        self._pending: deque[tuple[dict[str, Any], int]] = deque()  # (item, attempt)
+        self._pending: deque[tuple[PromptItem, int]] = deque()  # (item, attempt)
         self._accepted: list[_AcceptedGroup] = []
         self._exhausted = prompts is None
         self._paused = False
@@ -306,14 +317,13 @@ class RolloutExecutor:
             except RuntimeError:  # loop closed meanwhile
                 pass
 
-    def run_coroutine(self, coro: Coroutine, timeout: float | None = None) -> Any:
+    def run_coroutine(self, coro: Coroutine[object, object, T], timeout: float | None = None
+                      ) -> T:
         """Runs ``coro`` on the executor's loop and waits (e.g. ``client.pause()``).
 
         Async clients hold connections bound to one loop; use this for every call the
         trainer makes on the client while the executor runs.
         """
-        from areal_jax.interrupt import wait_future
-
         return wait_future(self.submit_coroutine(coro), timeout)  # SIGINT/SIGTERM end the wait
 
     def submit_coroutine(self, coro: Coroutine) -> concurrent.futures.Future:
@@ -339,7 +349,7 @@ class RolloutExecutor:
         with self._cond:
             return self._capacity_locked()
 
-    def _next_item_locked(self) -> tuple[dict[str, Any], int] | None:
+    def _next_item_locked(self) -> tuple[PromptItem, int] | None:
         if self._pending:
             return self._pending.popleft()
         if self._prompts is None or self._exhausted:
@@ -583,9 +593,9 @@ class RolloutExecutor:
         return [a.group for a in batch]
 
     # --- metrics and checkpoints --------------------------------------------------------
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> JsonDict:
         with self._cond:
-            out: dict[str, Any] = {
+            out: JsonDict = {
                 "version": self._gate.version, "running": len(self._running),
                 "pending": len(self._pending), "accepted_unconsumed": len(self._accepted),
                 "capacity": self._capacity_locked(), "paused": self._paused,
@@ -604,7 +614,7 @@ class RolloutExecutor:
             out.update({f"reward_pool/{k}": v for k, v in self.reward_pool.metrics().items()})
         return out
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> JsonDict:
         """A JSON-serialisable snapshot (see "Checkpoints" in the module doc): the gate,
         the counters, the prompt iterator's state, every accepted-but-unconsumed group as
         data, and the prompt item of every run in flight or queued for retry."""
@@ -639,7 +649,7 @@ class RolloutExecutor:
                             "Trajectory.info must hold only JSON types") from e
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: JsonDict) -> None:
         """Restores a :meth:`state_dict` snapshot into this (not yet started) executor:
         accepted groups come back as they were; in-flight prompts are queued to be
         replayed from scratch, before any new prompt."""
@@ -685,7 +695,7 @@ def _stamp_group(group: list[Trajectory], run: _Run) -> None:
                 traj.info.setdefault(key, run.item[key])
 
 
-def _validate_group(result: Any, workflow: Any) -> list[Trajectory] | None:
+def _validate_group(result: object, workflow: Workflow) -> list[Trajectory] | None:
     if result is None:
         return None
     if not isinstance(result, list) or not all(isinstance(t, Trajectory) for t in result):

@@ -25,7 +25,10 @@ only; the executor owns the runs and calls it under its own lock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from model_defs import JsonDict
 
 
 @dataclass
@@ -84,7 +87,7 @@ class StalenessGate:
         return {"version": self.version, "base_version": self.base_version,
                 "gate_accepted": self.accepted}
 
-    def load_state_dict(self, state: dict[str, Any], default_accepted: int) -> None:
+    def load_state_dict(self, state: JsonDict, default_accepted: int) -> None:
         """Restores :meth:`state_dict` (``default_accepted`` for snapshots without it)."""
         self.version = int(state["version"])
         self.base_version = int(state["base_version"])

@@ -7,7 +7,6 @@ its own that both sides import).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from areal_jax.sampling_params import SamplingParams
 from areal_jax.trajectory import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
@@ -24,11 +23,12 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     rid: str | None = None
 
-    def sampling_params(self, max_new_tokens: int | None = None) -> dict[str, Any]:
+    def sampling_params(self, max_new_tokens: int | None = None
+                        ) -> dict[str, int | float | bool | list[int]]:
         """The ``sampling_params`` of /generate; ``max_new_tokens``: what is left of the
         budget after an interruption. Token ids out, so no special-token skipping."""
         p = self.params
-        params: dict[str, Any] = {
+        params: dict[str, int | float | bool | list[int]] = {
             "max_new_tokens": p.max_new_tokens if max_new_tokens is None else max_new_tokens,
             "temperature": p.temperature,
             "top_p": p.top_p,

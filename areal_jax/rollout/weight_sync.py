@@ -27,7 +27,14 @@ import contextlib
 import posixpath
 import time
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from areal_jax.interrupt import wait_future
+
+if TYPE_CHECKING:
+    from areal_jax.rollout.executor import RolloutExecutor
+    from model_defs import CausalLM, PyTree
 
 
 class WeightSyncError(RuntimeError):
@@ -39,17 +46,18 @@ def _failed(version: int, e: BaseException) -> WeightSyncError:
 
 
 class WeightSync:
-    def __init__(self, executor: Any, write: Callable[[Any, int], Any], *,
+    def __init__(self, executor: RolloutExecutor, write: Callable[[PyTree | CausalLM, int], str],
+                 *,
                  interruptible: bool = True, adapter_subdir: str | None = None) -> None:
         self.executor = executor
         self.adapter_subdir = adapter_subdir
         self.write = write
         self.interruptible = interruptible
-        self._pending: tuple[int, Any] | None = None  # (version, Future)
+        self._pending: tuple[int, Future[tuple[float, float]]] | None = None
         self.write_s: dict[int, float] = {}  # version -> seconds its write took
         self.update_s: dict[int, float] = {}  # version -> seconds its servers' update took
 
-    def publish(self, params: Any, version: int) -> None:
+    def publish(self, params: PyTree, version: int) -> None:
         """Starts writing ``params`` as ``version`` and updating the servers to it (after the
         previous publish is done)."""
         self.wait()
@@ -57,7 +65,7 @@ class WeightSync:
         self._pending = (version, self.executor.submit_coroutine(self._write_and_update(
             params, version)))
 
-    def publish_inline(self, model: Any, version: int) -> None:
+    def publish_inline(self, model: CausalLM, version: int) -> None:
         """Writes ``model`` (e.g. the learner's ``CausalLM``, read one tensor at a time)
         as ``version`` in the calling thread, then starts the servers' update as
         :meth:`publish` does. A failed write raises :class:`WeightSyncError` here."""
@@ -76,8 +84,6 @@ class WeightSync:
         ``update_s``. Raises :class:`WeightSyncError` if the write or the update failed."""
         if self._pending is None:
             return
-        from areal_jax.interrupt import wait_future
-
         version, future = self._pending
         try:  # SIGINT/SIGTERM end the wait; the publish stays pending (a checkpoint waits)
             self.write_s[version], self.update_s[version] = wait_future(future)
@@ -86,12 +92,12 @@ class WeightSync:
             raise _failed(version, e) from e
         self._pending = None
 
-    async def _write_and_update(self, params: Any, version: int) -> tuple[float, float]:
+    async def _write_and_update(self, params: PyTree, version: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         path = await asyncio.to_thread(self.write, params, version)
         return await self._update_written(path, version, time.perf_counter() - t0)
 
-    async def _update_written(self, path: Any, version: int, write_s: float
+    async def _update_written(self, path: str, version: int, write_s: float
                               ) -> tuple[float, float]:
         """(write seconds, update seconds) once ``path`` holds ``version``."""
         return write_s, await self.update_servers(str(path), version)

@@ -30,7 +30,7 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from areal_jax.rewards.pool import (
     DEFAULT_MAX_ABS,
@@ -42,6 +42,21 @@ from areal_jax.rewards.pool import (
 from areal_jax.rollout.types import GenerateRequest, GenerateResponse
 from areal_jax.sampling_params import SamplingParams
 from areal_jax.trajectory import Trajectory
+
+if TYPE_CHECKING:  # annotations only: rollout/ never imports data/ (the tokenizer's room)
+    from areal_jax.data.tokenizer import ChatTokenizer
+
+# One row of the prompt dataset (prompt_id, prompt, answer, and whatever columns the
+# user's data has): user JSON, hence Any.
+PromptItem = dict[str, Any]
+T = TypeVar("T")
+
+
+class GenerateClient(Protocol):
+    """What a workflow generates with: a ``RolloutClient`` or any object with its
+    ``agenerate`` (``agenerate_batch`` is used when present)."""
+
+    async def agenerate(self, req: GenerateRequest) -> GenerateResponse: ...
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +82,7 @@ class WorkflowContext:
     group_id: str  # unique per run: "<prompt_id>#<submission seq>"
     attempt: int = 0  # 0 on the first try, 1.. on retries after a failure
     reward_pool: RewardPool | None = None
-    tokenizer: Any = None  # a ChatTokenizer (areal_jax.data.tokenizer) or None
+    tokenizer: ChatTokenizer | None = None
     reward_timeout_s: float = 30.0  # used only without a reward pool
     reward_max_abs: float = DEFAULT_MAX_ABS  # used only without a reward pool
     _count: Callable[[str, int], None] | None = field(default=None, repr=False)
@@ -86,7 +101,7 @@ class WorkflowContext:
 
 
 async def compute_reward(ctx: WorkflowContext, reward_fn: RewardFn, *args: Any,
-                         **kwargs: Any) -> float | None:
+                         **kwargs: Any) -> float | None:  # Any: the reward fn's own arguments
     """A reward via the context's pool; None (and counted) when it raises or times out.
 
     Without a pool the function runs in a thread with ``ctx.reward_timeout_s``: the loop
@@ -111,7 +126,7 @@ async def compute_reward(ctx: WorkflowContext, reward_fn: RewardFn, *args: Any,
     return None
 
 
-def prompt_token_ids(item: dict[str, Any], tokenizer: Any) -> list[int]:
+def prompt_token_ids(item: PromptItem, tokenizer: ChatTokenizer | None) -> list[int]:
     """``item["input_ids"]`` if given, else the tokenizer's chat-templated ``item["prompt"]``."""
     if "input_ids" in item:
         return [int(t) for t in item["input_ids"]]
@@ -124,7 +139,8 @@ def prompt_token_ids(item: dict[str, Any], tokenizer: Any) -> list[int]:
     return tokenizer.encode_prompt(item["prompt"])
 
 
-def trajectory_from_response(resp: GenerateResponse, reward: float, **fields: Any) -> Trajectory:
+def trajectory_from_response(resp: GenerateResponse, reward: float,
+                             **fields: Any) -> Trajectory:  # Any: Trajectory's own fields
     """Prompt tokens (mask 0, version -1) followed by the generated tokens (mask 1)."""
     n_prompt, n_out = len(resp.input_ids), len(resp.output_ids)
     if len(resp.output_logprobs) != n_out or len(resp.output_versions) != n_out:
@@ -142,7 +158,7 @@ def trajectory_from_response(resp: GenerateResponse, reward: float, **fields: An
     )
 
 
-async def generate_all(client: Any, requests: Sequence[GenerateRequest]
+async def generate_all(client: GenerateClient, requests: Sequence[GenerateRequest]
                        ) -> list[GenerateResponse]:
     """One response per request: one batched /generate (``client.agenerate_batch``, one
     HTTP round trip), or concurrent ``agenerate`` calls with a client that has no batch
@@ -166,8 +182,8 @@ class RLVRWorkflow:
     """
 
     def __init__(self, reward_fn: RewardFn, *, n_samples: int = 1,
-                 gconfig: SamplingParams | None = None, tokenizer: Any = None,
-                 answer_key: str = "answer", reward_kwargs: dict[str, Any] | None = None,
+                 gconfig: SamplingParams | None = None, tokenizer: ChatTokenizer | None = None,
+                 answer_key: str = "answer", reward_kwargs: PromptItem | None = None,
                  group_filter: Callable[[list[Trajectory]], bool] | None = None) -> None:
         if n_samples < 1:
             raise ValueError(f"RLVRWorkflow n_samples must be >= 1, got {n_samples}")
@@ -185,7 +201,7 @@ class RLVRWorkflow:
         if tokenizer is not None and not self.gconfig.stop_token_ids:
             self.gconfig = replace(self.gconfig, stop_token_ids=tuple(tokenizer.stop_token_ids))
 
-    async def arun(self, client: Any, item: dict[str, Any],
+    async def arun(self, client: GenerateClient, item: PromptItem,
                    ctx: WorkflowContext) -> list[Trajectory] | None:
         tokenizer = self.tokenizer or ctx.tokenizer
         if tokenizer is None:
@@ -222,7 +238,7 @@ class Environment(Protocol):
         ...
 
 
-async def _maybe_await(value: Any) -> Any:
+async def _maybe_await(value: T | Awaitable[T]) -> T:
     return await value if inspect.isawaitable(value) else value
 
 
@@ -239,8 +255,9 @@ class MultiTurnWorkflow:
     ``env_factory(item)`` makes a fresh environment per sample (it may be async).
     """
 
-    def __init__(self, env_factory: Callable[[dict[str, Any]], Any], *, n_samples: int = 1,
-                 gconfig: SamplingParams | None = None, tokenizer: Any = None,
+    def __init__(self, env_factory: Callable[[PromptItem], Environment | Awaitable[Environment]],
+                 *, n_samples: int = 1, gconfig: SamplingParams | None = None,
+                 tokenizer: ChatTokenizer | None = None,
                  max_turns: int = 4, max_total_tokens: int = 1024) -> None:
         if n_samples < 1 or max_turns < 1 or max_total_tokens < 1:
             raise ValueError("MultiTurnWorkflow needs n_samples, max_turns, max_total_tokens "
@@ -254,7 +271,7 @@ class MultiTurnWorkflow:
         if tokenizer is not None and not self.gconfig.stop_token_ids:
             self.gconfig = replace(self.gconfig, stop_token_ids=tuple(tokenizer.stop_token_ids))
 
-    async def _episode(self, client: Any, item: dict[str, Any], ctx: WorkflowContext,
+    async def _episode(self, client: GenerateClient, item: PromptItem, ctx: WorkflowContext,
                        sample: int) -> Trajectory:
         tokenizer = self.tokenizer or ctx.tokenizer
         ids = prompt_token_ids(item, tokenizer)
@@ -292,16 +309,27 @@ class MultiTurnWorkflow:
                           info={"turns": turns, "sample_index": sample,
                                 "n_interruptions": n_interruptions})
 
-    async def arun(self, client: Any, item: dict[str, Any],
+    async def arun(self, client: GenerateClient, item: PromptItem,
                    ctx: WorkflowContext) -> list[Trajectory] | None:
         return list(await asyncio.gather(*(self._episode(client, item, ctx, i)
                                            for i in range(self.n_samples))))
 
 
-WorkflowFn = Callable[[Any, dict[str, Any], WorkflowContext], Awaitable[list[Trajectory] | None]]
+WorkflowFn = Callable[[GenerateClient, PromptItem, WorkflowContext],
+                     Awaitable[list[Trajectory] | None]]
 
 
-def as_workflow_fn(workflow: Any) -> WorkflowFn:
+class WorkflowObject(Protocol):
+    """A workflow as an object: its ``arun`` is the coroutine function."""
+
+    def arun(self, client: GenerateClient, item: PromptItem,
+             ctx: WorkflowContext) -> Awaitable[list[Trajectory] | None]: ...
+
+
+Workflow = WorkflowFn | WorkflowObject
+
+
+def as_workflow_fn(workflow: Workflow) -> WorkflowFn:
     """The coroutine function behind a workflow object or function (TypeError otherwise)."""
     fn = getattr(workflow, "arun", workflow)
     if not callable(fn):
