@@ -73,6 +73,8 @@ COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice",
                                 "parallel_tool_calls", "response_format", "metadata", "store"}
 logger = logging.getLogger(__name__)
+NO_TOKENIZER = ("this model has no tokenizer, so chat requests cannot be rendered; use "
+                "/v1/completions with token ids")
 POLL_S = 0.02  # how often a streaming request looks for new tokens
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is there
 
@@ -229,8 +231,7 @@ def render_chat(tokenizer: Any, msgs: list[dict[str, Any]], tools: list[dict[str
                 add_generation_prompt: bool = True) -> str:
     """The chat template's text for checked messages (``tools`` passed when there are any)."""
     if tokenizer is None:
-        raise OpenAIError("this model has no tokenizer, so chat requests cannot be rendered; "
-                          "use /v1/completions with token ids")
+        raise OpenAIError(NO_TOKENIZER)
     kwargs = {"tools": tools} if tools else {}
     try:
         return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
@@ -281,7 +282,7 @@ def parse_request(body: dict[str, Any], *, chat: bool, tokenizer: Any, vocab_siz
         except ToolSpecError as e:
             raise OpenAIError(str(e), e.param) from None
         if tokenizer is None:
-            render_chat(None, [], [])  # the 400 for a model without a tokenizer
+            raise OpenAIError(NO_TOKENIZER)
         msgs = template_messages(body.get("messages"))
         prefix = forced_prefix(tool_call_format(getattr(tokenizer, "chat_template", None)), spec)
         if renderer is None:
