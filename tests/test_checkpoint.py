@@ -330,14 +330,27 @@ def test_restore_newest_skips_a_corrupt_latest_checkpoint(tmp_path, corruption):
     ckpt.wait()
     _CORRUPTIONS[corruption](tmp_path / "ck" / "20")
     files = _files(tmp_path / "ck")
+    # Halving an OCDBT data file sometimes cuts only bytes no array needs (where a file's
+    # chunks fall varies from run to run): step 20 then still restores, bit-exact, and is
+    # rightly used. Whether it does is asked of restore() itself, step 20 alone.
+    try:
+        ckpt.restore(20, params_target=params, opt_state_target=opt)
+        intact = True
+    except Exception:  # noqa: BLE001 - any failure to restore is what restore_newest skips
+        intact = False
+    assert intact is False or corruption == "array_data_half", "the corruption did nothing"
     step, got, got_opt, meta, skipped = ckpt.restore_newest(params_target=params,
                                                             opt_state_target=opt)
-    assert step == 10 and meta.version == 10
-    assert [s for s, _ in skipped] == [20] and skipped[0][1], skipped
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params), strict=True):
+    want_step, want = (20, newer) if intact else (10, params)
+    assert step == want_step and meta.version == want_step
+    assert [s for s, _ in skipped] == ([] if intact else [20]), skipped
+    assert all(why for _, why in skipped), skipped
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # a copy: bit-exact
     assert got_opt is not None
     assert _files(tmp_path / "ck") == files
+    if intact:
+        return
     # Set aside (kept under another name), the run can save version 20 again.
     kept = ckpt.set_aside(20)
     assert os.path.isdir(kept) and ckpt.all_steps() == [10]
