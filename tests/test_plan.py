@@ -83,6 +83,8 @@ def test_plan_small_model_for_tpu(tmp_path):
     _check_plan(result, "v5e:2x2")
     assert result["platform"] == "tpu" and result["devices"] == 4
     assert result["mesh"]["fsdp"] == 4
+    # The engine's prefill gets the chip's kernel, not the host CPU's XLA attention.
+    assert result["engine_prefill"]["attention_kernel"].startswith("mosaic:")
 
 
 @needs_cuda_plugin

@@ -242,6 +242,8 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any) -> tuple[Any, Any, dict[
 
     from areal_jax.engine.forward import init_slot_cache
     from areal_jax.engine.runner import ModelRunner
+    from areal_jax.parallel.mesh import make_mesh
+    from model_defs import use_mesh
 
     shapes = engine_shapes(cfg)
     model = _abstract_model(model_cfg, cfg.model.dtype, cfg.model.dtype)
@@ -266,13 +268,17 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any) -> tuple[Any, Any, dict[
         return jax.ShapeDtypeStruct(shape, dt, sharding=on_chip)
 
     flag = arg((), jnp.bool_)
-    # ModelRunner.__init__'s jits: cache and slot state donated, kv_len static.
-    prefill = jax.jit(runner._prefill_impl, donate_argnums=(1, 2)).lower(
-        state, cache, slots, arg((p, t), jnp.int32), arg((p,), jnp.int32), arg((p,), jnp.int32),
-        arg((p,), jnp.float32), arg((p,), jnp.float32), arg((p,), jnp.int32),
-        arg((p,), jnp.uint32), flag, flag)
-    decode = jax.jit(runner._decode_impl, donate_argnums=(1, 2), static_argnums=(5,)).lower(
-        state, cache, slots, flag, flag, t)
+    # ModelRunner.__init__'s jits: cache and slot state donated, kv_len static. Lowered under
+    # a one-chip mesh of the target: the attention kernel (model.attention: auto) is chosen
+    # for the active mesh's platform, else for jax's default backend, which here is the host
+    # CPU (plain XLA), not the chip the engine runs on (splash on TPU).
+    with use_mesh(make_mesh("data=1", [device])):
+        prefill = jax.jit(runner._prefill_impl, donate_argnums=(1, 2)).lower(
+            state, cache, slots, arg((p, t), jnp.int32), arg((p,), jnp.int32),
+            arg((p,), jnp.int32), arg((p,), jnp.float32), arg((p,), jnp.float32),
+            arg((p,), jnp.int32), arg((p,), jnp.uint32), flag, flag)
+        decode = jax.jit(runner._decode_impl, donate_argnums=(1, 2), static_argnums=(5,)).lower(
+            state, cache, slots, flag, flag, t)
     shapes["param_bytes"] = device_bytes(state)
     shapes["kv_cache_bytes"] = device_bytes(cache)
     return prefill, decode, shapes
