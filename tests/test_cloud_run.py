@@ -100,6 +100,7 @@ def _run(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = 900):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_train_on_a_bucket_then_convert(gcs, tmp_path):  # noqa: F811
     """run_dir, initial model and datasets on gs://: checkpoints, weights, metrics and the
     other run files end up as objects in the bucket, and no local ``gs:`` folder appears.

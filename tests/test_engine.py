@@ -295,6 +295,7 @@ def test_config_and_model_path_errors(tmp_path):
 
 
 @pytest.mark.devices(4)
+@pytest.mark.slow
 def test_data_parallel_slots_give_the_same_tokens_and_logprobs(engine, ckpt_a):
     """Slots split over 2 and 4 devices (conftest makes 8 CPU devices): every request,
     greedy or seeded-sampled, more requests than slots so slots are refilled, gets the

@@ -138,6 +138,7 @@ def _env(hf_home):  # reward workers import known_answers from this module
 SMALL = ["--max-new-tokens", "6", "--max-seq-len", "192", "--max-slots", "16"]
 
 
+@pytest.mark.slow
 def test_eval_gsm8k_and_math500_from_the_offline_cache(hf_home, tmp_path):
     """Each benchmark end to end: the hub dataset from the datasets cache, the benchmark's
     columns, prompt and math reward, pass@k for each k of --pass-at, a table and the JSON."""

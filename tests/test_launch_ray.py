@@ -113,6 +113,7 @@ def alive(pids: list[int]) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_ray_launcher_runs_two_trainers_and_a_server(cluster, tmp_path):
     address, env = cluster
     run_dir, pid_file = tmp_path / "run", tmp_path / "pids.json"
@@ -129,6 +130,7 @@ def test_ray_launcher_runs_two_trainers_and_a_server(cluster, tmp_path):
     assert not alive([s["pid"] for s in started]), "processes left after the launcher exited"
 
 
+@pytest.mark.slow
 def test_killing_a_trainer_ends_the_ray_job_nonzero(cluster, tmp_path):
     address, env = cluster
     run_dir, pid_file = tmp_path / "run", tmp_path / "pids.json"

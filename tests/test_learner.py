@@ -58,9 +58,11 @@ def test_compute_logp_matches_transformers_with_temperature(tmp_path):
 
 
 @pytest.mark.devices(8)
-@pytest.mark.parametrize("spec, remat", [("data=8", None), ("fsdp=8", None),
-                                         ("data=2,fsdp=4", None), ("fsdp=4,tensor=2", None),
-                                         ("fsdp=4,tensor=2", "full")])
+@pytest.mark.parametrize("spec, remat", [
+    pytest.param("data=8", None, marks=pytest.mark.slow),
+    pytest.param("fsdp=8", None, marks=pytest.mark.slow),
+    pytest.param("data=2,fsdp=4", None, marks=pytest.mark.slow),
+    ("fsdp=4,tensor=2", None), ("fsdp=4,tensor=2", "full")])
 def test_mesh_equivalence_with_one_device(spec, remat):
     """Every mesh trains like one device; with remat: full the layer-level backward steps
     (each a lax.cond adding into the sharded gradient accumulator) too."""

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from _learner_data import single_device_reference
 
 WORKER = Path(__file__).with_name("_multihost_worker.py")
@@ -17,6 +18,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_match_single_process(tmp_path):
     port, out = free_port(), tmp_path / "result"
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(pid), "2", str(port), str(out)],

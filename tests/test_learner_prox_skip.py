@@ -27,7 +27,8 @@ def _batches(seed: int) -> list:
 
 
 @pytest.mark.devices(2)
-@pytest.mark.parametrize("c_clip, cap", [(None, None), (3.0, 5.0)])
+@pytest.mark.parametrize("c_clip, cap", [pytest.param(None, None, marks=pytest.mark.slow),
+                                         (3.0, 5.0)])
 def test_skipped_prox_recompute_gives_the_same_update(c_clip, cap):
     mesh = make_mesh("data=2", jax.devices()[:2])
     algo = AlgoConfig(ppo_n_minibatches=1, c_clip=c_clip, behav_imp_weight_cap=cap)

@@ -225,7 +225,7 @@ def test_hidden_states_and_unembed_give_logits(tmp_path):
                   <= sum_tolerance(scale, cfg.hidden_size))
 
 
-@pytest.mark.parametrize("remat", [True, "dots"])
+@pytest.mark.parametrize("remat", [True, pytest.param("dots", marks=pytest.mark.slow)])
 def test_remat_gives_same_logits_and_grads(tmp_path, remat):
     path = make_tiny_hf_checkpoint(tmp_path, arch="qwen2", tie=True)
     model, cfg = load_hf(path)
@@ -297,7 +297,8 @@ def _packed_loss_setup(lora: bool, remat):
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+@pytest.mark.parametrize("remat", [pytest.param("none", marks=pytest.mark.slow), "full",
+                                   pytest.param("dots", marks=pytest.mark.slow)])
 def test_layer_grad_acc_adds_each_layers_gradient_to_its_buffer(remat, lora):
     """``hidden_states(layer_grad_acc=...)``: the gradient of every decoder-layer variable
     that has a buffer comes out as buffer + gradient (inside each layer's backward step

@@ -34,6 +34,7 @@ def _learner_logprobs(path, dtype: str, seq: list[int]) -> np.ndarray:
     return np.asarray(logp[0, len(PROMPT):])
 
 
+@pytest.mark.slow
 def test_bf16_engine_serves_bf16_and_matches_the_bf16_learner(tmp_path):
     path = str(make_tiny_hf_checkpoint(tmp_path, arch="qwen2", seed=5))
     mismatch = {}

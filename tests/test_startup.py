@@ -108,6 +108,7 @@ def _cache_entries(cache: Path) -> set[str]:
     return {p.name for p in cache.iterdir() if p.name.endswith("-cache")}
 
 
+@pytest.mark.slow
 def test_second_training_run_compiles_nothing_new(tmp_path):
     """The trainer enables the cache for itself and its embedded server: a second run of
     the same config finds every program on disk (a miss would have added an entry)."""

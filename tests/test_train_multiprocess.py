@@ -86,8 +86,10 @@ def hf_tensors(path: Path) -> dict[str, np.ndarray]:
 # One device per process (fsdp spans the two processes); two devices per process (fsdp across
 # the processes, tensor parallel inside each).
 @pytest.mark.parametrize("devices, mesh, publish", [
-    (1, "fsdp=2", "background"), (2, "fsdp=2,tensor=2", "background"),
-    (1, "fsdp=2", "inline")])  # inline: process 1 joins each tensor's gather while 0 writes
+    (1, "fsdp=2", "background"),
+    pytest.param(2, "fsdp=2,tensor=2", "background", marks=pytest.mark.slow),
+    # inline: process 1 joins each tensor's gather while 0 writes
+    pytest.param(1, "fsdp=2", "inline", marks=pytest.mark.slow)])
 def test_two_processes_train_and_match_one_process(tmp_path, devices, mesh, publish):
     from areal_jax.checkpoint import TrainCheckpointer
     from areal_jax.checkpoint.publish import params_to_hf_dir
@@ -160,6 +162,7 @@ def test_a_failing_process_ends_every_process_at_once(tmp_path):
     assert "process 1 failed: error: run_dir /proc/not-writable" in log(tmp_path / "logs", 0)
 
 
+@pytest.mark.slow
 def test_killing_one_process_ends_the_job_within_seconds(tmp_path):
     import psutil
 

@@ -178,6 +178,7 @@ def test_resume_after_sigkill(tmp_path):
     assert len(set(ids)) == len(ids)
 
 
+@pytest.mark.slow
 def test_external_server_with_another_model_fails_with_a_clear_error(tmp_path):
     """An external server that serves a different model refuses the run's weights at
     start-up: a one-line error naming the mismatch, before any training."""

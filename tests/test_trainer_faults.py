@@ -203,7 +203,8 @@ def _signal_moments(n: int, seed: int) -> list[tuple[int, float, int]]:
             for i in range(n)]
 
 
-@pytest.mark.parametrize("n, seed", [(2, 0), pytest.param(20, 1, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("n, seed", [pytest.param(2, 0, marks=pytest.mark.slow),
+                                     pytest.param(20, 1, marks=pytest.mark.slow)],
                          ids=["2", "20"])
 def test_signals_at_random_moments_always_stop_gracefully(tmp_path, n, seed):
     """Issue 33: 3 of 9 signals sent 3-12 s after start were swallowed and training went on
@@ -262,6 +263,7 @@ def _tree(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow
 def test_corrupt_latest_checkpoint_resumes_from_the_previous_one(tmp_path):
     """Issue 33: array files missing from the latest checkpoint ended the resume with 26
     tracebacks (a truncated meta with a JSONDecodeError) although the previous checkpoint
@@ -373,6 +375,7 @@ def test_server_startup_timeout_is_a_config_key_named_in_the_error(tmp_path):
 
 
 # ----------------------------------------------------------------------------- eval / convert
+@pytest.mark.slow
 def test_eval_and_convert_use_the_runs_config_and_only_the_parameters(tmp_path):
     """eval.py --ckpt on a run's own checkpoint needs neither --tokenizer nor --reward (both
     come from the run's saved config: here a reward that always gives 1, so accuracy 1.0
