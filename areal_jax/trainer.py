@@ -47,10 +47,15 @@ from areal_jax.checkpoint.orbax_ckpt import rng_to_json
 from areal_jax.checkpoint.publish import join_inline_publish, serving_copy
 from areal_jax.config import TrainConfig, to_dict
 from areal_jax.data.advantages import gae_targets_for
+from areal_jax.data.trajectories import save_batch
 from areal_jax.interrupt import raise_if_interrupted
 from areal_jax.metrics import MismatchWarner
 from areal_jax.process import is_peer_gone
+from areal_jax.rollout.evaluate import evaluate_prompts
+from areal_jax.rollout.executor import NoProgressError
+from areal_jax.rollout.weight_sync import WeightSyncError
 from areal_jax.run_inputs import RunStopped
+from areal_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from areal_jax.checkpoint import TrainCheckpointer
@@ -194,8 +199,6 @@ class Trainer:
     def next_batch(self, version: int) -> TrainBatch:
         """The trajectory pipeline's next batch: the B oldest groups, advantages, packed rows
         (this process's rows of them)."""
-        from areal_jax.rollout.executor import NoProgressError
-
         try:
             batch = next(self.batches)
         except NoProgressError as e:
@@ -207,8 +210,6 @@ class Trainer:
                              f"(train.seq_len={self.cfg.train.seq_len})") from None
         if self.is_main:
             if self.cfg.train.record_batches:
-                from areal_jax.data.trajectories import save_batch
-
                 folder = os.path.join(self.rollout.run_files.local, "batches")
                 os.makedirs(folder, exist_ok=True)
                 save_batch(os.path.join(folder, f"v{version + 1}.npz"), batch)
@@ -317,9 +318,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ eval and metrics
     def evaluate(self, prefix: str = "eval_") -> dict[str, float]:
-        from areal_jax.rollout.evaluate import evaluate_prompts
-        from areal_jax.sampling_params import SamplingParams
-
         self.wait_published()  # evaluate the latest weights
         e, ro = self.cfg.eval, self.rollout
         sampling = SamplingParams(
@@ -379,8 +377,6 @@ class Trainer:
 def _weight_sync_stops_the_run() -> Iterator[None]:
     """A failed weight write or server update (``WeightSyncError``) stops the run with its
     message."""
-    from areal_jax.rollout.weight_sync import WeightSyncError
-
     try:
         yield
     except WeightSyncError as e:
