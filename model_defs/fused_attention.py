@@ -31,7 +31,10 @@ directly. ``interpret=True`` runs the Pallas kernels in the interpreter on any b
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import importlib.util
+import os
 from typing import Any
 
 import jax
@@ -53,10 +56,6 @@ def cudnn_available() -> bool:
     """True when the cuDNN library loads in this process (the fused-attention API raises
     without it): from the ``nvidia-cudnn`` wheel that ``jax[cuda]`` installs, else from
     the system's library path. Public means only (jax's own probe is private API)."""
-    import ctypes
-    import importlib.util
-    import os
-
     names: list[str] = []
     try:
         spec = importlib.util.find_spec("nvidia.cudnn")
