@@ -60,9 +60,13 @@ def fleet(ckpts):
 
     def launch_and_hold(i):
         try:
+            # One token per device call: a pause sent while requests are out lands mid-
+            # generation (8 per call finished a 40-token reply first on a fast machine, and
+            # test_no_loss_no_duplicates then saw no interruption at all).
             servers[i] = launch_server(ckpts[0], max_slots=32, max_seq_len=64,
                                        allowed_weight_dirs=[ckpts[0].parent],
-                                       xla_cpu_threads=1, warmup=True)
+                                       xla_cpu_threads=1, warmup=True,
+                                       extra_args=["--decode-steps", "1"])
         except Exception as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
         release.wait()
