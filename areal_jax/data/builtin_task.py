@@ -22,6 +22,12 @@ engine and the learner treat it like any other model's tokenizer.
 
 Splits are generated deterministically from a seed: ``train`` and ``eval`` never
 share a question.
+
+**The long-tail variant** (``longtail_train`` / ``longtail_eval``, :data:`LONGTAIL_TASK`)
+is the same chain with 1 to 40 steps, the count drawn with P(k) proportional to
+``k ** -1.3``: most answers are short (median ~21 tokens), a few are long (up to ~325),
+so solution lengths spread over 30x, as reasoning traces do. It is the task on which a
+synchronous step waits for its longest sample (docs/benchmarks.md, "Long-tail task").
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ class ArithmeticTaskConfig:
     max_operands: int = 4
     max_value: int = 40
     max_operand: int = 9
+    # None: the operand count is uniform in [min_operands, max_operands]. A number x: the
+    # step count k = operands - 1 is drawn with P(k) proportional to k ** -x (a long tail).
+    steps_exponent: float | None = None
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_operands <= self.max_operands:
@@ -53,11 +62,38 @@ class ArithmeticTaskConfig:
             )
         if self.max_operand < 1 or self.max_value < self.max_operand:
             raise ValueError("need 1 <= max_operand <= max_value")
+        if self.steps_exponent is not None and self.steps_exponent <= 0:
+            raise ValueError(f"need steps_exponent > 0 or None, got {self.steps_exponent}")
+
+
+# The long-tail task: 1 to 40 steps, P(k steps) ~ k^-1.3 (see the module docstring).
+LONGTAIL_TASK = ArithmeticTaskConfig(min_operands=2, max_operands=41, steps_exponent=1.3)
+# A split name's task prefix -> its task; "train" is the arithmetic demo's, "longtail_train"
+# the long-tail one's.
+TASKS = {"": ArithmeticTaskConfig(), "longtail": LONGTAIL_TASK}
+SPLITS = tuple(f"{t}_{s}" if t else s for t in TASKS for s in ("train", "eval"))
+
+
+def parse_split(name: str) -> tuple[str, ArithmeticTaskConfig]:
+    """``"train"`` -> ("train", the arithmetic task); ``"longtail_eval"`` -> ("eval",
+    :data:`LONGTAIL_TASK`)."""
+    if name not in SPLITS:
+        raise ValueError(f"builtin task split must be one of {list(SPLITS)}, got {name!r}")
+    task, _, split = name.rpartition("_")
+    return split, TASKS[task]
+
+
+def _num_operands(rng: random.Random, cfg: ArithmeticTaskConfig) -> int:
+    if cfg.steps_exponent is None:
+        return rng.randint(cfg.min_operands, cfg.max_operands)
+    steps = range(cfg.min_operands - 1, cfg.max_operands)
+    weights = [k ** -cfg.steps_exponent for k in steps]
+    return 1 + rng.choices(steps, weights)[0]
 
 
 def make_problem(rng: random.Random, cfg: ArithmeticTaskConfig) -> dict:
     """One problem: question, step-by-step solution and integer answer."""
-    n = rng.randint(cfg.min_operands, cfg.max_operands)
+    n = _num_operands(rng, cfg)
     value = rng.randint(0, cfg.max_value)
     question = str(value)
     steps = []
@@ -90,12 +126,13 @@ def make_split(
 ) -> list[dict]:
     """Deterministic ``train`` (default 20000) or ``eval`` (default 256) problems.
 
-    Eval questions are drawn first from their own seed; train questions skip any
-    question that appears in eval.
+    ``split`` may name a task too (``longtail_train``, see :data:`SPLITS`); ``cfg``, if
+    given, replaces the task. Eval questions are drawn first from their own seed; train
+    questions skip any question that appears in eval.
     """
-    cfg = cfg or ArithmeticTaskConfig()
-    if split not in ("train", "eval"):
-        raise ValueError(f"builtin task split must be 'train' or 'eval', got {split!r}")
+    name = split
+    split, task = parse_split(name)
+    cfg = cfg or task
     eval_rng = random.Random(1234)
     n_eval = 256 if split != "eval" or n is None else n
     eval_items, seen = [], set()
@@ -116,7 +153,7 @@ def make_split(
                 continue
             items.append(p)
             train_seen.add(p["question"])
-    return [{"prompt_id": f"{split}-{i}", **p} for i, p in enumerate(items)]
+    return [{"prompt_id": f"{name}-{i}", **p} for i, p in enumerate(items)]
 
 
 def write_split(path: str | Path, split: str, n: int | None = None,
@@ -144,7 +181,7 @@ def build_tokenizer():
     return tok
 
 
-def save_tokenizer(out_dir: str | Path) -> Path:
+def save_tokenizer(out_dir: str | Path, model_max_length: int = 128) -> Path:
     """Save ``tokenizer.json`` and ``tokenizer_config.json`` (HF layout) into out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -155,7 +192,7 @@ def save_tokenizer(out_dir: str | Path) -> Path:
         "eos_token": EOS,
         "pad_token": PAD,
         "unk_token": PAD,
-        "model_max_length": 128,
+        "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
