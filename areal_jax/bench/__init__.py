@@ -13,6 +13,7 @@ measured side by side in the same run.
     python -m areal_jax.bench startup   [options]   # process start to first batch / first step
     python -m areal_jax.bench process-rows [options] # process 0 -> each process's rows of a batch
     python -m areal_jax.bench trl       [options]   # areal-jax vs TRL GRPOTrainer on the demo
+    python -m areal_jax.bench longtail  [options]   # async vs sync vs TRL on the long-tail task
 
 (``python scripts/bench.py ...`` is the same command.) Each benchmark is the module
 ``areal_jax.bench.<name>``; the contract it follows and what they share are in
@@ -38,6 +39,7 @@ def benchmarks() -> dict[str, Benchmark]:
         executor,
         forward,
         generate,
+        longtail,
         losses,
         memory,
         memory_run,
@@ -51,7 +53,7 @@ def benchmarks() -> dict[str, Benchmark]:
     return {"forward": forward, "train": train, "generate": generate,
             "async-vs-sync": async_vs_sync, "staleness": staleness, "losses": losses,
             "executor": executor, "memory": memory, "memory-run": memory_run,
-            "startup": startup, "trl": trl,
+            "startup": startup, "trl": trl, "longtail": longtail,
             "process-rows": process_rows}
 
 

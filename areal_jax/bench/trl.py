@@ -78,10 +78,24 @@ def add_arguments(p) -> None:
     p.add_argument("--work-dir", default=None)
     p.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--t-launch", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--trl-task", default="arith", choices=sorted(TRL_TASKS),
+                   help=argparse.SUPPRESS)
+
+
+# The task a TRL worker trains: the model, the built-in splits, eval prompts and the
+# completion length, as the areal-jax config of that task has them (tiny_demo.yaml,
+# longtail_demo.yaml).
+TRL_TASKS = {
+    "arith": {"model": "builtin:arith_sft", "train": "train", "eval": "eval",
+              "eval_prompts": 128, "max_new_tokens": 48},
+    "longtail": {"model": "builtin:longtail_sft", "train": "longtail_train",
+                 "eval": "longtail_eval", "eval_prompts": 64, "max_new_tokens": 352},
+}
 
 
 # ----------------------------------------------------------------------------- TRL worker
-def trl_worker(out_path: Path, versions: int, eval_every: int, t_launch: float) -> None:
+def trl_worker(out_path: Path, versions: int, eval_every: int, t_launch: float,
+               task: str = "arith") -> None:
     """Runs TRL GRPOTrainer in this process; writes evals and tokens/s to ``out_path``."""
     import torch
     from datasets import Dataset
@@ -92,13 +106,15 @@ def trl_worker(out_path: Path, versions: int, eval_every: int, t_launch: float) 
     from areal_jax.rewards.builtin import builtin_reward
     from areal_jax.run import resolve_model_path
 
-    asset = resolve_model_path("builtin:arith_sft")  # the demo's model.path
+    spec = TRL_TASKS[task]
+    asset = resolve_model_path(spec["model"])  # the config's model.path
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(asset)
     model = AutoModelForCausalLM.from_pretrained(asset, dtype=torch.float32)
     train = Dataset.from_list([{"prompt": r["question"], "answer": r["answer"]}
-                               for r in make_split("train")])
-    evals = make_split("eval")[:128]
+                               for r in make_split(spec["train"])])
+    evals = make_split(spec["eval"])[:spec["eval_prompts"]]
+    max_new = spec["max_new_tokens"]
 
     def reward(completions, answer, **_):
         return [builtin_reward(c, a) for c, a in zip(completions, answer, strict=True)]
@@ -114,7 +130,7 @@ def trl_worker(out_path: Path, versions: int, eval_every: int, t_launch: float) 
             model.eval()
             with torch.no_grad():
                 out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                                     max_new_tokens=48, pad_token_id=tokenizer.pad_token_id,
+                                     max_new_tokens=max_new, pad_token_id=tokenizer.pad_token_id,
                                      eos_token_id=tokenizer.eos_token_id, use_cache=True)
             model.train(was_training)
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:],
@@ -136,7 +152,7 @@ def trl_worker(out_path: Path, versions: int, eval_every: int, t_launch: float) 
     cfg = GRPOConfig(
         output_dir=str(out_path.parent / "trl_out"), max_steps=versions, seed=0,
         per_device_train_batch_size=128, num_generations=8, steps_per_generation=1,
-        num_iterations=1, max_completion_length=48, temperature=1.0, top_p=1.0, top_k=0,
+        num_iterations=1, max_completion_length=max_new, temperature=1.0, top_p=1.0, top_k=0,
         scale_rewards="group", loss_type="dapo", epsilon=0.2, beta=0.0,
         learning_rate=1e-4, warmup_steps=2, lr_scheduler_type="constant_with_warmup",
         max_grad_norm=1.0, weight_decay=0.0, use_cpu=True, bf16=False, logging_steps=1,
@@ -144,19 +160,36 @@ def trl_worker(out_path: Path, versions: int, eval_every: int, t_launch: float) 
         gradient_checkpointing=False)  # TRL turns it on by default; the demo model is tiny
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[reward],
                           args=cfg, train_dataset=train, callbacks=[Evaluate()])
+    timed = {"generation_s": 0.0, "step_s": 0.0}
+
+    def timing(name, fn):  # seconds in generation (+ scoring) and in whole training steps
+        def wrapped(*a, **kw):
+            t0 = time.time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                timed[name] += time.time() - t0
+        return wrapped
+
+    trainer._generate_and_score_completions = timing(
+        "generation_s", trainer._generate_and_score_completions)
+    trainer.training_step = timing("step_s", trainer.training_step)
     trainer.train()
+    record["time_shares"] = {"generation_s": timed["generation_s"],
+                             "training_s": timed["step_s"] - timed["generation_s"]}
     tokens = max((h.get("num_tokens", 0) for h in trainer.state.log_history), default=0)
     record["tokens"] = float(tokens)
     out_path.write_text(json.dumps(record))
 
 
 # ----------------------------------------------------------------------------- runs
-def run_trl(work: Path, versions: int, eval_every: int) -> dict:
+def run_trl(work: Path, versions: int, eval_every: int, task: str = "arith") -> dict:
     out = work / "trl.json"
     t_launch = time.time()
     res = subprocess.run([sys.executable, "-m", "areal_jax.bench", "trl",
                           "--trl-worker", str(out), "--versions", str(versions),
-                          "--eval-every", str(eval_every), "--t-launch", str(t_launch)],
+                          "--eval-every", str(eval_every), "--t-launch", str(t_launch),
+                          "--trl-task", task],
                          capture_output=True, text=True, cwd=REPO,
                          env=script_env(REPO, TOKENIZERS_PARALLELISM="false"))
     if res.returncode != 0:
@@ -164,7 +197,7 @@ def run_trl(work: Path, versions: int, eval_every: int) -> dict:
     rec = json.loads(out.read_text())
     rec["total_s"] = time.time() - t_launch
     return _summarise(rec["evals"], rec["tokens"], rec["last_step_s"], rec["eval_s"],
-                      rec["total_s"])
+                      rec["total_s"]) | {"time_shares": rec.get("time_shares", {})}
 
 
 def run_areal(repo: Path, config: str, work: Path, versions: int, eval_every: int) -> dict:
@@ -213,7 +246,8 @@ def _check_trl() -> None:
 def run(args) -> dict:
     _check_trl()
     if args.trl_worker:  # the child process of run_trl
-        trl_worker(Path(args.trl_worker), args.versions, args.eval_every, args.t_launch)
+        trl_worker(Path(args.trl_worker), args.versions, args.eval_every, args.t_launch,
+                   args.trl_task)
         raise SystemExit(0)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-trl-"))
     systems = {"areal-jax": REPO}

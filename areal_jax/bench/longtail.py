@@ -1,0 +1,240 @@
+"""longtail: async vs sync vs TRL GRPOTrainer, and interruptible weight updates, on the
+long-tail task.
+
+    python scripts/bench.py longtail [--versions 20] [--repeats 2] [--target 0.6] \
+        [--docs docs/longtail] [--out docs/longtail.json] [--skip-trl]
+
+The task (``builtin:longtail_train``, ``configs/longtail_demo.yaml``) has answers of 10 to
+~325 tokens, most short: a synchronous step waits for its longest sample. Systems, each
+its own process, interleaved (each once, then again for ``--repeats``):
+
+- ``async``: the config as it is (engine on core 0, learner on core 1, eta 2,
+  interruptible weight updates);
+- ``sync``: ``mode=sync``, unpinned (generation and training alternate, each may use
+  both cores: the strongest synchronous run this machine allows);
+- ``async-nointerrupt``: ``rollout.interruptible=false`` (a weight update waits for the
+  requests in flight);
+- ``TRL GRPOTrainer`` (unless ``--skip-trl``): the same model, prompts, reward and
+  hyper-parameters, the knobs mapped as ``bench.py trl`` maps them
+  (``areal_jax/bench/trl.py``), ``max_completion_length`` 352.
+
+Each run reports, measured from process start:
+
+- **training tokens/s**: prompt + completion tokens trained on / (wall time to the end of
+  the last step minus the evals), start-up included, as ``bench.py trl``; and in steady
+  state (after ``--warmup-versions``), as ``bench.py async-vs-sync``;
+- **time to accuracy**: wall time until an eval first reaches ``--target``;
+- **time shares** of that training time: areal-jax from its metrics rows (the learner's
+  wait for a batch, ``rollout_wait_s``, which is generation in sync mode; training,
+  ``train/step_time_s``; publishing, ``publish_s``; the rest of each version; start-up);
+  TRL from timers around its generation (+ scoring) and its training steps.
+
+Each system's row is its median run (tokens/s), with the range over repeats. The table
+goes to the JSON, and with ``--docs STEM`` to ``STEM.md`` with the task's length
+histogram, and the accuracy-vs-wall-time plot to ``STEM.png``.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from areal_jax.bench.async_vs_sync import summarize
+from areal_jax.bench.common import REPO, format_summary, format_table, run_train
+from areal_jax.bench.trl import _check_trl, areal_eval_seconds, run_trl, time_to
+
+AREAL_SYSTEMS = {
+    "async": [],
+    "sync": ["mode=sync", "rollout.server_cpu_cores=null", "rollout.learner_cpu_cores=null"],
+    "async-nointerrupt": ["rollout.interruptible=false"],
+}
+TRL = "TRL GRPOTrainer"
+SHARES = ("waiting", "training", "publishing", "other", "start-up")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", default=str(REPO / "configs" / "longtail_demo.yaml"))
+    p.add_argument("--versions", type=int, default=20, help="training steps of each system")
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--target", type=float, default=0.6, help="accuracy for time-to-accuracy")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--warmup-versions", type=int, default=3,
+                   help="versions left out of the steady-state throughput")
+    p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--docs", default=None, help="write <docs>.md and <docs>.png")
+    p.add_argument("--work-dir", default=None)
+
+
+def length_histogram(split: str = "longtail_train", bins: tuple[int, ...] = (
+        16, 32, 64, 128, 256, 512)) -> list[dict]:
+    """Completion lengths (solution + eos, in tokens) of a built-in split, binned."""
+    from areal_jax.data.builtin_task import make_split
+
+    lengths = np.array([len(r["solution"]) + 1 for r in make_split(split)])
+    out, lo = [], 0
+    for hi in bins:
+        n = int(((lengths > lo) & (lengths <= hi)).sum())
+        out.append({"tokens": f"{lo + 1}-{hi}", "count": n, "fraction": n / len(lengths)})
+        lo = hi
+    return out
+
+
+def format_histogram(hist: list[dict], width: int = 40) -> str:
+    lines = []
+    for h in hist:
+        bar = "#" * max(round(h["fraction"] * width), 1 if h["count"] else 0)
+        lines.append(f"{h['tokens']:>8} tokens | {h['fraction']:6.1%} {bar}")
+    return "\n".join(lines)
+
+
+def areal_time_shares(rows: list[dict], train_s: float) -> dict[str, float]:
+    """Seconds of a run's training time (wall to the last step minus evals) per phase."""
+    trained = [r for r in rows if "step_time_s" in r]
+    wait = sum(r["rollout_wait_s"] for r in trained)
+    train = sum(r.get("train/step_time_s", 0.0) for r in trained)
+    publish = sum(r.get("publish_s", 0.0) for r in trained)
+    steps = sum(r["step_time_s"] for r in trained)
+    return {"waiting": wait, "training": train, "publishing": publish,
+            "other": max(steps - wait - train - publish, 0.0),
+            "start-up": max(train_s - steps, 0.0)}
+
+
+def run_areal_system(config: str, overrides: list[str], work: Path, versions: int,
+                     eval_every: int, warmup: int) -> dict:
+    args = [f"train.total_versions={versions}", f"eval.every_versions={eval_every}",
+            "progress_bar=false", "checkpoint.every_versions=0", *overrides]
+    done = run_train(config, args, work / "run", log_path=work / "train.log",
+                     JAX_PLATFORMS="cpu")
+    rows, t_launch = done.rows, done.t_launch
+    evals = [{"step": r["version"], "accuracy": r["eval_accuracy"], "time_s": r["time"] - t_launch}
+             for r in rows if "eval_accuracy" in r]
+    trained = [r for r in rows if "tokens_consumed" in r]
+    train_end = trained[-1]["time"] - t_launch
+    eval_s = areal_eval_seconds(rows)
+    steady = summarize(rows, warmup)
+    return {"evals": evals, "tokens": float(trained[-1]["tokens_consumed"]),
+            "train_end_s": train_end, "eval_s": eval_s, "total_s": done.total_s,
+            "tokens_per_s": trained[-1]["tokens_consumed"] / max(train_end - eval_s, 1e-9),
+            "steady_tokens_per_s": steady["tokens_per_s"],
+            "completion_tokens_mean": float(np.mean([r["completion_tokens_mean"]
+                                                     for r in trained])),
+            "time_shares": areal_time_shares(rows, train_end - eval_s)}
+
+
+def _median_run(ms: list[dict]) -> dict:
+    ordered = sorted(ms, key=lambda m: m["tokens_per_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _median_time_to(ms: list[dict], target: float) -> float:
+    times = [t for t in (time_to(m["evals"], target) for m in ms) if t is not None]
+    return float(np.median(times)) if times else float("nan")
+
+
+def shares_text(shares: dict[str, float], total: float) -> str:
+    return ", ".join(f"{k} {v / max(total, 1e-9):.0%}" for k, v in shares.items() if v > 0)
+
+
+def summarise_runs(runs: dict[str, list[dict]], target: float) -> tuple[list, list, dict]:
+    """The table (one row per system: its median run) and the ratios."""
+    columns = ["system", "tokens/s", "range", "steady tokens/s", f"time to {target} s",
+               "reached", "final acc", "time shares (of training time)"]
+    rows, med = [], {}
+    for name, ms in runs.items():
+        m = _median_run(ms)
+        med[name] = {"tokens_per_s": m["tokens_per_s"],
+                     "steady": m.get("steady_tokens_per_s", float("nan")),
+                     "time_to": _median_time_to(ms, target)}
+        tps = [x["tokens_per_s"] for x in ms]
+        reached = sum(time_to(x["evals"], target) is not None for x in ms)
+        rows.append([name, m["tokens_per_s"], f"{min(tps):.0f}-{max(tps):.0f}",
+                     med[name]["steady"], med[name]["time_to"], f"{reached}/{len(ms)}",
+                     m["evals"][-1]["accuracy"] if m["evals"] else float("nan"),
+                     shares_text(m.get("time_shares", {}), m["train_end_s"] - m["eval_s"])])
+    summary: dict[str, float | str] = {}
+    a = med["async"]
+    for peer in ("sync", TRL):
+        if peer in med:
+            summary[f"tokens/s async / {peer}"] = a["tokens_per_s"] / med[peer]["tokens_per_s"]
+            if peer != TRL:
+                summary[f"steady tokens/s async / {peer}"] = a["steady"] / med[peer]["steady"]
+            summary[f"time to {target} async / {peer}"] = a["time_to"] / med[peer]["time_to"]
+    if "async-nointerrupt" in med:
+        summary["tokens/s interruptible / not"] = (a["tokens_per_s"]
+                                                   / med["async-nointerrupt"]["tokens_per_s"])
+        summary["steady tokens/s interruptible / not"] = (a["steady"]
+                                                          / med["async-nointerrupt"]["steady"])
+    return columns, rows, summary
+
+
+def run(args) -> dict:
+    if not args.skip_trl:
+        _check_trl()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-longtail-"))
+    names = [*AREAL_SYSTEMS, *([] if args.skip_trl else [TRL])]
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for rep in range(args.repeats):
+        for k, name in enumerate(names):
+            d = work / f"system{k}-run{rep}"  # a fresh run dir each (a reused one would resume)
+            d.mkdir(parents=True, exist_ok=True)
+            if name == TRL:
+                m = run_trl(d, args.versions, args.eval_every, task="longtail")
+            else:
+                m = run_areal_system(args.config, AREAL_SYSTEMS[name], d, args.versions,
+                                     args.eval_every, args.warmup_versions)
+            runs[name].append(m)
+            print(f"{name} #{rep}: tokens/s {m['tokens_per_s']:.0f}, time to {args.target}: "
+                  f"{time_to(m['evals'], args.target)}, shares "
+                  f"{shares_text(m.get('time_shares', {}), m['train_end_s'] - m['eval_s'])}, "
+                  "evals " + " ".join(f"{e['step']}:{e['accuracy']:.3f}@{e['time_s']:.1f}s"
+                                      for e in m["evals"]), flush=True)
+    columns, rows, summary = summarise_runs(runs, args.target)
+    hist = length_histogram()
+    result = {"title": f"long-tail task: async vs sync vs TRL ({args.versions} steps, "
+                       f"{args.repeats} repeats)",
+              "columns": columns, "rows": rows, "summary": summary, "runs": runs,
+              "length_histogram": hist}
+    if args.docs:
+        write_docs(Path(args.docs), result, args)
+    return result
+
+
+def write_docs(stem: Path, result: dict, args) -> None:
+    """``<stem>.png``: accuracy against wall time for every run; ``<stem>.md``: the tables."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = {"async": "tab:blue", "sync": "tab:red", "async-nointerrupt": "tab:green",
+              TRL: "tab:orange"}
+    for name, ms in result["runs"].items():
+        for i, m in enumerate(ms):
+            ax.plot([e["time_s"] for e in m["evals"]], [e["accuracy"] for e in m["evals"]],
+                    marker="o", color=colors.get(name), alpha=1.0 if i == 0 else 0.5,
+                    label=name if i == 0 else None)
+    ax.axhline(args.target, color="k", lw=0.8, ls="--")
+    ax.set_xlabel("wall time since process start (s)")
+    ax.set_ylabel("eval accuracy (pass@1, T=1, 64 prompts)")
+    ax.set_title("long-tail task: async vs sync vs TRL GRPOTrainer")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=110)
+    cmd = "python scripts/bench.py " + " ".join(sys.argv[1:])
+    lines = [f"# {result['title']}", "", f"Made by `{cmd}`.", "",
+             "Completion lengths of `builtin:longtail_train` (solution + eos):", "", "```",
+             format_histogram(result["length_histogram"]), "```", "", "```",
+             format_table(result["columns"], result["rows"]), "```", ""]
+    lines += format_summary(result["summary"], prefix="- ")
+    lines += ["", "Accuracy at each eval (step: accuracy @ seconds since process start):", ""]
+    for name, ms in result["runs"].items():
+        for i, m in enumerate(ms):
+            lines.append(f"- {name} run {i}: " + ", ".join(
+                f"{e['step']}: {e['accuracy']:.3f} @ {e['time_s']:.1f}s" for e in m["evals"]))
+    lines += ["", f"![accuracy vs wall time]({stem.with_suffix('.png').name})", ""]
+    stem.with_suffix(".md").write_text("\n".join(lines))
