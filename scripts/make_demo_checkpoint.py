@@ -53,7 +53,7 @@ TASKS = {"arith": ("train", "eval", SEQ_LEN, 256, 48),
          "longtail": ("longtail_train", "longtail_eval", 448, 512, 336)}
 # --task longtail: the defaults that differ from the arithmetic demo's
 LONGTAIL_DEFAULTS = {"init": "areal_jax/data/assets/arith_sft", "steps": 300, "batch_size": 32,
-                     "lr": 2e-3, "eval_every": 100, "eval_prompts": 64}
+                     "lr": 2e-3, "eval_every": 300, "eval_prompts": 16}
 BUCKET_WIDTHS = (64, 128, 256, 448)  # --task longtail: row lengths of the batches
 
 
@@ -166,9 +166,9 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=None, help="default 64 (longtail: 32)")
     p.add_argument("--lr", type=float, default=None, help="default 3e-3 (longtail: 2e-3)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=int, default=None, help="default 100 (longtail: 100)")
+    p.add_argument("--eval-every", type=int, default=None, help="default 100 (longtail: 300)")
     p.add_argument("--eval-prompts", type=int, default=None,
-                   help="default 128 (longtail: 64)")
+                   help="default 128 (longtail: 16; its decode is a full re-forward per token)")
     p.add_argument("--answer-noise", type=float, default=0.7,
                    help="fraction of SFT solutions whose final answer is replaced by a random one")
     args = p.parse_args()
