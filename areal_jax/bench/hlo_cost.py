@@ -10,8 +10,9 @@ steps are scans) reports a fraction of its work. This reads the optimised HLO te
   operands and writes its output once; what happens inside stays on chip), the
   ``cost_analysis`` model, where a (dynamic-)slice or gather moves what it returns (an
   embedding lookup does not read the table) and an in-place
-  dynamic-update-slice its update (also inside a fusion: a loop step that reads one
-  block of a buffer is not charged the whole buffer);
+  dynamic-update-slice its update (also inside a fusion, nested ones included: a loop
+  step that reads one block of a buffer, or one layer of stacked weights, is not charged
+  the whole buffer);
 
 each multiplied by the trip counts of the loops around it (XLA's ``known_trip_count``,
 else the one integer constant of the loop's condition); a conditional counts its most
@@ -155,16 +156,28 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
         ins = parsed.get(name, [])
         types = {n: t for n, t, _, _, _ in ins}
         params = param_index.get(name, {})
-        users: dict[str, list[tuple[str, str, int]]] = {n: [] for n in params}
-        for _, out_type, op, operands, _ in ins:
+        users: dict[str, list[tuple[str, str, int, str]]] = {n: [] for n in params}
+        for _, out_type, op, operands, attrs in ins:
             for pos, o in enumerate(operands):
                 if o in users:
-                    users[o].append((op, out_type, pos))
+                    users[o].append((op, out_type, pos, attrs))
+
+        def partial_read(op: str, out_type: str, pos: int, attrs: str) -> int | None:
+            """Bytes a use reads of its operand ``pos`` if only a part of it, else None. A
+            nested fusion (TPU fuses a loop step's slice of stacked weights into a fusion
+            inside the matmul's) reads what its own parameter's uses read."""
+            if op in _PARTIAL_READS and pos == 0:
+                return _nbytes(out_type)
+            if op == "fusion":
+                m = re.search(r"calls=%([\w.\-]+)", attrs)
+                return fusion_io(m.group(1))[0].get(pos) if m else None
+            return None
+
         reads = {}
         for pname, index in params.items():
-            uses = users[pname]
-            if uses and all(op in _PARTIAL_READS and pos == 0 for op, _, pos in uses):
-                reads[index] = sum(_nbytes(t) for _, t, _ in uses)
+            parts = [partial_read(*use) for use in users[pname]]
+            if parts and all(part is not None for part in parts):
+                reads[index] = sum(parts)
         written = None
         root = roots.get(name)
         if root is not None and root[2] == "dynamic-update-slice" and len(root[3]) > 1:

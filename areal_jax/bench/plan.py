@@ -80,9 +80,10 @@ def model_config(cfg: Any, preset: str | None = None) -> tuple[Any, str]:
 
 
 def _abstract_model(model_cfg: Any, dtype: str, param_dtype: str, remat: Any = False,
-                    lora: Any = None, seed: int = 0) -> Any:
+                    lora: Any = None, seed: int = 0, attention: str = "auto") -> Any:
     """An abstract CausalLM built as ``load_hf`` builds it (params in ``param_dtype``), with
-    the learner's remat policy, compute dtype and LoRA adapters applied the same way."""
+    the learner's remat policy, attention kernel (``model.attention``), compute dtype and
+    LoRA adapters applied the same way."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -98,6 +99,7 @@ def _abstract_model(model_cfg: Any, dtype: str, param_dtype: str, remat: Any = F
 
     model = nnx.eval_shape(build)
     model.remat = remat_policy_name(remat)
+    model.attention_impl = attention
     _set_compute_dtype(model, jnp.dtype(dtype))
     return model
 
@@ -144,7 +146,7 @@ def abstract_learner(cfg: Any, model_cfg: Any, mesh: Any) -> Any:
     optim, algo, loss_kw = learner_configs(cfg)
     lora = cfg.model.lora.spec() if cfg.model.lora is not None else None
     model = _abstract_model(model_cfg, cfg.model.dtype, "float32", cfg.model.remat, lora,
-                            cfg.seed)
+                            cfg.seed, cfg.model.attention)
     learner = Learner.__new__(Learner)
     learner.mesh, learner.model_cfg, learner.optim, learner.algo = mesh, model_cfg, optim, algo
     learner.n_minibatches = algo.ppo_n_minibatches
@@ -254,8 +256,10 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any) -> tuple[Any, Any, dict[
     on_chip = jax.sharding.SingleDeviceSharding(device)
     state = _on(state, on_chip)
     b, dtype = shapes["max_slots"], jnp.dtype(cfg.model.dtype)
-    cache = _on(jax.eval_shape(lambda: init_slot_cache(model_cfg, b, runner.max_seq_len, dtype)),
-                on_chip)
+    # The engine's layout on the chip: stacked, for the scanned layer loop (engine.forward).
+    stacked = device.platform != "cpu"
+    cache = _on(jax.eval_shape(lambda: init_slot_cache(model_cfg, b, runner.max_seq_len, dtype,
+                                                       stacked)), on_chip)
     slots = _on({"token": jax.ShapeDtypeStruct((b,), jnp.int32),
                  "position": jax.ShapeDtypeStruct((b,), jnp.int32),
                  "temperature": jax.ShapeDtypeStruct((b,), jnp.float32),

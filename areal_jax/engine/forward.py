@@ -6,19 +6,19 @@ attention function, ``model_defs.attention.attention``, that the learner uses to
 own only what serving needs differently from the learner: the cache layout and how much
 of it attention reads.
 
-* Layers are unrolled here (``model.unstacked_layers()``: static slices of the stacked
-  variables), while the learner scans them. The cache stays one buffer per layer, so
-  each layer's write is in place and decode reads each layer's prefix directly; a scan
-  would carry the whole [L, ...] cache through every step of the layer loop. The cost
-  is compile time that grows with depth, seconds for the engine's small programs.
-  A slice of a stacked weight is a copy in XLA, and XLA does not hoist it out of a
-  loop: ``decode_chunk`` slices once per call, before its step loop. Slicing inside
-  the loop copied every layer's weights at every step (a 4-layer, 50 MB model's 8-step
-  decode call moved 1.32 GB instead of 0.71 GB by ``bench/hlo_cost``).
+* The layer loop is a ``lax.scan`` on accelerators and unrolled on the CPU
+  (``scan_layers_by_default``); the cache's layout says which (``SlotCache``). A scan puts one layer in the compiled
+  program whatever the depth: unrolled, the 28-layer prefill of a 1.5B model took 655 s to
+  compile for a TPU on this project's 2-core planning machine. Each scan step reads its
+  layer's slice of the stacked weights and cache, which TPU and GPU fusions read in place.
+  XLA's CPU backend copies a slice instead (it does not hoist it out of a loop either), and
+  CPU models are small, so there the layers are unrolled over slices taken once per call,
+  before the step loop. (Slicing inside the step loop copied every layer's weights at every
+  step: a 4-layer, 50 MB model's 8-step decode call moved 1.32 GB instead of 0.71 GB by
+  ``bench/hlo_cost``.)
 
 * The slot cache is head-major: values ``[B_slots, K, S_max, Dh]`` and keys stored
-  transposed, ``[B_slots, K, Dh, S_max]``, per layer. Decode attention is then two plain
-  matrix products per (slot, kv-head), ``q[G, Dh] @ k[Dh, S]`` and ``p[G, S] @ v[S, Dh]``,
+  transposed, ``[B_slots, K, Dh, S_max]``, per layer. Decode attention is then two plain matrix products per (slot, kv-head), ``q[G, Dh] @ k[Dh, S]`` and ``p[G, S] @ v[S, Dh]``,
   each reading its operand in its natural layout. (With keys as ``[S, Dh]`` the score
   product contracts the minor axis of both operands, which XLA's CPU dot runs 2-3x
   slower on these shapes: it was the largest op of a decode step.)
@@ -45,29 +45,91 @@ from jax.typing import DTypeLike
 from areal_jax.engine.sampling import first_argmax
 from model_defs import CausalLM, ModelConfig, PyTree
 from model_defs.attention import attention, merge_attention
+from model_defs.fused_attention import active_platform
 
 Array = jax.Array
 
 
 @struct.dataclass
 class SlotCache:
-    """Keys/values of every slot, one array per layer: ``k[l]`` [B_slots, K, Dh, S_max]
-    (transposed, see the module doc) and ``v[l]`` [B_slots, K, S_max, Dh].
+    """Keys/values of every slot: ``k`` [B_slots, K, Dh, S_max] (transposed, see the module
+    doc) and ``v`` [B_slots, K, S_max, Dh] per layer, either stacked into one [L, ...] array
+    each (for the scanned layer loop) or as a tuple of L arrays (for the unrolled one, where
+    each layer's buffer is written in place and read directly, with no slice to copy).
+    The forward functions loop over the layers the way the cache is laid out."""
 
-    Separate per-layer buffers let each layer's write happen in place and let attention
-    over the whole cache read a buffer directly instead of a copied slice.
-    """
+    k: Array | tuple[Array, ...]
+    v: Array | tuple[Array, ...]
 
-    k: tuple[Array, ...]
-    v: tuple[Array, ...]
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.k, tuple)
 
 
-def init_slot_cache(cfg: ModelConfig, slots: int, max_len: int, dtype: DTypeLike) -> SlotCache:
+def init_slot_cache(cfg: ModelConfig, slots: int, max_len: int, dtype: DTypeLike,
+                    stacked: bool | None = None) -> SlotCache:
+    """A zero cache; ``stacked`` (default: ``scan_layers_by_default()``) picks the layout."""
+    stacked = scan_layers_by_default() if stacked is None else stacked
+    n = cfg.num_hidden_layers
     v_shape = (slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
     k_shape = (slots, cfg.num_key_value_heads, cfg.head_dim, max_len)
-    layers = range(cfg.num_hidden_layers)
-    return SlotCache(k=tuple(jnp.zeros(k_shape, dtype) for _ in layers),
-                     v=tuple(jnp.zeros(v_shape, dtype) for _ in layers))
+    if stacked:
+        return SlotCache(k=jnp.zeros((n, *k_shape), dtype), v=jnp.zeros((n, *v_shape), dtype))
+    return SlotCache(k=tuple(jnp.zeros(k_shape, dtype) for _ in range(n)),
+                     v=tuple(jnp.zeros(v_shape, dtype) for _ in range(n)))
+
+
+def scan_layers_by_default() -> bool:
+    """Whether the engine loops over its layers with a ``lax.scan`` (and stacks its cache)
+    where it is traced: on accelerators (TPU, GPU), not on the CPU (see the module doc)."""
+    return active_platform() != "cpu"
+
+
+class _LayerLoop:
+    """The engine's loop over the decoder layers: a ``lax.scan`` for a stacked cache (one
+    layer in the program, each step reading its slice of the stacked weights), else
+    unrolled over layers sliced once, when the loop is built (a slice is a copy on the
+    CPU, so one taken inside a step loop would be taken at every step).
+
+    Per-layer operands are stacked [L, ...] arrays for a scan and lists of L arrays when
+    unrolled (``per_layer``)."""
+
+    def __init__(self, model: CausalLM, scan: bool):
+        self.model, self.scan, self.n = model, scan, model.num_layers
+        self.layers = None if scan else model.unstacked_layers()
+
+    def per_layer(self, cache_part: Array | tuple[Array, ...],
+                  fn: Callable[[Array], Array] = lambda a: a) -> Array | list[Array]:
+        """``fn`` (a slice, a cast) of a cache part, laid out for the loop."""
+        return fn(cache_part) if self.scan else [fn(c) for c in cache_part]
+
+    def zeros(self, shape: tuple[int, ...], dtype: DTypeLike) -> Array | list[Array]:
+        if self.scan:
+            return jnp.zeros((self.n, *shape), dtype)
+        return [jnp.zeros(shape, dtype) for _ in range(self.n)]
+
+    def run(self, body: Callable, carry: PyTree, xs: tuple) -> tuple[PyTree, tuple]:
+        """``body(carry, layer, xs_l) -> (carry, ys_l)`` over the layers in order; returns
+        the carry and the ys (stacked for a scan, lists when unrolled)."""
+        if self.scan:
+            def step(c, i_xs):
+                i, xs_l = i_xs
+                return body(c, self.model.layer(i), xs_l)
+            return jax.lax.scan(step, carry, (jnp.arange(self.n), xs))
+        outs = []
+        for i, layer in enumerate(self.layers):
+            carry, y = body(carry, layer, tuple(x[i] for x in xs))
+            outs.append(y)
+        return carry, tuple(list(ys) for ys in zip(*outs, strict=True))
+
+    def write(self, cache_part: Array | tuple[Array, ...], new: Array | list[Array],
+              write_one: Callable[[Array, Array], Array]) -> Array | tuple[Array, ...]:
+        """``write_one(buffer, new)`` (an indexed ``.at[...].set``, written for one layer's
+        [B_slots, ...] buffer) applied to every layer: once over the stack, with a leading
+        layer axis added to both, or per layer."""
+        if self.scan:
+            return jax.vmap(write_one)(cache_part, new)
+        return tuple(write_one(c, x) for c, x in zip(cache_part, new, strict=True))
 
 
 def prefill_forward(model: CausalLM, prompt_pt: Array, prompt_len_p: Array, slot_p: Array,
@@ -76,24 +138,24 @@ def prefill_forward(model: CausalLM, prompt_pt: Array, prompt_len_p: Array, slot
     (out-of-range slots, used for padding rows, are dropped). Returns the fp32 logits at
     each prompt's last token [P, V] and the cache."""
     rows, bucket = prompt_pt.shape
+    loop = _LayerLoop(model, cache.stacked)
     positions_pt = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (rows, bucket))
     cos_sin = model.rope(positions_pt)
-    x_ptd = model.embed(prompt_pt)
-    new_k, new_v = [], []
-    for layer in model.unstacked_layers():
+
+    def layer_step(x_ptd, layer, _):
         q_pkgtd, k_pktd, v_pktd = layer.attention_inputs(x_ptd, cos_sin)
-        new_k.append(k_pktd)
-        new_v.append(v_pktd)
         # Right padding comes after every real token, so causal attention alone keeps it
         # out of the real tokens' outputs.
         x_ptd = layer.finish(x_ptd, attention(q_pkgtd, k_pktd, v_pktd,
                                               impl=model.attention_impl))
+        return x_ptd, (k_pktd.swapaxes(2, 3), v_pktd)
+
+    x_ptd, (new_k, new_v) = loop.run(layer_step, model.embed(prompt_pt), ())
     cache = SlotCache(
-        k=tuple(c.at[slot_p, :, :, :bucket].set(n.swapaxes(2, 3).astype(c.dtype), mode="drop")
-                for c, n in zip(cache.k, new_k, strict=True)),
-        v=tuple(c.at[slot_p, :, :bucket].set(n.astype(c.dtype), mode="drop")
-                for c, n in zip(cache.v, new_v, strict=True)),
-    )
+        k=loop.write(cache.k, new_k, lambda c, n: c.at[slot_p, :, :, :bucket].set(
+            n.astype(c.dtype), mode="drop")),
+        v=loop.write(cache.v, new_v, lambda c, n: c.at[slot_p, :, :bucket].set(
+            n.astype(c.dtype), mode="drop")))
     last_pd = jnp.take_along_axis(x_ptd, (prompt_len_p - 1)[:, None, None], axis=1)[:, 0]
     hidden_p1d = model.final_norm(last_pd[:, None, :])
     return model.logits_from_hidden(hidden_p1d)[:, 0], cache
@@ -123,38 +185,37 @@ def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: Slot
     (``position_b`` is where they will sit); the stacked ``extra`` [steps, ...] is returned.
     """
     b = token_b.shape[0]
+    loop = _LayerLoop(model, cache.stacked)
+    kv, _, dh = loop.per_layer(cache.v)[0].shape[-3:]
     start_b = position_b
-    prefix_k = [k[..., :kv_len].astype(model.dtype) for k in cache.k]  # [B, K, Dh, P]
-    prefix_v = [v[:, :, :kv_len].astype(model.dtype) for v in cache.v]  # [B, K, P, Dh]
-    kv, dh = cache.v[0].shape[1], cache.v[0].shape[3]
-    local_k0 = tuple(jnp.zeros((b, kv, dh, steps), model.dtype) for _ in cache.k)
-    local_v0 = tuple(jnp.zeros((b, kv, steps, dh), model.dtype) for _ in cache.v)
+    prefix_k = loop.per_layer(cache.k, lambda k: k[..., :kv_len].astype(model.dtype))  # [B, K, Dh, P]
+    prefix_v = loop.per_layer(cache.v, lambda v: v[..., :kv_len, :].astype(model.dtype))  # [B, K, P, Dh]
+    local_k0 = loop.zeros((b, kv, dh, steps), model.dtype)
+    local_v0 = loop.zeros((b, kv, steps, dh), model.dtype)
     # The prefix holds positions [0, start_b) of each slot; later indices are stale.
     prefix_limit_b1 = (start_b - 1)[:, None]
-    layers = model.unstacked_layers()  # sliced once per call, outside the step loop
 
     def one_step(carry, step):
         local_k, local_v, token_b, position_b = carry
         cos_sin = model.rope(position_b[:, None])
         local_limit_b1 = jnp.full((b, 1), step, jnp.int32)  # this call's keys 0..step
-        x_b1d = model.embed(token_b[:, None])
-        new_local_k, new_local_v = [], []
-        for layer, pk, pv, lk, lv in zip(layers, prefix_k, prefix_v,
-                                         local_k, local_v, strict=True):
+
+        def layer_step(x_b1d, layer, xs_l):
+            pk, pv, lk, lv = xs_l
             q_bkg1d, k_bk1d, v_bk1d = layer.attention_inputs(x_b1d, cos_sin)
             lk = jax.lax.dynamic_update_slice_in_dim(lk, k_bk1d.swapaxes(2, 3), step, axis=3)
             lv = jax.lax.dynamic_update_slice_in_dim(lv, v_bk1d, step, axis=2)
-            new_local_k.append(lk)
-            new_local_v.append(lv)
             parts = [attention(q_bkg1d, keys, values, kv_limit_bt=limit, keys_transposed=True,
                                return_lse=True)
                      for keys, values, limit in ((pk, pv, prefix_limit_b1),
                                                  (lk, lv, local_limit_b1))]
-            x_b1d = layer.finish(x_b1d, merge_attention(parts, model.dtype))
+            return layer.finish(x_b1d, merge_attention(parts, model.dtype)), (lk, lv)
+
+        x_b1d, (local_k, local_v) = loop.run(
+            layer_step, model.embed(token_b[:, None]), (prefix_k, prefix_v, local_k, local_v))
         logits_bv = model.logits_from_hidden(model.final_norm(x_b1d))[:, 0]
         next_token_b, extra = choose(logits_bv, step, position_b + 1)
-        carry = (tuple(new_local_k), tuple(new_local_v), next_token_b, position_b + 1)
-        return carry, extra
+        return (local_k, local_v, next_token_b, position_b + 1), extra
 
     (local_k, local_v, _, _), extras = jax.lax.scan(
         one_step, (local_k0, local_v0, token_b, position_b), jnp.arange(steps))
@@ -170,6 +231,5 @@ def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: Slot
         return c.at[rows_bc, :, pos_bc].set(local_bkcd.transpose(0, 2, 1, 3).astype(c.dtype),
                                              mode="drop")
 
-    cache = SlotCache(k=tuple(commit_k(c, lk) for c, lk in zip(cache.k, local_k, strict=True)),
-                      v=tuple(commit_v(c, lv) for c, lv in zip(cache.v, local_v, strict=True)))
-    return extras, cache
+    return extras, SlotCache(k=loop.write(cache.k, local_k, commit_k),
+                             v=loop.write(cache.v, local_v, commit_v))

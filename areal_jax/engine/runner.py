@@ -41,7 +41,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from areal_jax.engine.forward import SlotCache, decode_chunk, init_slot_cache, prefill_forward
+from areal_jax.engine.forward import (
+    SlotCache,
+    decode_chunk,
+    init_slot_cache,
+    prefill_forward,
+    scan_layers_by_default,
+)
 from areal_jax.engine.sampling import sample_tokens
 
 MIN_PREFILL_BUCKET = 16
@@ -119,6 +125,9 @@ class ModelRunner:
         self.prefill_rows = prefill_rows
         self.decode_steps = decode_steps
         self.buckets = prefill_buckets(max_seq_len)
+        # Stacked cache and scanned layers on accelerators, per-layer and unrolled on the CPU
+        # (areal_jax.engine.forward's module doc).
+        self.stacked_cache = scan_layers_by_default()
         self.num_compilations = 0
         self.compiled: list[str] = []
         prefill_impl, decode_impl = self._prefill_impl, self._decode_impl
@@ -135,8 +144,11 @@ class ModelRunner:
         mesh, n = self.mesh, self.data_parallel
         local_slots = self.max_slots // n
         row = P("slots")
-        layers = range(self.cfg.num_hidden_layers)
-        cache_spec = SlotCache(k=tuple(row for _ in layers), v=tuple(row for _ in layers))
+        if self.stacked_cache:  # [L, B_slots, ...]
+            cache_spec = SlotCache(k=P(None, "slots"), v=P(None, "slots"))
+        else:
+            layers = range(self.cfg.num_hidden_layers)
+            cache_spec = SlotCache(k=tuple(row for _ in layers), v=tuple(row for _ in layers))
         slot_specs = dict.fromkeys(
             ("token", "position", "temperature", "top_p", "top_k", "seed"), row)
 
@@ -160,19 +172,20 @@ class ModelRunner:
 
         return prefill, decode
 
-    def _place_rows(self, tree: Any) -> Any:
-        """Slot-indexed arrays onto the mesh, split over the slot axis, or committed to the
-        one device."""
+    def _place_rows(self, tree: Any, spec: P = P("slots")) -> Any:
+        """Slot-indexed arrays onto the mesh, split over the slot axis (the axis ``spec``
+        names), or committed to the one device."""
         if self.mesh is None:
             return jax.device_put(tree, self.device)
-        return jax.device_put(tree, NamedSharding(self.mesh, P("slots")))
+        return jax.device_put(tree, NamedSharding(self.mesh, spec))
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         """Fresh (zero) cache and slot state."""
         b = self.max_slots
         self.cache = self._place_rows(
-            init_slot_cache(self.cfg, b, self.max_seq_len, self.cache_dtype))
+            init_slot_cache(self.cfg, b, self.max_seq_len, self.cache_dtype, self.stacked_cache),
+            P(None, "slots") if self.stacked_cache else P("slots"))
         self.slots = self._place_rows({
             "token": jnp.zeros((b,), jnp.int32),
             "position": jnp.zeros((b,), jnp.int32),

@@ -1,0 +1,110 @@
+"""The engine's forward passes (``areal_jax.engine.forward``) against the model's full
+forward, with the layer loop unrolled (the CPU default) and as a scan (the accelerator
+default; the cache's layout picks the loop), on a random 3-layer GQA model in fp32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax.engine.forward import (
+    decode_chunk,
+    init_slot_cache,
+    prefill_forward,
+    scan_layers_by_default,
+)
+from model_defs import CausalLM, ModelConfig
+
+SLOTS, MAX_LEN, STEPS = 4, 32, 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig.preset("tiny", num_hidden_layers=3)
+    return CausalLM(cfg, rngs=nnx.Rngs(3), dtype=jnp.float32, param_dtype=jnp.float32)
+
+
+def _tol(ref: np.ndarray) -> float:
+    # fp32 sums over a few hundred terms, each reordered between the paths: a few ulps of
+    # the largest logit, times a margin for the 3 layers and the online softmax.
+    return 64 * np.finfo(np.float32).eps * float(np.abs(ref).max())
+
+
+def _run(model, scan: bool):
+    """Prefills two prompts of different lengths into slots 2 and 0, then decodes STEPS
+    tokens for every slot, feeding back fixed tokens. Returns (prefill logits, per-step
+    logits, cache)."""
+    rng = np.random.default_rng(0)
+    prompt_pt = rng.integers(3, 256, (2, 8)).astype(np.int32)
+    prompt_len_p = np.array([8, 5], np.int32)
+    prompt_pt[1, 5:] = 0
+    slot_p = np.array([2, 0], np.int32)
+    cache = init_slot_cache(model.cfg, SLOTS, MAX_LEN, jnp.float32, stacked=scan)
+    prefill_logits, cache = jax.jit(
+        lambda m, c: prefill_forward(m, prompt_pt, prompt_len_p, slot_p, c))(model, cache)
+    fed = rng.integers(3, 256, (STEPS, SLOTS)).astype(np.int32)
+    position_b = np.array([5, 0, 8, 0], np.int32)
+
+    def choose(logits_bv, step, _position_b):
+        return jnp.asarray(fed)[jnp.minimum(step + 1, STEPS - 1)], logits_bv
+
+    logits_kbv, cache = jax.jit(
+        lambda m, c: decode_chunk(m, jnp.asarray(fed[0]), jnp.asarray(position_b), c, 16, STEPS,
+                                  choose))(model, cache)
+    return np.asarray(prefill_logits), np.asarray(logits_kbv), cache, prompt_pt, fed
+
+
+def test_scan_default_is_unrolled_on_cpu():
+    assert not scan_layers_by_default()
+    assert not init_slot_cache(ModelConfig.preset("tiny"), 2, 8, jnp.float32).stacked
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_prefill_and_decode_match_the_full_forward(model, scan):
+    prefill_logits, logits_kbv, cache, prompt_pt, fed = _run(model, scan)
+    # Slot 2 holds prompt 0 (8 tokens) then fed[0..2]; its decode logits at each step are
+    # the full forward's at those positions.
+    seq = np.concatenate([prompt_pt[0], fed[:, 2]])[None]
+    full = np.asarray(model(jnp.asarray(seq)))[0]
+    tol = _tol(full)
+    np.testing.assert_allclose(prefill_logits[0], full[7], atol=tol, rtol=0)
+    np.testing.assert_allclose(logits_kbv[:, 2], full[8:11], atol=tol, rtol=0)
+    # Slot 0: prompt 1's 5 real tokens, decoded from position 5 on.
+    seq0 = np.concatenate([prompt_pt[1, :5], fed[:, 0]])[None]
+    full0 = np.asarray(model(jnp.asarray(seq0)))[0]
+    np.testing.assert_allclose(prefill_logits[1], full0[4], atol=_tol(full0), rtol=0)
+    np.testing.assert_allclose(logits_kbv[:, 0], full0[5:8], atol=_tol(full0), rtol=0)
+    k, v = (np.asarray(cache.k), np.asarray(cache.v)) if scan else (np.stack(cache.k),
+                                                                     np.stack(cache.v))
+    assert k.shape == (3, SLOTS, 2, 16, MAX_LEN) and v.shape == (3, SLOTS, 2, MAX_LEN, 16)
+
+
+def test_scan_and_unrolled_give_the_same_cache_and_logits(model):
+    a = _run(model, False)
+    b = _run(model, True)
+    for x, y in ((a[0], b[0]), (a[1], b[1])):
+        np.testing.assert_allclose(x, y, atol=_tol(x), rtol=0)
+    for x, y in ((a[2].k, b[2].k), (a[2].v, b[2].v)):
+        x, y = np.stack(x), np.asarray(y)  # per-layer tuple (unrolled), stacked (scan)
+        np.testing.assert_allclose(x, y, atol=_tol(x), rtol=0)
+    # Positions nobody wrote stay zero in both.
+    assert not np.stack(a[2].v)[:, 1, :, 3:].any() and not np.asarray(b[2].v)[:, 1, :, 3:].any()
+
+
+def test_the_scanned_programs_hold_one_layer(model):
+    """The scan's program does not grow with depth; the unrolled one does."""
+    deeper = CausalLM(model.cfg.replace(num_hidden_layers=6), rngs=nnx.Rngs(0),
+                      dtype=jnp.float32, param_dtype=jnp.float32)
+
+    def size(m, scan):
+        cache = init_slot_cache(m.cfg, SLOTS, MAX_LEN, jnp.float32, stacked=scan)
+        ids = np.ones((2, 8), np.int32)
+        lens, slots = np.array([8, 5], np.int32), np.array([0, 1], np.int32)
+        return len(jax.jit(lambda m, c: prefill_forward(m, ids, lens, slots, c))
+                   .lower(m, cache).as_text())
+
+    assert size(deeper, True) < 1.1 * size(model, True)
+    assert size(deeper, False) > 1.5 * size(model, False)
