@@ -32,13 +32,15 @@ Each run reports, measured from process start:
   ``train/step_time_s``; publishing, ``publish_s``; the rest of each version; start-up);
   TRL from timers around its generation (+ scoring) and its training steps.
 
-Each system's row is its median run (tokens/s), with the range over repeats. The table
+Each system's row is its median run (tokens/s; of two, the slower), with the range over
+repeats; the steady-state figure and the times are medians of their own. The table
 goes to the JSON, and with ``--docs STEM`` to ``STEM.md`` with the task's length
 histogram, and the accuracy-vs-wall-time plot to ``STEM.png``.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -74,6 +76,8 @@ def add_arguments(p) -> None:
                    help="TRL runs, in the first repeats (default --repeats)")
     p.add_argument("--docs", default=None, help="write <docs>.md and <docs>.png")
     p.add_argument("--work-dir", default=None)
+    p.add_argument("--from-json", default=None,
+                   help="no runs: re-make the tables and docs from this JSON's runs")
 
 
 def length_histogram(split: str = "longtail_train", bins: tuple[int, ...] = (
@@ -137,8 +141,16 @@ def _median_run(ms: list[dict]) -> dict:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def _median_time_to(ms: list[dict], target: float) -> float:
-    times = [t for t in (time_to(m["evals"], target) for m in ms) if t is not None]
+def _median(values: list[float]) -> float:
+    """The median; of an even count, the lower middle value (a run that happened)."""
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+def _median_time_to(ms: list[dict], target: float, after_start: bool = False) -> float:
+    """The median over runs of the time to ``target``: from process start, or (after_start)
+    from the step-0 eval, i.e. with start-up (model load, compilation) left out."""
+    times = [t - (m["evals"][0]["time_s"] if after_start else 0.0)
+             for m in ms if (t := time_to(m["evals"], target)) is not None]
     return float(np.median(times)) if times else float("nan")
 
 
@@ -149,18 +161,20 @@ def shares_text(shares: dict[str, float], total: float) -> str:
 def summarise_runs(runs: dict[str, list[dict]], target: float) -> tuple[list, list, dict]:
     """The table (one row per system: its median run) and the ratios."""
     columns = ["system", "tokens/s", "range", "steady tokens/s", f"time to {target} s",
-               "reached", "final acc (step)", "time shares (of training time)"]
+               "after start-up s", "reached", "final acc (step)", "time shares (of training time)"]
     rows, med = [], {}
     for name, ms in runs.items():
         m = _median_run(ms)
         med[name] = {"tokens_per_s": m["tokens_per_s"],
-                     "steady": m.get("steady_tokens_per_s", float("nan")),
+                     "steady": _median([x.get("steady_tokens_per_s", float("nan")) for x in ms]),
                      "time_to": _median_time_to(ms, target),
+                     "time_after": _median_time_to(ms, target, after_start=True),
                      "last_eval_s": max(x["evals"][-1]["time_s"] for x in ms)}
         tps = [x["tokens_per_s"] for x in ms]
         reached = sum(time_to(x["evals"], target) is not None for x in ms)
         rows.append([name, m["tokens_per_s"], f"{min(tps):.0f}-{max(tps):.0f}",
-                     med[name]["steady"], med[name]["time_to"], f"{reached}/{len(ms)}",
+                     med[name]["steady"], med[name]["time_to"], med[name]["time_after"],
+                     f"{reached}/{len(ms)}",
                      f"{m['evals'][-1]['accuracy']:.3f} ({m['evals'][-1]['step']})",
                      shares_text(m.get("time_shares", {}), m["train_end_s"] - m["eval_s"])])
     summary: dict[str, float | str] = {}
@@ -175,6 +189,8 @@ def summarise_runs(runs: dict[str, list[dict]], target: float) -> tuple[list, li
                     a["time_to"] / med[peer]["last_eval_s"])
             else:
                 summary[f"time to {target} async / {peer}"] = a["time_to"] / med[peer]["time_to"]
+                summary[f"time to {target} after start-up async / {peer}"] = (
+                    a["time_after"] / med[peer]["time_after"])
     if "async-nointerrupt" in med:
         summary["tokens/s interruptible / not"] = (a["tokens_per_s"]
                                                    / med["async-nointerrupt"]["tokens_per_s"])
@@ -184,6 +200,11 @@ def summarise_runs(runs: dict[str, list[dict]], target: float) -> tuple[list, li
 
 
 def run(args) -> dict:
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        result = finish(saved["runs"], saved["title"], args, saved.get("argv"))
+        result["runs_made_by"] = {"argv": saved.get("argv"), "wall_s": saved.get("wall_s")}
+        return result
     if not args.skip_trl:
         _check_trl()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-longtail-"))
@@ -207,18 +228,23 @@ def run(args) -> dict:
                   f"{shares_text(m.get('time_shares', {}), m['train_end_s'] - m['eval_s'])}, "
                   "evals " + " ".join(f"{e['step']}:{e['accuracy']:.3f}@{e['time_s']:.1f}s"
                                       for e in m["evals"]), flush=True)
+    return finish(runs, f"long-tail task: async vs sync vs TRL ({args.versions} steps, "
+                        f"{args.repeats} repeats)", args)
+
+
+def finish(runs: dict[str, list[dict]], title: str, args, argv: list[str] | None = None
+           ) -> dict:
+    """The result (table, ratios, histogram) of finished runs; the docs with ``--docs``.
+    ``argv``: the command line that made the runs (default this one)."""
     columns, rows, summary = summarise_runs(runs, args.target)
-    hist = length_histogram()
-    result = {"title": f"long-tail task: async vs sync vs TRL ({args.versions} steps, "
-                       f"{args.repeats} repeats)",
-              "columns": columns, "rows": rows, "summary": summary, "runs": runs,
-              "length_histogram": hist}
+    result = {"title": title, "columns": columns, "rows": rows, "summary": summary,
+              "runs": runs, "length_histogram": length_histogram()}
     if args.docs:
-        write_docs(Path(args.docs), result, args)
+        write_docs(Path(args.docs), result, args, argv or sys.argv[1:])
     return result
 
 
-def write_docs(stem: Path, result: dict, args) -> None:
+def write_docs(stem: Path, result: dict, args, argv: list[str]) -> None:
     """``<stem>.png``: accuracy against wall time for every run; ``<stem>.md``: the tables."""
     import matplotlib
 
@@ -241,7 +267,9 @@ def write_docs(stem: Path, result: dict, args) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(stem.with_suffix(".png"), dpi=110)
-    cmd = "python scripts/bench.py " + " ".join(sys.argv[1:])
+    shown = [a for i, a in enumerate(argv)  # the work dir is this machine's business
+             if a != "--work-dir" and (i == 0 or argv[i - 1] != "--work-dir")]
+    cmd = "python scripts/bench.py " + " ".join(shown)
     lines = [f"# {result['title']}", "", f"Made by `{cmd}`.", "",
              "Completion lengths of `builtin:longtail_train` (solution + eos):", "", "```",
              format_histogram(result["length_histogram"]), "```", "", "```",

@@ -196,6 +196,8 @@ def run_trl(work: Path, versions: int, eval_every: int, task: str = "arith") -> 
         raise RuntimeError(f"TRL run failed ({res.returncode}):\n{res.stderr[-3000:]}")
     rec = json.loads(out.read_text())
     rec["total_s"] = time.time() - t_launch
+    # eval_s counts an eval after the last step, so the training time ends after it too
+    rec["last_step_s"] = max(rec["last_step_s"], rec["evals"][-1]["time_s"])
     return _summarise(rec["evals"], rec["tokens"], rec["last_step_s"], rec["eval_s"],
                       rec["total_s"]) | {"time_shares": rec.get("time_shares", {})}
 
