@@ -18,7 +18,7 @@ its own process, interleaved (each once, then again for ``--repeats``):
 - ``TRL GRPOTrainer`` (unless ``--skip-trl``): the same model, prompts, reward and
   hyper-parameters, the knobs mapped as ``bench.py trl`` maps them
   (``areal_jax/bench/trl.py``), ``max_completion_length`` 352. A TRL step of this task
-  takes about a minute on 2 CPU cores, so ``--trl-versions`` and ``--trl-repeats`` may
+  takes 30-70 s on 2 busy CPU cores, so ``--trl-versions`` and ``--trl-repeats`` may
   shorten its part; its time to the target is then a lower bound when it is not reached.
 
 Each run reports, measured from process start:
@@ -71,7 +71,7 @@ def add_arguments(p) -> None:
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--trl-versions", type=int, default=None,
                    help="TRL's steps (default --versions; on 2 CPU cores a TRL step of this "
-                        "task takes ~1 min)")
+                        "task takes 30-70 s)")
     p.add_argument("--trl-repeats", type=int, default=None,
                    help="TRL runs, in the first repeats (default --repeats)")
     p.add_argument("--docs", default=None, help="write <docs>.md and <docs>.png")
