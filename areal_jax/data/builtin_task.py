@@ -25,7 +25,7 @@ share a question.
 
 **The long-tail variant** (``longtail_train`` / ``longtail_eval``, :data:`LONGTAIL_TASK`)
 is the same chain with 1 to 40 steps, the count drawn with P(k) proportional to
-``k ** -1.3``: most answers are short (median ~21 tokens), a few are long (up to ~325),
+``k ** -1.3``: most answers are short (median ~28 tokens), a few are long (up to ~325),
 so solution lengths spread over 30x, as reasoning traces do. It is the task on which a
 synchronous step waits for its longest sample (docs/benchmarks.md, "Long-tail task").
 """
