@@ -240,7 +240,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     save_hf(model, cfg, out)
     bt.save_tokenizer(out, **({} if args.task == "arith" else {"model_max_length": max_positions}))
-    log_args = {k: v for k, v in vars(args).items() if args.task != "arith" or k != "task"}
+    new_keys = ("task", "init")  # the arith log keeps the keys it always had
+    log_args = {k: v for k, v in vars(args).items()
+                if args.task != "arith" or k not in new_keys or (k == "init" and v)}
     (out / "sft_log.json").write_text(
         json.dumps({"args": log_args, "history": history}, indent=2))
     print(f"wrote {out}")
