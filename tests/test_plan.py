@@ -170,6 +170,39 @@ print(attention_kernel(fused.as_text()), attention_kernel(plain.as_text()))
     assert out.stdout.split() == ["mosaic:flash_attention", "xla"]
 
 
+@needs_libtpu
+def test_hlo_cost_on_tpu_programs_counts_real_taps_and_slices():
+    """TPU lowers batched and small matmuls to convolutions whose windows mostly cover
+    padding or dilation holes, and fuses a scan step's slice of stacked weights into a
+    fusion nested in the matmul's: the counts must still be the work and the bytes."""
+    code = """
+import jax, jax.numpy as jnp
+from areal_jax.bench.hlo_cost import hlo_cost
+from areal_jax.parallel.targets import compile_only_devices
+on = jax.sharding.SingleDeviceSharding(compile_only_devices("v5e:2x2")[0])
+def arg(shape): return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=on)
+# decode attention scores: 64 slots x 2 kv heads, 6 queries each, over 512 keys
+att = jax.jit(lambda q, k: jnp.einsum("bkgd,bkds->bkgs", q, k,
+                                      preferred_element_type=jnp.float32))
+a = hlo_cost(att.lower(arg((64, 2, 6, 128)), arg((64, 2, 128, 512))).compile().as_text())
+# 8 layers of stacked [1024, 4096] weights, scanned, at 64 rows
+def layers(w, x):
+    return jax.lax.scan(lambda h, w_l: (jnp.tanh(h @ w_l @ w_l.T), None), x, w)[0]
+s = hlo_cost(jax.jit(layers).lower(arg((8, 1024, 4096)), arg((64, 1024))).compile().as_text())
+print(a["flops"], s["flops"], s["bytes_accessed"])
+"""
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    att_flops, scan_flops, scan_bytes = (float(x) for x in out.stdout.split())
+    assert att_flops == 2 * 64 * 2 * 6 * 128 * 512
+    assert scan_flops == 8 * 2 * (2 * 64 * 1024 * 4096)
+    weights = 8 * 1024 * 4096 * 2
+    # Each step reads its layer (twice at most: once per product), never the whole stack.
+    assert weights <= scan_bytes < 3 * weights, scan_bytes
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["qwen2.5-1.5b_gsm8k.yaml", "qwen3-1.7b_gsm8k.yaml"])
 def test_shipped_gsm8k_config_fits_its_hardware(tmp_path, config):

@@ -5,7 +5,9 @@ program whose layers are one ``lax.scan`` (or whose attention, logprob chunks or
 steps are scans) reports a fraction of its work. This reads the optimised HLO text:
 
 * FLOPs: 2 x output elements x contracted size for every ``dot`` and ``convolution``
-  (inside fusions too) and cuBLAS gemm custom call;
+  (inside fusions too; a convolution's window counts only the taps that can land on
+  input elements, not padding or the holes of a base dilation) and cuBLAS gemm custom
+  call;
 * bytes: operands + outputs of every instruction outside fusions (a fusion reads its
   operands and writes its output once; what happens inside stays on chip), the
   ``cost_analysis`` model, where a (dynamic-)slice or gather moves what it returns (an
@@ -90,16 +92,31 @@ def _dot_flops(out_type: str, lhs_type: str, contracting: list[int]) -> float:
     return 2.0 * float(np.prod(out[0][1])) * k
 
 
-def _conv_flops(out_type: str, rhs_type: str, attrs: str) -> float:
-    m = re.search(r"dim_labels=\w*_(\w+)->", attrs)
-    out, rhs = _arrays(out_type), _arrays(rhs_type)
+def _conv_flops(out_type: str, rhs_type: str, attrs: str, lhs_type: str = "") -> float:
+    m = re.search(r"dim_labels=(\w*)_(\w+)->", attrs)
+    out, rhs, lhs = _arrays(out_type), _arrays(rhs_type), _arrays(lhs_type)
     if m is None or not out or not rhs:
         return 0.0
-    labels, shape = m.group(1), rhs[0][1]
+    lhs_labels, labels, shape = m.group(1), m.group(2), rhs[0][1]
+    # Only window taps that can land on an input element do work. TPU lowers batched and
+    # small matmuls to convolutions whose windows mostly cover padding or the holes of a
+    # base dilation: a batched attention product is a size-64 window with lhs_dilate=64
+    # (one real element per output), a [64, 1536] x [1536, 12, 128] projection a size-12
+    # window, padded 11 each side, over a spatial extent of 1. A spatial dimension of the
+    # window then contributes at most ceil(window / lhs_dilate) taps, and at most the
+    # input's extent.
+    dilate = re.search(r"lhs_dilate=([\dx]+)", attrs)
+    lhs_dilate = [int(d) for d in dilate.group(1).split("x")] if dilate else []
+    extent = {label: lhs[0][1][i] for i, label in enumerate(lhs_labels)
+              if label.isdigit() and lhs and i < len(lhs[0][1])}
     k = 1
     for i, label in enumerate(labels):
-        if label == "i" or label.isdigit():
+        if label == "i":
             k *= shape[i]
+        elif label.isdigit():
+            d = int(label)
+            taps = -(-shape[i] // lhs_dilate[d]) if d < len(lhs_dilate) else shape[i]
+            k *= min(taps, extent.get(label, taps))
     return 2.0 * float(np.prod(out[0][1])) * k
 
 
@@ -211,7 +228,8 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
                 flops += _dot_flops(out_type, types.get(operands[0], ""),
                                     _dims(attrs, "lhs_contracting_dims"))
             elif op == "convolution" and len(operands) > 1:
-                flops += _conv_flops(out_type, types.get(operands[1], ""), attrs)
+                flops += _conv_flops(out_type, types.get(operands[1], ""), attrs,
+                                     types.get(operands[0], ""))
             elif op == "custom-call" and "__cublas" in attrs and operands:
                 m = re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', attrs)
                 dims = [int(x) for x in json.loads(f"[{m.group(1)}]")] if m else []
