@@ -108,3 +108,25 @@ def test_the_scanned_programs_hold_one_layer(model):
 
     assert size(deeper, True) < 1.1 * size(model, True)
     assert size(deeper, False) > 1.5 * size(model, False)
+
+
+def test_the_runner_serves_the_same_tokens_with_scanned_layers(model):
+    """The accelerator layout (stacked cache, scanned layers) through ModelRunner's own jitted,
+    donating step functions: the same greedy tokens and logprobs as the CPU layout."""
+    from areal_jax.engine.runner import ModelRunner
+
+    rows = [{"input_ids": [5, 9, 17, 33, 2, 8], "slot": 1, "temperature": 0.0, "top_p": 1.0,
+             "top_k": -1, "seed": 0},
+            {"input_ids": [7, 7, 100], "slot": 3, "temperature": 1.0, "top_p": 0.9,
+             "top_k": 20, "seed": 11}]
+    out = {}
+    for scan in (False, True):
+        runner = ModelRunner(model, max_slots=SLOTS, max_seq_len=MAX_LEN, prefill_rows=2,
+                             decode_steps=4, scan_layers=scan)
+        assert runner.cache.stacked == scan
+        first = runner.prefill(16, rows, any_truncation=True, any_random=True)
+        tokens, logprobs = runner.decode(runner.kv_bucket(6), True, True)
+        out[scan] = (first, np.asarray(tokens)[:, [1, 3]], np.asarray(logprobs)[:, [1, 3]])
+    np.testing.assert_array_equal(out[False][0][0], out[True][0][0])
+    np.testing.assert_array_equal(out[False][1], out[True][1])
+    np.testing.assert_allclose(out[False][2], out[True][2], atol=_tol(out[False][2]), rtol=0)

@@ -99,7 +99,10 @@ class ModelRunner:
         prefill_rows: int = 4,
         decode_steps: int = 1,
         data_parallel: int = 1,
+        scan_layers: bool | None = None,
     ):
+        """``scan_layers``: loop over the layers with a ``lax.scan`` over a stacked cache
+        (default: on accelerators; see ``areal_jax.engine.forward``)."""
         self.cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
         self.data_parallel = data_parallel
@@ -127,7 +130,7 @@ class ModelRunner:
         self.buckets = prefill_buckets(max_seq_len)
         # Stacked cache and scanned layers on accelerators, per-layer and unrolled on the CPU
         # (areal_jax.engine.forward's module doc).
-        self.stacked_cache = scan_layers_by_default()
+        self.stacked_cache = scan_layers_by_default() if scan_layers is None else scan_layers
         self.num_compilations = 0
         self.compiled: list[str] = []
         prefill_impl, decode_impl = self._prefill_impl, self._decode_impl
