@@ -203,6 +203,34 @@ print(a["flops"], s["flops"], s["bytes_accessed"])
     assert weights <= scan_bytes < 3 * weights, scan_bytes
 
 
+@needs_libtpu
+def test_hlo_cost_reads_past_a_kernel_config_spanning_lines():
+    """A Pallas TPU call prints its kernel config over several lines, one of them starting
+    with "}}": the counter must not take it for the end of the computation (it dropped the
+    rest of every layer after splash attention)."""
+    code = """
+import jax, jax.numpy as jnp
+from areal_jax.bench.hlo_cost import hlo_cost
+from areal_jax.parallel.targets import compile_only_devices
+from model_defs.fused_attention import fused_self_attention
+on = jax.sharding.SingleDeviceSharding(compile_only_devices("v5e:2x2")[0])
+q = jax.ShapeDtypeStruct((1, 2, 1, 512, 128), jnp.bfloat16, sharding=on)
+k = jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16, sharding=on)
+w = jax.ShapeDtypeStruct((128, 4096), jnp.bfloat16, sharding=on)
+f = jax.jit(lambda q, k, w: fused_self_attention("splash", q, k, k, None) @ w)
+text = f.lower(q, k, w).compile().as_text()
+print(int(any(line.startswith("}}") for line in text.splitlines())), hlo_cost(text)["flops"])
+"""
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    multi_line, flops = out.stdout.split()
+    after_the_kernel = 2 * 2 * 512 * 128 * 4096
+    assert multi_line == "1"  # else this test checks nothing
+    assert float(flops) >= after_the_kernel, flops
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["qwen2.5-1.5b_gsm8k.yaml", "qwen3-1.7b_gsm8k.yaml"])
 def test_shipped_gsm8k_config_fits_its_hardware(tmp_path, config):

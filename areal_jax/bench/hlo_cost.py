@@ -132,7 +132,7 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
             comps[current] = []
             if line.startswith("ENTRY"):
                 entry = current
-        elif line.startswith("}"):
+        elif line.rstrip() == "}":  # not "}}, metadata=...", the tail of a multi-line kernel config
             current = None
         elif current is not None:
             comps[current].append(line)
