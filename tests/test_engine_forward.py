@@ -1,5 +1,5 @@
 """The engine's forward passes (``areal_jax.engine.forward``) against the model's full
-forward, with the layer loop unrolled (the CPU default) and as a scan (the accelerator
+forward, with the layer loop unrolled (the CPU and GPU default) and as a scan (the TPU
 default; the cache's layout picks the loop), on a random 3-layer GQA model in fp32."""
 
 from __future__ import annotations

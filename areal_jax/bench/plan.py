@@ -256,8 +256,9 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any) -> tuple[Any, Any, dict[
     on_chip = jax.sharding.SingleDeviceSharding(device)
     state = _on(state, on_chip)
     b, dtype = shapes["max_slots"], jnp.dtype(cfg.model.dtype)
-    # The engine's layout on the chip: stacked, for the scanned layer loop (engine.forward).
-    stacked = device.platform != "cpu"
+    # The engine's layout on the chip: stacked on TPU, for its scanned layer loop
+    # (engine.forward.scan_layers_by_default).
+    stacked = device.platform == "tpu"
     cache = _on(jax.eval_shape(lambda: init_slot_cache(model_cfg, b, runner.max_seq_len, dtype,
                                                        stacked)), on_chip)
     slots = _on({"token": jax.ShapeDtypeStruct((b,), jnp.int32),

@@ -6,16 +6,19 @@ attention function, ``model_defs.attention.attention``, that the learner uses to
 own only what serving needs differently from the learner: the cache layout and how much
 of it attention reads.
 
-* The layer loop is a ``lax.scan`` on accelerators and unrolled on the CPU
-  (``scan_layers_by_default``); the cache's layout says which (``SlotCache``). A scan puts one layer in the compiled
-  program whatever the depth: unrolled, the 28-layer prefill of a 1.5B model took 655 s to
-  compile for a TPU on this project's 2-core planning machine. Each scan step reads its
-  layer's slice of the stacked weights and cache, which TPU and GPU fusions read in place.
-  XLA's CPU backend copies a slice instead (it does not hoist it out of a loop either), and
-  CPU models are small, so there the layers are unrolled over slices taken once per call,
-  before the step loop. (Slicing inside the step loop copied every layer's weights at every
-  step: a 4-layer, 50 MB model's 8-step decode call moved 1.32 GB instead of 0.71 GB by
-  ``bench/hlo_cost``.)
+* The layer loop is a ``lax.scan`` on TPU and unrolled elsewhere
+  (``scan_layers_by_default``); the cache's layout says which (``SlotCache``). A scan puts
+  one layer in the compiled program whatever the depth: unrolled, the 28-layer prefill of
+  a 1.5B model took 655 s to compile for a TPU on this project's 2-core planning machine,
+  70 s scanned. Each scan step reads its layer's slice of the stacked weights and cache,
+  which TPU fuses into the matmul's operand, read in place. XLA's CPU and GPU backends
+  copy such a slice before the matmul (neither hoists it out of a loop either): planned
+  for one H100, the 1.5B decode call moved 192.7 GB scanned against 124.3 GB unrolled. So
+  elsewhere the layers are unrolled over slices taken once per call, before the step loop.
+  (Slicing inside the step loop copied every layer's weights at every step: a 4-layer,
+  50 MB model's 8-step decode call moved 1.32 GB instead of 0.71 GB on the CPU by
+  ``bench/hlo_cost``.) The price of unrolling is compile time that grows with depth and,
+  in decode, the slices' copy of the weights, live through the call.
 
 * The slot cache is head-major: values ``[B_slots, K, S_max, Dh]`` and keys stored
   transposed, ``[B_slots, K, Dh, S_max]``, per layer. Decode attention is then two plain matrix products per (slot, kv-head), ``q[G, Dh] @ k[Dh, S]`` and ``p[G, S] @ v[S, Dh]``,
@@ -81,8 +84,8 @@ def init_slot_cache(cfg: ModelConfig, slots: int, max_len: int, dtype: DTypeLike
 
 def scan_layers_by_default() -> bool:
     """Whether the engine loops over its layers with a ``lax.scan`` (and stacks its cache)
-    where it is traced: on accelerators (TPU, GPU), not on the CPU (see the module doc)."""
-    return active_platform() != "cpu"
+    where it is traced: on TPU only (see the module doc)."""
+    return active_platform() == "tpu"
 
 
 class _LayerLoop:

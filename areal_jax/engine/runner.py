@@ -102,7 +102,7 @@ class ModelRunner:
         scan_layers: bool | None = None,
     ):
         """``scan_layers``: loop over the layers with a ``lax.scan`` over a stacked cache
-        (default: on accelerators; see ``areal_jax.engine.forward``)."""
+        (default: on TPU; see ``areal_jax.engine.forward``)."""
         self.cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
         self.data_parallel = data_parallel
@@ -128,7 +128,7 @@ class ModelRunner:
         self.prefill_rows = prefill_rows
         self.decode_steps = decode_steps
         self.buckets = prefill_buckets(max_seq_len)
-        # Stacked cache and scanned layers on accelerators, per-layer and unrolled on the CPU
+        # Stacked cache and scanned layers on TPU, per-layer and unrolled elsewhere
         # (areal_jax.engine.forward's module doc).
         self.stacked_cache = scan_layers_by_default() if scan_layers is None else scan_layers
         self.num_compilations = 0
