@@ -182,7 +182,7 @@ class RolloutConfig:
     max_staleness: int | None = 2  # eta; None: unbounded (still capped by max_concurrent)
     interruptible: bool = True  # abort in-flight requests on a weight update (else wait for them)
     request_timeout_s: float = 600.0
-    server_startup_timeout_s: float = 600.0  # embedded servers: load + compile every shape
+    server_startup_timeout_s: float = 600.0  # embedded servers: launch to healthy
     # A stalled server (timeouts, 5xx, dropped connections) is retried with backoff for this
     # long before it is dropped; one that refuses connections is dropped at once.
     request_retry_deadline_s: float = 300.0
