@@ -49,7 +49,13 @@ import numpy as np
 
 from areal_jax.bench.async_vs_sync import summarize
 from areal_jax.bench.common import REPO, format_summary, format_table, run_train
-from areal_jax.bench.trl import _check_trl, areal_eval_seconds, run_trl, time_to
+from areal_jax.bench.trl import (
+    _check_trl,
+    areal_eval_seconds,
+    plot_accuracy_curves,
+    run_trl,
+    time_to,
+)
 
 AREAL_SYSTEMS = {
     "async": [],
@@ -246,27 +252,11 @@ def finish(runs: dict[str, list[dict]], title: str, args, argv: list[str] | None
 
 def write_docs(stem: Path, result: dict, args, argv: list[str]) -> None:
     """``<stem>.png``: accuracy against wall time for every run; ``<stem>.md``: the tables."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"async": "tab:blue", "sync": "tab:red", "async-nointerrupt": "tab:green",
-              TRL: "tab:orange"}
-    for name, ms in result["runs"].items():
-        for i, m in enumerate(ms):
-            ax.plot([e["time_s"] for e in m["evals"]], [e["accuracy"] for e in m["evals"]],
-                    marker="o", color=colors.get(name), alpha=1.0 if i == 0 else 0.5,
-                    label=name if i == 0 else None)
-    ax.axhline(args.target, color="k", lw=0.8, ls="--")
-    ax.set_xlabel("wall time since process start (s)")
-    ax.set_ylabel("eval accuracy (pass@1, T=1, 64 prompts)")
-    ax.set_title("long-tail task: async vs sync vs TRL GRPOTrainer")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=110)
+    plot_accuracy_curves(result["runs"], args.target, stem.with_suffix(".png"),
+                         {"async": "tab:blue", "sync": "tab:red",
+                          "async-nointerrupt": "tab:green", TRL: "tab:orange"},
+                         "eval accuracy (pass@1, T=1, 64 prompts)",
+                         "long-tail task: async vs sync vs TRL GRPOTrainer")
     shown = [a for i, a in enumerate(argv)  # the work dir is this machine's business
              if a != "--work-dir" and (i == 0 or argv[i - 1] != "--work-dir")]
     cmd = "python scripts/bench.py " + " ".join(shown)

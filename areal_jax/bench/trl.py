@@ -294,29 +294,39 @@ def run(args) -> dict:
     return result
 
 
-def write_docs(stem: Path, result: dict, args) -> None:
-    """``<stem>.png``: accuracy against wall time for every run; ``<stem>.md``: the table."""
+def plot_accuracy_curves(runs: dict[str, list[dict]], target: float, path: Path,
+                         colors: dict[str, str], ylabel: str, title: str) -> None:
+    """A PNG of eval accuracy against wall time: one line per run, the first run of each
+    system opaque and labelled, the target accuracy dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    stem.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"areal-jax": "tab:blue", "areal-jax (peer)": "tab:gray",
-              "TRL GRPOTrainer": "tab:orange"}
-    for name, ms in result["runs"].items():
+    for name, ms in runs.items():
         for i, m in enumerate(ms):
             ax.plot([e["time_s"] for e in m["evals"]], [e["accuracy"] for e in m["evals"]],
                     marker="o", color=colors.get(name), alpha=1.0 if i == 0 else 0.5,
                     label=name if i == 0 else None)
-    ax.axhline(args.target, color="k", lw=0.8, ls="--")
+    ax.axhline(target, color="k", lw=0.8, ls="--")
     ax.set_xlabel("wall time since process start (s)")
-    ax.set_ylabel("eval accuracy (pass@1, T=1, 128 prompts)")
-    ax.set_title("areal-jax vs TRL GRPOTrainer, tiny demo")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=110)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_docs(stem: Path, result: dict, args) -> None:
+    """``<stem>.png``: accuracy against wall time for every run; ``<stem>.md``: the table."""
+    plot_accuracy_curves(result["runs"], args.target, stem.with_suffix(".png"),
+                         {"areal-jax": "tab:blue", "areal-jax (peer)": "tab:gray",
+                          "TRL GRPOTrainer": "tab:orange"},
+                         "eval accuracy (pass@1, T=1, 128 prompts)",
+                         "areal-jax vs TRL GRPOTrainer, tiny demo")
     cmd = "python scripts/bench.py " + " ".join(sys.argv[1:])
     lines = [f"# {result['title']}", "", f"Made by `{cmd}`.", "", "```",
              format_table(result["columns"], result["rows"]), "```", ""]
