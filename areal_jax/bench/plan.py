@@ -242,7 +242,7 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any) -> tuple[Any, Any, dict[
     import jax.numpy as jnp
     from flax import nnx
 
-    from areal_jax.engine.forward import init_slot_cache
+    from areal_jax.engine.forward import init_slot_cache, scan_layers_by_default
     from areal_jax.engine.runner import ModelRunner
     from areal_jax.parallel.mesh import make_mesh
     from model_defs import use_mesh
@@ -256,9 +256,9 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any) -> tuple[Any, Any, dict[
     on_chip = jax.sharding.SingleDeviceSharding(device)
     state = _on(state, on_chip)
     b, dtype = shapes["max_slots"], jnp.dtype(cfg.model.dtype)
-    # The engine's layout on the chip: stacked on TPU, for its scanned layer loop
-    # (engine.forward.scan_layers_by_default).
-    stacked = device.platform == "tpu"
+    chip_mesh = make_mesh("data=1", [device])
+    with use_mesh(chip_mesh):  # the engine's cache layout for the chip's platform
+        stacked = scan_layers_by_default()
     cache = _on(jax.eval_shape(lambda: init_slot_cache(model_cfg, b, runner.max_seq_len, dtype,
                                                        stacked)), on_chip)
     slots = _on({"token": jax.ShapeDtypeStruct((b,), jnp.int32),
@@ -277,7 +277,7 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any) -> tuple[Any, Any, dict[
     # a one-chip mesh of the target: the attention kernel (model.attention: auto) is chosen
     # for the active mesh's platform, else for jax's default backend, which here is the host
     # CPU (plain XLA), not the chip the engine runs on (splash on TPU).
-    with use_mesh(make_mesh("data=1", [device])):
+    with use_mesh(chip_mesh):
         prefill = jax.jit(runner._prefill_impl, donate_argnums=(1, 2)).lower(
             state, cache, slots, arg((p, t), jnp.int32), arg((p,), jnp.int32),
             arg((p,), jnp.int32), arg((p,), jnp.float32), arg((p,), jnp.float32),
