@@ -336,3 +336,78 @@ def test_w_grad_acc_of_another_shape_is_refused():
     with pytest.raises(ValueError, match="w_grad_acc is float32\\[5, 4\\]; expected w_dv's "
                                          "float32\\[4, 5\\]"):
         logprobs_from_hidden(hidden, w, jnp.zeros((3,), jnp.int32), w_grad_acc=jnp.ones((5, 4)))
+
+
+@pytest.mark.parametrize("vocab_axis", [1, 0])
+def test_overlapping_last_chunk_counts_each_column_once(vocab_axis):
+    """Chunks of 128 over a vocabulary of 300: three chunks of 128, the last starting at
+    172, so columns 172-255 are in two chunks. Labels sit in that overlap and on both
+    sides of it; values, the gradients of hidden and matrix, the gradient added into a
+    buffer, and the from-logits kernel's gradient all match the naive computation."""
+    from areal_jax.losses.logprobs import _chunking
+
+    assert _chunking(300, 128) == (3, 128)
+    rng = np.random.default_rng(7)
+    n, d, v = 9, 16, 300
+    hidden = rng.normal(size=(n, d)).astype(np.float32)
+    w_dv = (rng.normal(size=(d, v)) / np.sqrt(d) * 3).astype(np.float32)
+    labels = np.array([0, 100, 171, 172, 200, 255, 256, 299, 230], np.int32)
+    w = w_dv if vocab_axis == 1 else np.ascontiguousarray(w_dv.T)
+    acc = rng.normal(size=w.shape).astype(np.float32)
+
+    def objective(lp_ent):
+        return jnp.sum(lp_ent[0] * jnp.arange(1, n + 1)) + 0.3 * jnp.sum(lp_ent[1])
+
+    def chunked(h, w_, a):
+        return objective(logprobs_from_hidden(h, w_, labels, 0.9, chunk_size=128,
+                                              vocab_axis=vocab_axis, w_grad_acc=a))
+
+    def naive(h, w_):
+        logits = h @ (w_ if vocab_axis == 1 else w_.T)
+        return objective(naive_logp_entropy(logits, labels, 0.9))
+
+    logp, entropy = logprobs_from_hidden(hidden, w, labels, 0.9, chunk_size=128,
+                                         vocab_axis=vocab_axis)
+    ref_logp, ref_entropy = reference_logp_entropy(
+        (hidden.astype(np.float64) @ w_dv)[None], labels[None], 0.9)
+    logp_tol, entropy_tol = value_tolerances(
+        hidden.astype(np.float64) @ w_dv, 0.9, (np.abs(hidden) @ np.abs(w_dv), d))
+    np.testing.assert_allclose(np.asarray(logp), ref_logp[0], rtol=0, atol=logp_tol)
+    np.testing.assert_allclose(np.asarray(entropy), ref_entropy[0], rtol=0, atol=entropy_tol)
+
+    want_h, want_w = jax.grad(naive, argnums=(0, 1))(hidden, w)
+    got_h, got_w = jax.jit(jax.grad(chunked, argnums=(0, 1)))(hidden, w, None)
+    _, got_w_acc = jax.jit(jax.grad(chunked, argnums=(0, 1)))(hidden, w, acc)
+    # the gradients' sums run over V (softmax) and N (the matrix) terms in fp32
+    scale = max(float(np.abs(want_h).max()), float(np.abs(want_w).max()))
+    tol = float(sum_tolerance(scale, v + n)) * 8
+    np.testing.assert_allclose(np.asarray(got_h), np.asarray(want_h), rtol=0, atol=tol)
+    np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=0, atol=tol)
+    np.testing.assert_allclose(np.asarray(got_w_acc), acc + np.asarray(want_w), rtol=0,
+                               atol=tol + 2 * UNIT_ROUNDOFF_F32 * float(np.abs(acc).max()))
+
+    logits = hidden @ w_dv
+    got = jax.grad(lambda z: objective(logprobs_from_logits(z, labels, 0.9, 128)))(logits)
+    want = jax.grad(lambda z: objective(naive_logp_entropy(z, labels, 0.9)))(logits)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                               atol=float(sum_tolerance(float(np.abs(want).max()), v)) * 8)
+
+
+def test_vocabulary_chunks_are_one_loop_body():
+    """Qwen's vocabulary (151,936 = 37 x 4,096 + 384) in chunks of 4,096 traces to the same
+    number of matrix products as a vocabulary that divides evenly: no second, short-chunk
+    copy of the forward and backward programs after the loop (on TPU that tail took a
+    quarter of the 0.5B learner's compile time)."""
+    from areal_jax.losses.logprobs import _chunking
+
+    assert _chunking(151936, 4096) == (38, 4096)
+
+    def n_products(vocab):
+        hidden = jax.ShapeDtypeStruct((16, 8), jnp.float32)
+        w = jax.ShapeDtypeStruct((8, vocab), jnp.float32)
+        labels = jnp.zeros((16,), jnp.int32)
+        grad = jax.grad(lambda h, w_: jnp.sum(logprobs_from_hidden(h, w_, labels)[0]),
+                        argnums=(0, 1))
+        return str(jax.make_jaxpr(grad)(hidden, w)).count("dot_general")
+
+    assert n_products(151936) == n_products(37 * 4096)

@@ -30,18 +30,46 @@ DEFAULT_CHUNK_SIZE = 4096
 ChunkFn = Callable[[Any, int], jax.Array]  # (start, size) -> z [N, size] fp32
 
 
+def _chunking(vocab: int, chunk_size: int) -> tuple[int, int]:
+    """(n, size): ``n`` chunks of one ``size`` <= ``chunk_size`` that cover [0, vocab).
+
+    Every chunk has the same shape, so the pass is one loop body and nothing else: a
+    short last chunk would be a second copy of every chunk program, outside the loop
+    (for Qwen's 151,936-token vocabulary in chunks of 4,096, a 384-wide tail whose
+    programs took a quarter of the learner's TPU compile). The size is a multiple of 128
+    (a TPU lane) where ``chunk_size`` is; the last chunk then ends at ``vocab`` and
+    overlaps the one before it (3,712 columns of 155,648 for Qwen, 2.4%), and its
+    overlapping columns are masked out.
+    """
+    n = -(-vocab // chunk_size)
+    if n == 1:
+        return 1, vocab
+    size = -(-vocab // n)
+    if chunk_size % 128 == 0:
+        size = min(-(-size // 128) * 128, chunk_size)
+    return n, size
+
+
 def _for_each_chunk(vocab: int, chunk_size: int, body: Callable, carry: Any) -> Any:
-    """``carry = body(carry, start, size)`` over [0, vocab) in chunks; the last may be short."""
-    n_full, remainder = divmod(vocab, chunk_size)
-    if n_full == 1:
-        carry = body(carry, 0, chunk_size)
-    elif n_full > 1:
-        carry = jax.lax.fori_loop(
-            0, n_full, lambda i, c: body(c, i * chunk_size, chunk_size), carry
-        )
-    if remainder:
-        carry = body(carry, n_full * chunk_size, remainder)
-    return carry
+    """``carry = body(carry, start, size, lo)`` over [0, vocab) in equal chunks
+    (:func:`_chunking`). Columns ``< lo`` of a chunk were covered by the chunk before it
+    and must be ignored; ``lo`` is None where chunks cannot overlap."""
+    n, size = _chunking(vocab, chunk_size)
+    if n == 1:
+        return body(carry, 0, size, None)
+    overlaps = n * size > vocab
+
+    def step(i, c):
+        nominal = i * size
+        start = jnp.minimum(nominal, vocab - size) if overlaps else nominal
+        return body(c, start, size, nominal - start if overlaps else None)
+
+    return jax.lax.fori_loop(0, n, step, carry)
+
+
+def _new_columns(size: int, lo: Any) -> jax.Array:
+    """[1, size] bool: the columns of a chunk no earlier chunk covered."""
+    return (jnp.arange(size) >= lo)[None, :]
 
 
 def _online_forward(
@@ -49,9 +77,11 @@ def _online_forward(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """-> (logp [N], entropy [N], lse [N]), all fp32."""
 
-    def body(carry, start, size):
+    def body(carry, start, size, lo):
         m_n, s_n, t_n, zlabel_n = carry
         z_nc = chunk_logits(start, size)
+        if lo is not None:
+            z_nc = jnp.where(_new_columns(size, lo), z_nc, -jnp.inf)
         m_new = jnp.maximum(m_n, jnp.max(z_nc, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         e_nc = jnp.exp(z_nc - m_safe[:, None])
@@ -59,7 +89,7 @@ def _online_forward(
         s_n = s_n * rescale + jnp.sum(e_nc, axis=-1)
         t_n = t_n * rescale + jnp.sum(jnp.where(e_nc > 0, e_nc * z_nc, 0.0), axis=-1)
         offset_n = labels_n - start
-        inside_n = (offset_n >= 0) & (offset_n < size)
+        inside_n = (offset_n >= (0 if lo is None else lo)) & (offset_n < size)
         index_n1 = jnp.clip(offset_n, 0, size - 1)[:, None]
         picked_n = jnp.take_along_axis(z_nc, index_n1, axis=-1)[:, 0]
         zlabel_n = jnp.where(inside_n, picked_n, zlabel_n)
@@ -73,14 +103,16 @@ def _online_forward(
     return zlabel_n - lse_n, entropy_n, lse_n
 
 
-def _grad_chunk_logits(z_nc, start, size, labels_n, lse_n, entropy_n, g_logp_n, g_ent_n):
-    """Cotangent of z = logits / temperature for one chunk, fp32 [N, size]."""
+def _grad_chunk_logits(z_nc, start, size, lo, labels_n, lse_n, entropy_n, g_logp_n, g_ent_n):
+    """Cotangent of z = logits / temperature for one chunk, fp32 [N, size]; zero in the
+    columns an earlier chunk covered (``lo``, see :func:`_for_each_chunk`)."""
     log_p_nc = z_nc - lse_n[:, None]
     p_nc = jnp.exp(log_p_nc)
     onehot_nc = (labels_n[:, None] - start) == jnp.arange(size)[None, :]
     g_z = g_logp_n[:, None] * (onehot_nc.astype(jnp.float32) - p_nc)
     g_z = g_z - g_ent_n[:, None] * p_nc * (log_p_nc + entropy_n[:, None])
-    return jnp.where(p_nc > 0, g_z, g_logp_n[:, None] * onehot_nc)
+    g_z = jnp.where(p_nc > 0, g_z, g_logp_n[:, None] * onehot_nc)
+    return g_z if lo is None else jnp.where(_new_columns(size, lo), g_z, 0.0)
 
 
 # ----------------------------------------------------------------------------- from logits
@@ -113,10 +145,13 @@ def _logits_kernel_bwd(temperature, chunk_size, residuals, cotangents):
     n, vocab = logits_nv.shape
     chunk = _logits_chunk_fn(logits_nv, temperature)
 
-    def body(g_logits_nv, start, size):
-        g_z = _grad_chunk_logits(chunk(start, size), start, size, labels_n, lse_n, entropy_n,
-                                 g_logp_n, g_ent_n)
+    def body(g_logits_nv, start, size, lo):
+        g_z = _grad_chunk_logits(chunk(start, size), start, size, lo, labels_n, lse_n,
+                                 entropy_n, g_logp_n, g_ent_n)
         g_chunk = (g_z / temperature).astype(logits_nv.dtype)
+        if lo is not None:  # keep what the chunk before wrote in the shared columns
+            g_chunk = jnp.where(_new_columns(size, lo), g_chunk, jax.lax.dynamic_slice_in_dim(
+                g_logits_nv, start, size, axis=1))
         return jax.lax.dynamic_update_slice_in_dim(g_logits_nv, g_chunk, start, axis=1)
 
     g_logits_nv = _for_each_chunk(vocab, chunk_size, body, jnp.zeros_like(logits_nv))
@@ -176,16 +211,16 @@ def _hidden_kernel_bwd(temperature, chunk_size, vocab_axis, residuals, cotangent
     chunk = _hidden_chunk_fn(hidden_nd, w, temperature, vocab_axis)
     _, hidden_spec, w_spec = _W_SPECS[vocab_axis]
 
-    def body(carry, start, size):
+    def body(carry, start, size, lo):
         g_hidden_nd, g_w = carry
-        g_logits_nc = _grad_chunk_logits(chunk(start, size), start, size, labels_n, lse_n,
+        g_logits_nc = _grad_chunk_logits(chunk(start, size), start, size, lo, labels_n, lse_n,
                                           entropy_n, g_logp_n, g_ent_n) / temperature
         w_chunk = _w_chunk(w, start, size, vocab_axis, hidden_nd.dtype)
         g_hidden_nd = g_hidden_nd + jnp.einsum(
             hidden_spec, g_logits_nc, w_chunk, preferred_element_type=jnp.float32)
         g_w_chunk = jnp.einsum(w_spec, hidden_nd, g_logits_nc,
                                preferred_element_type=jnp.float32)
-        if w_acc is not None:
+        if w_acc is not None or lo is not None:  # lo: the shared rows hold a gradient
             g_w_chunk = g_w_chunk + jax.lax.dynamic_slice_in_dim(g_w, start, size,
                                                                  axis=vocab_axis)
         return g_hidden_nd, jax.lax.dynamic_update_slice_in_dim(
@@ -231,7 +266,8 @@ def logprobs_from_logits(
         logits: [..., V] any float dtype (e.g. [B, T, V] bf16), read chunk by chunk.
         labels: int [...] token ids. Ids outside [0, V) give logp = -logsumexp (mask them).
         temperature: static Python float > 0.
-        chunk_size: vocabulary chunk (static).
+        chunk_size: the widest vocabulary chunk (static); the chunks are of one width,
+            at most this (see ``_chunking``).
 
     Returns:
         ``(logp, entropy)``, fp32 [...]. Differentiable in ``logits``.
@@ -282,7 +318,8 @@ def logprobs_from_hidden(
         w_dv: [D, V] unembedding matrix, or [V, D] with ``vocab_axis=0``.
         labels: int [...] the token whose log-prob is wanted at each position.
         temperature: static Python float > 0.
-        chunk_size: vocabulary chunk (static).
+        chunk_size: the widest vocabulary chunk (static); the chunks are of one width,
+            at most this (see ``_chunking``).
         vocab_axis: 1 (default) for ``w_dv`` [D, V]; 0 for a [V, D] matrix, e.g. a tied
             embedding table passed as is, which saves a transposed copy of it (and of its
             gradient).
