@@ -16,9 +16,11 @@ steps are scans) reports a fraction of its work. This reads the optimised HLO te
   step that reads one block of a buffer, or one layer of stacked weights, is not charged
   the whole buffer);
 
-each multiplied by the trip counts of the loops around it (XLA's ``known_trip_count``,
-else the one integer constant of the loop's condition); a conditional counts its most
-expensive branch.
+each multiplied by the trip counts of the loops around it (XLA's ``known_trip_count``;
+else the loop counter's: the condition compares a tuple element with a constant, the body
+adds a constant step to it, the initial tuple gives its start, so a windowed einsum that
+steps by 2 to 4 runs twice; else the one integer constant of the loop's condition); a
+conditional counts its most expensive branch.
 """
 
 from __future__ import annotations
@@ -137,15 +139,17 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
         elif current is not None:
             comps[current].append(line)
     parsed: dict[str, list] = {}
+    comp_lines: dict[str, list[str]] = {}  # the source line of each parsed instruction
     roots: dict[str, tuple] = {}  # computation -> its ROOT instruction
     param_index: dict[str, dict[str, int]] = {}  # computation -> {parameter name: index}
     for name, lines in comps.items():
-        parsed[name], param_index[name] = [], {}
+        parsed[name], comp_lines[name], param_index[name] = [], [], {}
         for line in lines:
             ins = _split_instruction(line)
             if ins is None:
                 continue
             parsed[name].append(ins)
+            comp_lines[name].append(line)
             if line.lstrip().startswith("ROOT"):
                 roots[name] = ins
             if ins[2] == "parameter":
@@ -154,11 +158,68 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
     fused = {m for ins in parsed.values() for _, _, op, _, attrs in ins if op == "fusion"
              for m in re.findall(r"calls=%([\w.\-]+)", attrs)}
 
-    def trip_count(attrs: str) -> int:
+    def by_name(name: str) -> dict[str, tuple]:
+        return {ins[0]: ins for ins in parsed.get(name, [])}
+
+    def constant_of(line_of: dict[str, str], name: str) -> int | None:
+        m = re.search(r"constant\((-?\d+)\)", line_of.get(name, ""))
+        return int(m.group(1)) if m else None
+
+    def induction(cond: str, body: str, init: str | None, caller: str) -> int | None:
+        """Trip count from the loop's counter: the condition compares tuple element k
+        with a constant N, the body's root sets element k to itself plus a constant
+        step, the loop's initial tuple holds its start (a constant, else 0). XLA's
+        windowed einsums step their counter by 2 (two shards an iteration)."""
+        root = roots.get(cond)
+        if root is None or root[2] != "compare" or len(root[3]) != 2:
+            return None
+        lines = {ins[0]: line for ins, line in zip(parsed[cond], comp_lines[cond])}
+        cins = by_name(cond)
+        k = limit = None
+        for side, other in (root[3], root[3][::-1]):
+            g = cins.get(side)
+            c = constant_of(lines, other)
+            if g is not None and g[2] == "get-tuple-element" and c is not None:
+                k, limit = int(re.search(r"index=(\d+)", g[4]).group(1)), c
+                swapped = side != root[3][0]
+                break
+        if k is None:
+            return None
+        direction = re.search(r"direction=(\w+)", root[4])
+        direction = direction.group(1) if direction else "LT"
+        if swapped:  # N > i is i < N
+            direction = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE"}.get(direction, direction)
+        step, start = 1, 0
+        broot, bins = roots.get(body), by_name(body)
+        blines = {ins[0]: line for ins, line in zip(parsed.get(body, []), comp_lines.get(body, []))}
+        if broot is not None and broot[2] == "tuple" and k < len(broot[3]):
+            upd = bins.get(broot[3][k])
+            if upd is not None and upd[2] == "add":
+                consts = [constant_of(blines, o) for o in upd[3]]
+                consts = [c for c in consts if c is not None]
+                if len(consts) == 1:
+                    step = consts[0]
+        tup = by_name(caller).get(init) if init else None
+        if tup is not None and tup[2] == "tuple" and k < len(tup[3]):
+            lines_caller = {ins[0]: line for ins, line in zip(parsed[caller], comp_lines[caller])}
+            c = constant_of(lines_caller, tup[3][k])
+            start = c if c is not None else 0
+        if step <= 0 or direction not in ("LT", "LE"):
+            return None
+        span = limit - start + (1 if direction == "LE" else 0)
+        return max(0, -(-span // step))
+
+    def trip_count(attrs: str, operands: list[str], caller: str) -> int:
         m = re.search(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', attrs)
         if m:
             return int(m.group(1))
         cond = re.search(r"condition=%([\w.\-]+)", attrs)
+        body = re.search(r"body=%([\w.\-]+)", attrs)
+        if cond and body and cond.group(1) in parsed:
+            n = induction(cond.group(1), body.group(1), operands[0] if operands else None,
+                          caller)
+            if n is not None:
+                return n
         consts = ({int(c) for c in re.findall(r"constant\((-?\d+)\)", "\n".join(
             comps.get(cond.group(1), [])))} if cond else set())
         consts.discard(0)
@@ -237,7 +298,7 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
             if name not in fused and op not in _NO_TRAFFIC:
                 traffic += traffic_of(out_type, op, operands, attrs, types)
             if op == "while":
-                n = trip_count(attrs)
+                n = trip_count(attrs, operands, name)
                 for key in ("body", "condition"):
                     m = re.search(key + r"=%([\w.\-]+)", attrs)
                     if m:
