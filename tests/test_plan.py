@@ -291,6 +291,41 @@ ENTRY %main (a: f32[8,8]) -> (s32[], f32[8,8]) {
     assert hlo_cost(hlo)["flops"] == 3 * 2 * 8 * 8 * 8
 
 
+def test_hlo_cost_charges_an_async_copy_once_and_nothing_for_pass_through():
+    """An async copy of X bytes moves 2X (read, write), not its start's and its done's
+    tuples; a fusion's tuple element that is a parameter passed through (TPU's async
+    collective fusions pass the gathered buffer and their flags through every fusion)
+    and an all-gather fused into it cost nothing; the fusion's real output and the
+    operand it computes from do."""
+    from areal_jax.bench.hlo_cost import hlo_cost
+
+    hlo = """HloModule m
+
+%fused (p0: f32[256,256], p1: f32[1024,256], p2: f32[1024,1024], p3: u32[]) -> (f32[256,256], f32[1024,256], f32[1024,1024], f32[1024,1024], u32[]) {
+  %p0 = f32[256,256] parameter(0)
+  %p1 = f32[1024,256] parameter(1)
+  %p2 = f32[1024,1024] parameter(2)
+  %p3 = u32[] parameter(3)
+  %y = f32[256,256] exponential(%p0)
+  %ag = f32[1024,1024] all-gather(%p1), dimensions={1}, replica_groups={{0,1,2,3}}
+  ROOT %t = (f32[256,256], f32[1024,256], f32[1024,1024], f32[1024,1024], u32[]) tuple(%y, %p1, %p2, %ag, %p3)
+}
+
+ENTRY %main (a: f32[256,256], b: f32[1024,256], c: f32[1024,1024], d: u32[]) -> (f32[256,256], f32[1024,256], f32[1024,1024], f32[1024,1024], u32[]) {
+  %a = f32[256,256] parameter(0)
+  %b = f32[1024,256] parameter(1)
+  %c = f32[1024,1024] parameter(2)
+  %d = u32[] parameter(3)
+  %cs = (f32[256,256], f32[256,256], u32[]) copy-start(%a)
+  %cd = f32[256,256] copy-done(%cs)
+  ROOT %f = (f32[256,256], f32[1024,256], f32[1024,1024], f32[1024,1024], u32[]) fusion(%cd, %b, %c, %d), kind=kOutput, calls=%fused
+}
+"""
+    x = 256 * 256 * 4
+    copy, fusion = 2 * x + 4, 2 * x  # the copy's context word; exp reads and writes x
+    assert hlo_cost(hlo)["bytes_accessed"] == copy + fusion
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["qwen2.5-1.5b_gsm8k.yaml", "qwen3-1.7b_gsm8k.yaml"])
 def test_shipped_gsm8k_config_fits_its_hardware(tmp_path, config):

@@ -10,11 +10,16 @@ steps are scans) reports a fraction of its work. This reads the optimised HLO te
   call;
 * bytes: operands + outputs of every instruction outside fusions (a fusion reads its
   operands and writes its output once; what happens inside stays on chip), the
-  ``cost_analysis`` model, where a (dynamic-)slice or gather moves what it returns (an
-  embedding lookup does not read the table) and an in-place
-  dynamic-update-slice its update (also inside a fusion, nested ones included: a loop
-  step that reads one block of a buffer, or one layer of stacked weights, is not charged
-  the whole buffer);
+  ``cost_analysis`` model, where:
+  - a (dynamic-)slice or gather moves what it returns (an embedding lookup does not read
+    the table) and an in-place dynamic-update-slice its update (also inside a fusion,
+    nested ones included: a loop step that reads one block of a buffer, or one layer of
+    stacked weights, is not charged the whole buffer);
+  - an asynchronous pair (``copy-start`` / ``copy-done``, ``collective-permute-start`` /
+    ``-done``, ...) is charged once, at its start, for its operands and the new buffers
+    its output tuple adds (the tuple repeats the operand);
+  - a fusion's tuple elements that are its parameters passed through, or the collective
+    of a TPU async collective fusion, are not charged (see ``_COLLECTIVES``);
 
 each multiplied by the trip counts of the loops around it (XLA's ``known_trip_count``;
 else the loop counter's: the condition compares a tuple element with a constant, the body
@@ -38,6 +43,11 @@ _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
 # Ops that read only the part of their first operand they return.
 _PARTIAL_READS = {"dynamic-slice", "slice", "gather"}
+# A collective inside a fusion is TPU's async collective fusion: the collective is
+# progressed piece by piece across the compute fusions it is fused into (their
+# ``continuation_config``), and each of them prints the whole collective.
+_COLLECTIVES = {"all-gather", "all-reduce", "reduce-scatter", "collective-permute",
+                "all-to-all"}
 _NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
                "call", "conditional", "after-all", "partition-id", "replica-id"}
 
@@ -230,7 +240,12 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
         """What a fusion really moves: {parameter index: bytes read} for parameters read
         only through slices or gathers (those, not the whole buffer), and the bytes
         written when its root is an in-place dynamic-update-slice (the update; the
-        buffer operand is then not read either)."""
+        buffer operand is then not read either) or a tuple. Of a tuple, an element that
+        is a parameter passed through (aliased to its operand) is neither read nor
+        written, and neither is the collective of an async collective fusion (see
+        ``_COLLECTIVES``): on TPU such a fusion passes the gathered buffer and a dozen
+        flags through, and charging them made every layer of a scanned 0.5B forward
+        pass read and write its 272 MB output matrix six times."""
         ins = parsed.get(name, [])
         types = {n: t for n, t, _, _, _ in ins}
         params = param_index.get(name, {})
@@ -262,10 +277,26 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
             written = _nbytes(types.get(root[3][1], ""))
             if root[3][0] in params:
                 reads[params[root[3][0]]] = 0
+        elif root is not None and root[2] == "tuple":
+            ops = {n: op for n, _, op, _, _ in ins}
+            free = [o in params or ops.get(o) in _COLLECTIVES for o in root[3]]
+            if any(free):
+                written = sum(_nbytes(types.get(o, "")) for o, f in zip(root[3], free)
+                              if not f)
+                for pname, index in params.items():
+                    uses = users[pname]
+                    if uses and all(op == "tuple" or op in _COLLECTIVES
+                                    for op, _, _, _ in uses):
+                        reads[index] = 0
         return reads, written
 
     def traffic_of(out_type: str, op: str, operands: list[str], attrs: str,
                    types: dict[str, str]) -> float:
+        if op.endswith("-done"):  # its "-start" was charged the move
+            return 0.0
+        if op.endswith("-start"):  # reads its operands, writes what its tuple adds to them
+            read = sum(_nbytes(types.get(o, "")) for o in operands)
+            return float(read + max(_nbytes(out_type) - read, 0))
         if op in _PARTIAL_READS:
             return 2.0 * _nbytes(out_type)
         if op == "dynamic-update-slice" and len(operands) > 1:
