@@ -149,17 +149,22 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
         elif current is not None:
             comps[current].append(line)
     parsed: dict[str, list] = {}
-    comp_lines: dict[str, list[str]] = {}  # the source line of each parsed instruction
+    insts: dict[str, dict[str, tuple]] = {}  # computation -> {instruction name: parsed}
+    consts: dict[str, dict[str, int]] = {}  # computation -> {name: value} of int constants
     roots: dict[str, tuple] = {}  # computation -> its ROOT instruction
     param_index: dict[str, dict[str, int]] = {}  # computation -> {parameter name: index}
     for name, lines in comps.items():
-        parsed[name], comp_lines[name], param_index[name] = [], [], {}
+        parsed[name], insts[name], consts[name], param_index[name] = [], {}, {}, {}
         for line in lines:
             ins = _split_instruction(line)
             if ins is None:
                 continue
             parsed[name].append(ins)
-            comp_lines[name].append(line)
+            insts[name][ins[0]] = ins
+            if ins[2] == "constant":
+                value = re.search(r"constant\((-?\d+)\)", line)
+                if value:
+                    consts[name][ins[0]] = int(value.group(1))
             if line.lstrip().startswith("ROOT"):
                 roots[name] = ins
             if ins[2] == "parameter":
@@ -167,13 +172,6 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
                     line.index("parameter("):]).group(1))
     fused = {m for ins in parsed.values() for _, _, op, _, attrs in ins if op == "fusion"
              for m in re.findall(r"calls=%([\w.\-]+)", attrs)}
-
-    def by_name(name: str) -> dict[str, tuple]:
-        return {ins[0]: ins for ins in parsed.get(name, [])}
-
-    def constant_of(line_of: dict[str, str], name: str) -> int | None:
-        m = re.search(r"constant\((-?\d+)\)", line_of.get(name, ""))
-        return int(m.group(1)) if m else None
 
     def induction(cond: str, body: str, init: str | None, caller: str) -> int | None:
         """Trip count from the loop's counter: the condition compares tuple element k
@@ -183,12 +181,10 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
         root = roots.get(cond)
         if root is None or root[2] != "compare" or len(root[3]) != 2:
             return None
-        lines = {ins[0]: line for ins, line in zip(parsed[cond], comp_lines[cond])}
-        cins = by_name(cond)
         k = limit = None
         for side, other in (root[3], root[3][::-1]):
-            g = cins.get(side)
-            c = constant_of(lines, other)
+            g = insts[cond].get(side)
+            c = consts[cond].get(other)
             if g is not None and g[2] == "get-tuple-element" and c is not None:
                 k, limit = int(re.search(r"index=(\d+)", g[4]).group(1)), c
                 swapped = side != root[3][0]
@@ -200,20 +196,16 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
         if swapped:  # N > i is i < N
             direction = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE"}.get(direction, direction)
         step, start = 1, 0
-        broot, bins = roots.get(body), by_name(body)
-        blines = {ins[0]: line for ins, line in zip(parsed.get(body, []), comp_lines.get(body, []))}
+        broot = roots.get(body)
         if broot is not None and broot[2] == "tuple" and k < len(broot[3]):
-            upd = bins.get(broot[3][k])
+            upd = insts.get(body, {}).get(broot[3][k])
             if upd is not None and upd[2] == "add":
-                consts = [constant_of(blines, o) for o in upd[3]]
-                consts = [c for c in consts if c is not None]
-                if len(consts) == 1:
-                    step = consts[0]
-        tup = by_name(caller).get(init) if init else None
+                steps = [consts[body][o] for o in upd[3] if o in consts[body]]
+                if len(steps) == 1:
+                    step = steps[0]
+        tup = insts[caller].get(init) if init else None
         if tup is not None and tup[2] == "tuple" and k < len(tup[3]):
-            lines_caller = {ins[0]: line for ins, line in zip(parsed[caller], comp_lines[caller])}
-            c = constant_of(lines_caller, tup[3][k])
-            start = c if c is not None else 0
+            start = consts[caller].get(tup[3][k], 0)
         if step <= 0 or direction not in ("LT", "LE"):
             return None
         span = limit - start + (1 if direction == "LE" else 0)
@@ -230,10 +222,9 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
                           caller)
             if n is not None:
                 return n
-        consts = ({int(c) for c in re.findall(r"constant\((-?\d+)\)", "\n".join(
-            comps.get(cond.group(1), [])))} if cond else set())
-        consts.discard(0)
-        return consts.pop() if len(consts) == 1 else 1
+        limits = set(consts.get(cond.group(1), {}).values()) if cond else set()
+        limits.discard(0)
+        return limits.pop() if len(limits) == 1 else 1
 
     @cache
     def fusion_io(name: str) -> tuple[dict[int, int], int | None]:
@@ -278,10 +269,10 @@ def hlo_cost(hlo_text: str) -> dict[str, float]:
             if root[3][0] in params:
                 reads[params[root[3][0]]] = 0
         elif root is not None and root[2] == "tuple":
-            ops = {n: op for n, _, op, _, _ in ins}
-            free = [o in params or ops.get(o) in _COLLECTIVES for o in root[3]]
+            free = [o in params or insts[name].get(o, ("", "", ""))[2] in _COLLECTIVES
+                    for o in root[3]]
             if any(free):
-                written = sum(_nbytes(types.get(o, "")) for o, f in zip(root[3], free)
+                written = sum(_nbytes(types.get(o, "")) for o, f in zip(root[3], free, strict=True)
                               if not f)
                 for pname, index in params.items():
                     uses = users[pname]
