@@ -301,26 +301,26 @@ def test_hlo_cost_charges_an_async_copy_once_and_nothing_for_pass_through():
 
     hlo = """HloModule m
 
-%fused (p0: f32[256,256], p1: f32[1024,256], p2: f32[1024,1024], p3: u32[]) -> (f32[256,256], f32[1024,256], f32[1024,1024], f32[1024,1024], u32[]) {
+%fused (p0: f32[256,256], p1: f32[1024,256], p2: f32[1024,1024], p3: u32[]) -> OUT {
   %p0 = f32[256,256] parameter(0)
   %p1 = f32[1024,256] parameter(1)
   %p2 = f32[1024,1024] parameter(2)
   %p3 = u32[] parameter(3)
   %y = f32[256,256] exponential(%p0)
   %ag = f32[1024,1024] all-gather(%p1), dimensions={1}, replica_groups={{0,1,2,3}}
-  ROOT %t = (f32[256,256], f32[1024,256], f32[1024,1024], f32[1024,1024], u32[]) tuple(%y, %p1, %p2, %ag, %p3)
+  ROOT %t = OUT tuple(%y, %p1, %p2, %ag, %p3)
 }
 
-ENTRY %main (a: f32[256,256], b: f32[1024,256], c: f32[1024,1024], d: u32[]) -> (f32[256,256], f32[1024,256], f32[1024,1024], f32[1024,1024], u32[]) {
+ENTRY %main (a: f32[256,256], b: f32[1024,256], c: f32[1024,1024], d: u32[]) -> OUT {
   %a = f32[256,256] parameter(0)
   %b = f32[1024,256] parameter(1)
   %c = f32[1024,1024] parameter(2)
   %d = u32[] parameter(3)
   %cs = (f32[256,256], f32[256,256], u32[]) copy-start(%a)
   %cd = f32[256,256] copy-done(%cs)
-  ROOT %f = (f32[256,256], f32[1024,256], f32[1024,1024], f32[1024,1024], u32[]) fusion(%cd, %b, %c, %d), kind=kOutput, calls=%fused
+  ROOT %f = OUT fusion(%cd, %b, %c, %d), kind=kOutput, calls=%fused
 }
-"""
+""".replace("OUT", "(f32[256,256], f32[1024,256], f32[1024,1024], f32[1024,1024], u32[])")
     x = 256 * 256 * 4
     copy, fusion = 2 * x + 4, 2 * x  # the copy's context word; exp reads and writes x
     assert hlo_cost(hlo)["bytes_accessed"] == copy + fusion

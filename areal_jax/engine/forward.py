@@ -21,7 +21,8 @@ of it attention reads.
   in decode, the slices' copy of the weights, live through the call.
 
 * The slot cache is head-major: values ``[B_slots, K, S_max, Dh]`` and keys stored
-  transposed, ``[B_slots, K, Dh, S_max]``, per layer. Decode attention is then two plain matrix products per (slot, kv-head), ``q[G, Dh] @ k[Dh, S]`` and ``p[G, S] @ v[S, Dh]``,
+  transposed, ``[B_slots, K, Dh, S_max]``, per layer. Decode attention is then two plain
+  matrix products per (slot, kv-head), ``q[G, Dh] @ k[Dh, S]`` and ``p[G, S] @ v[S, Dh]``,
   each reading its operand in its natural layout. (With keys as ``[S, Dh]`` the score
   product contracts the minor axis of both operands, which XLA's CPU dot runs 2-3x
   slower on these shapes: it was the largest op of a decode step.)
@@ -191,8 +192,9 @@ def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: Slot
     loop = _LayerLoop(model, cache.stacked)
     kv, _, dh = loop.per_layer(cache.v)[0].shape[-3:]
     start_b = position_b
-    prefix_k = loop.per_layer(cache.k, lambda k: k[..., :kv_len].astype(model.dtype))  # [B, K, Dh, P]
-    prefix_v = loop.per_layer(cache.v, lambda v: v[..., :kv_len, :].astype(model.dtype))  # [B, K, P, Dh]
+    # [B, K, Dh, P] and [B, K, P, Dh]
+    prefix_k = loop.per_layer(cache.k, lambda k: k[..., :kv_len].astype(model.dtype))
+    prefix_v = loop.per_layer(cache.v, lambda v: v[..., :kv_len, :].astype(model.dtype))
     local_k0 = loop.zeros((b, kv, dh, steps), model.dtype)
     local_v0 = loop.zeros((b, kv, steps, dh), model.dtype)
     # The prefix holds positions [0, start_b) of each slot; later indices are stale.
