@@ -170,3 +170,50 @@ def test_bad_tool_requests_are_400s_naming_the_field(client, kwargs, param, word
         client.chat.completions.create(**body)
     err = e.value.body
     assert e.value.status_code == 400 and err["param"] == param and words in err["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", [["get_weather"], {"n": 1}, 7, None])
+def test_a_tool_choice_name_that_is_not_a_string_is_a_400(client, stream, name):
+    choice = {"type": "function", "function": {"name": name}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=USER, tools=[WEATHER_TOOL],
+                                       tool_choice=choice, max_tokens=4, stream=stream)
+    err = e.value.body
+    assert err["param"] == "tool_choice" and "name must be a string" in err["message"]
+
+
+@pytest.mark.parametrize("depth", [900, 1100, 5000])
+def test_deeply_nested_call_arguments_are_a_400(server, client, depth):
+    arguments = '{"a": ' * depth + "1" + "}" * depth
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=history(arguments),
+                                       tools=[WEATHER_TOOL], max_tokens=4)
+    err = e.value.body
+    assert err["param"] == "messages" and "nested" in err["message"], err
+    # The server still answers.
+    r = client.chat.completions.create(model="m", messages=USER, temperature=0, max_tokens=8)
+    assert r.choices[0].message.content == TOOL_CALL_TEXT
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_an_oversized_body_on_an_openai_route_is_an_openai_413(server, route):
+    big = {"model": "m", "messages": [{"role": "user", "content": "x" * 2_000_000}],
+           "prompt": "x" * 2_000_000}
+
+    def chunks():  # no Content-Length: the limit is enforced while the body is read
+        yield b'{"model": "m", "prompt": "'
+        for _ in range(2000):
+            yield b"x" * 1000
+        yield b'"}'
+
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for r in [http.post(route, json=big), http.post(route, content=chunks())]:
+            assert r.status_code == 413, r.text
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}, err
+            assert "--max-body-bytes" in err["message"]
+            assert err["type"] == "invalid_request_error" and err["code"] == "request_too_large"
+        # The native routes keep their own shape.
+        r = http.post("/generate", json={"input_ids": [1] * 200_000})
+        assert r.status_code == 413 and isinstance(r.json()["error"], str)

@@ -8,7 +8,8 @@ Routes: /generate, /pause_generation, /continue_generation, /update_weights_from
 /flush_cache, /health, /health_generate,
 /get_model_info, /get_server_info; OpenAI-compatible /v1/completions, /v1/chat/completions
 and /v1/models (areal_jax.engine.openai_api, errors in OpenAI's shape). Malformed requests
-get HTTP 400 ``{"error": message}`` (413 for a body over ``--max-body-bytes``); a 500 means a
+get HTTP 400 ``{"error": message}`` (413 for a body over ``--max-body-bytes``; on the OpenAI
+routes every error, these included, is in OpenAI's shape); a 500 means a
 bug of ours, and even then the keep-alive connection stays open. With an API key
 (``AREAL_JAX_API_KEY``, ``--api-key-file`` or ``--api-key``) every route needs
 ``Authorization: Bearer KEY`` (else 401). Weights and LoRA adapters load only from
@@ -84,9 +85,20 @@ def default_max_body_bytes(max_seq_len: int) -> int:
     return BODY_BYTES_BASE + BODY_BYTES_PER_TOKEN * max_seq_len
 
 
-def _error(message: str, status: int = 400) -> JSONResponse:
+_OPENAI_ERROR_KINDS = {401: ("authentication_error", "invalid_api_key"),
+                       413: ("invalid_request_error", "request_too_large")}
+
+
+def _error(message: str, status: int = 400, path: str = "") -> JSONResponse:
+    """An error reply: ``{"error": message}``, or on the OpenAI routes (``path`` under
+    ``/v1/``) OpenAI's ``{"error": {"message", "type", "param", "code"}}``."""
     if len(message) > MAX_ERROR_CHARS:
         message = message[:MAX_ERROR_CHARS] + "... (truncated)"
+    if path.startswith("/v1/"):
+        kind, code = _OPENAI_ERROR_KINDS.get(
+            status, ("server_error", None) if status >= 500 else ("invalid_request_error", None))
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None,
+                                       "code": code}}, status_code=status)
     return JSONResponse({"error": message}, status_code=status)
 
 
@@ -125,9 +137,11 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
+        path = scope.get("path", "")
         if self.expected is not None and not hmac.compare_digest(
                 headers.get(b"authorization", b""), self.expected):
-            response = _error("missing or wrong API key (send 'Authorization: Bearer <key>')", 401)
+            response = _error("missing or wrong API key (send 'Authorization: Bearer <key>')",
+                              401, path)
             await response(scope, receive, send)
             return
         limit = self.max_body_bytes
@@ -137,7 +151,7 @@ class _Guard:
             declared = 0
         if declared > limit:
             await _drain(receive, MAX_DRAIN_BYTES)
-            await _error(str(_BodyTooLarge(limit)), 413)(scope, receive, send)
+            await _error(str(_BodyTooLarge(limit)), 413, path)(scope, receive, send)
             return
         received = 0
 
@@ -165,8 +179,8 @@ class _Guard:
         except Exception as exc:  # noqa: BLE001 - last resort, see the class doc
             logger.exception("internal error on %s", scope.get("path"))
             if not started:
-                await _error(f"internal server error: {type(exc).__name__}: {exc}", 500)(
-                    scope, receive, send)
+                await _error(f"internal server error: {type(exc).__name__}: {exc}", 500,
+                             path)(scope, receive, send)
 
 
 def normalize_allowed_dirs(dirs: list[str]) -> list[str]:
@@ -215,19 +229,21 @@ def create_app(engine: GenerationEngine, *, api_key: str | None = None,
 
     @app.exception_handler(_BodyTooLarge)
     async def body_too_large(request: Request, exc: _BodyTooLarge):
-        return _error(str(exc), 413)
+        return _error(str(exc), 413, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        return _error(f"{request.url.path}: invalid request: {exc.errors()}")
+        return _error(f"{request.url.path}: invalid request: {exc.errors()}",
+                      path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return _error(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
+        return _error(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code,
+                      request.url.path)
 
     @app.exception_handler(EngineStoppedError)
     async def engine_stopped(request: Request, exc: EngineStoppedError):
-        return _error(str(exc), 503)
+        return _error(str(exc), 503, request.url.path)
 
     @app.exception_handler(ProtocolError)
     async def protocol_error(request: Request, exc: ProtocolError):

@@ -30,6 +30,24 @@ _HERMES_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
+# Deeper arguments are refused: the chat template's ``tojson`` and Python's JSON recurse
+# once per level, and near the interpreter's recursion limit they fail unpredictably.
+MAX_ARGUMENT_DEPTH = 64
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON) nests containers more than ``limit`` levels deep;
+    iterative, so any depth is measured without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
 class ToolSpecError(ValueError):
     """Bad ``tools``/``tool_choice``/tool messages; ``param`` is the request field."""
 
@@ -101,6 +119,9 @@ def check_tools(tools: Any, tool_choice: Any) -> ToolSpec:
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and \
             isinstance(tool_choice.get("function"), dict):
         name = tool_choice["function"].get("name")
+        if not isinstance(name, str):
+            raise ToolSpecError("tool_choice.function.name must be a string naming one of "
+                                f"tools, got {type(name).__name__}", "tool_choice")
         if name not in seen:
             raise ToolSpecError(f"tool_choice names function {name!r}, which is not in tools",
                                 "tool_choice")
@@ -129,8 +150,15 @@ def template_tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
             try:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
-                raise ToolSpecError(f"{where}.function.arguments is not valid JSON: {args!r}",
+                raise ToolSpecError(f"{where}.function.arguments is not valid JSON: "
+                                    f"{args[:200]!r}", "messages") from None
+            except RecursionError:
+                raise ToolSpecError(f"{where}.function.arguments is nested too deeply "
+                                    f"(at most {MAX_ARGUMENT_DEPTH} levels)",
                                     "messages") from None
+        if _depth_over(args, MAX_ARGUMENT_DEPTH):
+            raise ToolSpecError(f"{where}.function.arguments is nested too deeply (at most "
+                                f"{MAX_ARGUMENT_DEPTH} levels)", "messages")
         if not isinstance(args, dict):
             raise ToolSpecError(f"{where}.function.arguments must be a JSON object",
                                 "messages")
@@ -156,7 +184,7 @@ def _named_call(obj: Any, names: set[str], args_key: str) -> dict[str, Any] | No
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     return _call(obj["name"], args) if isinstance(args, dict) else None
 
@@ -177,7 +205,7 @@ def parse_tool_calls(text: str, fmt: str, names: set[str]
         while pos < len(body):
             try:
                 obj, end = decoder.raw_decode(body, pos)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
             call = _named_call(obj, names, "parameters")
             if call is None:
@@ -198,7 +226,7 @@ def parse_tool_calls(text: str, fmt: str, names: set[str]
     for block in blocks:
         try:
             obj = json.loads(block)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         call = _named_call(obj, names, "arguments")
         if call is None:
