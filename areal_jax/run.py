@@ -37,7 +37,12 @@ from areal_jax.data.advantages import group_advantages_for
 from areal_jax.data.prompts import load_prompt_dataset, read_records
 from areal_jax.data.tokenizer import ChatTokenizer, load_tokenizer
 from areal_jax.data.trajectories import ProcessRowsDataset, TrajectoryBatchDataset
-from areal_jax.engine.launch import ServerStartError, launch_servers, wait_healthy
+from areal_jax.engine.launch import (
+    ServerStartError,
+    jax_platform_name,
+    launch_servers,
+    wait_healthy,
+)
 from areal_jax.interrupt import Interrupted, raise_if_interrupted
 from areal_jax.learner import Learner
 from areal_jax.learner.config import AlgoConfig, OptimConfig
@@ -507,7 +512,9 @@ def engine_placement(ro: RolloutConfig) -> tuple[str, dict[str, str] | None]:
     """(JAX_PLATFORMS, extra env) for the embedded engines: ``rollout.engine_platform``
     (default: this process's backend) and ``rollout.engine_devices`` as the platform's
     visible-device variable."""
-    platform = ro.engine_platform or jax.default_backend()
+    # One platform JAX accepts alone: jax calls a CUDA device "gpu", and JAX_PLATFORMS=gpu
+    # means cuda *and* rocm (a child without both plugins would not start).
+    platform = jax_platform_name(ro.engine_platform or jax.default_backend())
     if ro.engine_devices is None:
         # Sharing the learner's accelerator: allocate on demand rather than grabbing a
         # fixed fraction of a memory the learner already holds most of.

@@ -1,11 +1,17 @@
 """Fused self-attention kernels on accelerators, chosen by ``model.attention``.
 
-``auto`` resolves by platform: ``splash`` on TPU, ``cudnn`` on GPU when cuDNN is loadable
-(else ``pallas_gpu``), ``xla`` on CPU (the blockwise flash attention of
-:mod:`model_defs.attention`). Every kernel computes the same thing as the XLA path: packed
-causal self-attention (token i reads tokens j <= i of its own segment), GQA, queries
-pre-scaled, optionally with the fp32 log-sum-exp of each query's scores (the engine's
-prefill). Shapes as in :mod:`model_defs.attention`: q [B, K, G, T, Dh], k/v [B, K, T, Dh].
+``auto`` resolves by platform and dtype: ``splash`` on TPU, ``cudnn`` on GPU for bf16/fp16
+queries (``pallas_gpu`` for fp32, which cuDNN's fused attention refuses), ``xla`` on CPU (the
+blockwise flash attention of :mod:`model_defs.attention`). The choice is a pure function of
+(name, platform, dtype): it never looks at what the host happens to have installed, so
+``scripts/plan.py`` compiling for a GPU target on a CPU picks exactly the kernel the GPU
+will run (the planner needs the cuDNN wheel, ``nvidia-cudnn-cu13`` in the ``aot`` extra, to
+compile it, and says so when it is missing).
+
+Every kernel computes the same thing as the XLA path: packed causal self-attention (token
+i reads tokens j <= i of its own segment), GQA, queries pre-scaled, optionally with the
+fp32 log-sum-exp of each query's scores (the engine's prefill). Shapes as in
+:mod:`model_defs.attention`: q [B, K, G, T, Dh], k/v [B, K, T, Dh].
 
 * ``splash`` (TPU): ``jax.experimental.pallas.ops.tpu.splash_attention``, the MQA kernel
   (one kv head, G query heads) vmapped over batch rows and kv heads, causal mask plus
@@ -19,7 +25,8 @@ prefill). Shapes as in :mod:`model_defs.attention`: q [B, K, G, T, Dh], k/v [B, 
 * ``cudnn`` (GPU): ``jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)``.
   It takes no segment ids (a [T, T] mask would be quadratic again), so packed rows
   (``segment_ids_bt`` given) run on ``pallas_gpu`` instead; rows without segments (the
-  engine's prefill) use cuDNN. Needs the cuDNN library (the ``nvidia-cudnn`` wheel).
+  engine's prefill) use cuDNN, in bf16/fp16 only. Needs the cuDNN library (the
+  ``nvidia-cudnn`` wheel, which ``jax[cuda13]`` installs).
 
 A Pallas/Mosaic custom call cannot be partitioned automatically ("Mosaic kernels cannot be
 automatically partitioned"), so on a mesh every kernel runs under ``shard_map``: batch
@@ -46,6 +53,8 @@ Array = jax.Array
 ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn", "pallas_gpu")
 _KERNEL_PLATFORMS = {"splash": ("tpu",), "cudnn": ("gpu",), "pallas_gpu": ("gpu",)}
 _LN2 = 0.6931471805599453
+# The query dtypes cuDNN's fused attention takes (it raises on fp32).
+CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _normalize_platform(platform: str) -> str:
@@ -75,24 +84,29 @@ def cudnn_available() -> bool:
     return False
 
 
-def resolve_attention_impl(name: str, platform: str, *, interpret: bool = False) -> str:
+def resolve_attention_impl(name: str, platform: str, *, dtype: Any = None,
+                           interpret: bool = False) -> str:
     """The kernel ``model.attention: name`` means on ``platform`` (``cpu``, ``tpu``,
-    ``gpu``/``cuda``). ``auto``: splash on TPU, cudnn on GPU when cuDNN is loadable else
-    pallas_gpu, xla elsewhere. A kernel asked for on another platform is an error unless
-    ``interpret`` (Pallas' interpreter runs anywhere; cuDNN has none)."""
+    ``gpu``/``cuda``/``rocm``) for queries of ``dtype`` (None: a half-precision dtype, the
+    kernels' common case). ``auto``: splash on TPU; on GPU cudnn for bf16/fp16 and
+    pallas_gpu for other dtypes (cuDNN's fused attention refuses fp32); xla elsewhere. A
+    kernel asked for on another platform, or for a dtype it refuses, is an error, except
+    that Pallas kernels run anywhere when ``interpret`` (cuDNN has no interpreter)."""
     if name not in ATTENTION_IMPLS:
         raise ValueError(f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}; "
                          f"got {name!r}")
     platform = _normalize_platform(platform)
+    half = dtype is None or jnp.dtype(dtype) in CUDNN_DTYPES
     if name == "auto":
         if platform == "tpu":
             return "splash"
         if platform == "gpu":
-            return "cudnn" if cudnn_available() else "pallas_gpu"
+            return "cudnn" if half else "pallas_gpu"
         return "xla"
-    if name == "cudnn" and platform == "gpu" and not cudnn_available():
-        raise ValueError("model.attention=cudnn needs the cuDNN library, which jax cannot "
-                         "load (pip install nvidia-cudnn-cu13); use auto or pallas_gpu")
+    if name == "cudnn" and not half:
+        raise ValueError(f"model.attention=cudnn needs bf16 or fp16 queries (cuDNN's fused "
+                         f"attention refuses {jnp.dtype(dtype).name}); use auto or "
+                         "pallas_gpu for an fp32 model")
     if name == "xla" or platform in _KERNEL_PLATFORMS[name]:
         return name
     if interpret and name != "cudnn":

@@ -41,8 +41,6 @@ def _reference_lse(q, k, seg):
 def test_resolve_attention_impl_per_platform_and_errors():
     assert resolve_attention_impl("auto", "tpu") == "splash"
     assert resolve_attention_impl("auto", "cpu") == "xla"
-    # No cuDNN library is installed here: a GPU gets the Pallas (Triton) kernel.
-    assert resolve_attention_impl("auto", "cuda") in ("cudnn", "pallas_gpu")
     assert resolve_attention_impl("splash", "tpu") == "splash"
     assert resolve_attention_impl("pallas_gpu", "gpu") == "pallas_gpu"
     assert resolve_attention_impl("xla", "tpu") == "xla"
@@ -55,11 +53,25 @@ def test_resolve_attention_impl_per_platform_and_errors():
         resolve_attention_impl("cudnn", "tpu", interpret=True)
     with pytest.raises(ValueError, match="model.attention must be one of"):
         attention(*_qkv(t=4), impl="Splash")
-    if not cudnn_available():
-        assert resolve_attention_impl("auto", "gpu") == "pallas_gpu"
-        with pytest.raises(ValueError, match="model.attention=cudnn needs the cuDNN library"):
-            resolve_attention_impl("cudnn", "gpu")
     assert set(ATTENTION_IMPLS) == {"auto", "xla", "splash", "cudnn", "pallas_gpu"}
+
+
+@pytest.mark.parametrize("cudnn_loads", [True, False])
+def test_gpu_kernel_follows_the_dtype_never_the_host(monkeypatch, cudnn_loads):
+    """cuDNN's fused attention refuses fp32 (a GPU run served no fp32 model with the default
+    attention), so auto is cudnn for bf16/fp16 and pallas_gpu for fp32 on every GPU
+    platform name; and the choice never depends on whether this host can load cuDNN, so the
+    planner on a CPU host picks the kernel the GPU runs."""
+    import model_defs.fused_attention as fused
+
+    monkeypatch.setattr(fused, "cudnn_available", lambda: cudnn_loads)
+    for platform in ("gpu", "cuda", "rocm"):
+        for dtype in (jnp.bfloat16, jnp.float16):
+            assert resolve_attention_impl("auto", platform, dtype=dtype) == "cudnn"
+            assert resolve_attention_impl("cudnn", platform, dtype=dtype) == "cudnn"
+        assert resolve_attention_impl("auto", platform, dtype=jnp.float32) == "pallas_gpu"
+        with pytest.raises(ValueError, match="model.attention=cudnn needs bf16 or fp16 queries"):
+            resolve_attention_impl("cudnn", platform, dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("impl", KERNELS)
@@ -149,10 +161,12 @@ def test_splash_under_shard_map_on_a_cpu_mesh():
         assert float(jnp.max(jnp.abs(a - b))) <= tol, name
 
 
-def _compile(target: str, impl: str, t: int) -> dict:
+def _compile(target: str, impl: str, t: int, dtype: str = "bfloat16",
+             segments: bool = True) -> dict:
     script = Path(__file__).with_name("_attention_compile.py")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, str(script), target, impl, str(t)], env=env,
+    proc = subprocess.run([sys.executable, str(script), target, impl, str(t), dtype,
+                           str(int(segments))], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -183,3 +197,20 @@ def test_pallas_gpu_compiles_for_h100_without_a_square_buffer():
     assert result["device_kind"].startswith("NVIDIA H100")
     assert result["triton_custom_call"] >= 2, result  # forward and backward kernels
     assert result["square_buffers"] == [], result
+
+
+@pytest.mark.skipif(not _has("jax_plugins.xla_cuda13"),
+                    reason="needs the CUDA plugin: pip install jax-cuda13-plugin jax-cuda13-pjrt")
+@pytest.mark.skipif(not cudnn_available(),
+                    reason="needs the cuDNN wheel to compile cuDNN attention: pip install "
+                           "nvidia-cudnn-cu13 (aot extra)")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_h100_program_runs_the_kernel_the_runtime_resolves(dtype):
+    """Rows without segments (the engine's prefill) compiled for H100 with attention auto:
+    bf16 holds cuDNN's kernel and fp32 the Triton one, exactly what the runtime resolves for
+    that platform and dtype (the planner compiles through the same function)."""
+    result = _compile("h100:2", "auto", 256, dtype, segments=False)
+    runtime = resolve_attention_impl("auto", "cuda", dtype=jnp.dtype(dtype))
+    compiled = "cudnn" if result["cudnn_custom_call"] else (
+        "pallas_gpu" if result["triton_custom_call"] else "xla")
+    assert compiled == runtime == ("cudnn" if dtype == "bfloat16" else "pallas_gpu"), result

@@ -76,13 +76,32 @@ def test_publisher_writes_bf16_safetensors(tmp_path):
 def test_engine_placement_defaults_to_the_run_backend():
     assert engine_placement(RolloutConfig()) == (jax.default_backend(), None)
     assert engine_placement(RolloutConfig(engine_platform="cpu")) == ("cpu", None)
+    # "gpu" (what jax.default_backend() says on an NVIDIA machine) becomes one platform JAX
+    # accepts alone: JAX_PLATFORMS=gpu means cuda *and* rocm and fails without ROCm.
     platform, env = engine_placement(RolloutConfig(engine_platform="gpu", engine_devices=[1, 2]))
-    assert platform == "gpu" and env == {"CUDA_VISIBLE_DEVICES": "1,2"}
+    assert platform == "cuda" and env == {"CUDA_VISIBLE_DEVICES": "1,2"}
+    platform, env = engine_placement(RolloutConfig(engine_platform="rocm", engine_devices=[1]))
+    assert platform == "rocm" and env == {"HIP_VISIBLE_DEVICES": "1"}
     assert engine_placement(RolloutConfig(engine_platform="tpu", engine_devices=[3]))[1] == {
         "TPU_VISIBLE_CHIPS": "3"}
     # Sharing the learner's accelerator: no fixed preallocation.
     assert engine_placement(RolloutConfig(engine_platform="gpu"))[1] == {
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+def test_engine_child_gets_one_platform_jax_accepts_alone():
+    from areal_jax.engine.launch import _child_env, jax_platform_name
+
+    assert jax_platform_name("gpu", backends=["cuda", "cpu"]) == "cuda"
+    assert jax_platform_name("gpu", backends=["rocm"]) == "rocm"
+    assert jax_platform_name("gpu,cpu", backends=["cuda"]) == "cuda,cpu"
+    for name in ("cpu", "cuda", "rocm", "tpu"):
+        assert jax_platform_name(name, backends=["cuda"]) == name
+    # No GPU backend in this process (the learner on CPU): the installed plugin decides,
+    # and it is never the two-platform alias.
+    assert jax_platform_name("gpu", backends=["cpu"]) in ("cuda", "rocm")
+    assert _child_env("gpu", None, None)["JAX_PLATFORMS"] in ("cuda", "rocm")
+    assert _child_env("cpu", None, None)["JAX_PLATFORMS"] == "cpu"
 
 
 def test_engine_placement_errors():

@@ -248,14 +248,16 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any) -> tuple[Any, Any, dict[
     from model_defs import use_mesh
 
     shapes = engine_shapes(cfg)
-    model = _abstract_model(model_cfg, cfg.model.dtype, cfg.model.dtype)
+    # As run.py launches it: the serving dtype and model.attention.
+    dtype_name = cfg.serving_dtype
+    model = _abstract_model(model_cfg, dtype_name, dtype_name, attention=cfg.model.attention)
     runner = ModelRunner.__new__(ModelRunner)  # the step functions need only these
     runner.cfg, runner.max_seq_len = model_cfg, shapes["max_seq_len"]
     runner.decode_steps, runner.prefill_rows = shapes["decode_steps"], shapes["prefill_rows"]
     runner.graphdef, state = nnx.split(model)
     on_chip = jax.sharding.SingleDeviceSharding(device)
     state = _on(state, on_chip)
-    b, dtype = shapes["max_slots"], jnp.dtype(cfg.model.dtype)
+    b, dtype = shapes["max_slots"], jnp.dtype(dtype_name)
     chip_mesh = make_mesh("data=1", [device])
     with use_mesh(chip_mesh):  # the engine's cache layout for the chip's platform
         stacked = scan_layers_by_default()
@@ -419,6 +421,7 @@ def plan_run(cfg: Any, target: str, *, mesh_spec: str | None = None, preset: str
         "peak_bf16_flops": chip.peak_bf16_flops, "hbm_bytes_per_s": chip.hbm_bytes_per_s,
         "dtype": cfg.model.dtype, "remat": cfg.model.remat,
     }
+    _check_kernel_libraries(cfg, target, platform)
     learner = abstract_learner(cfg, model_cfg, mesh)
     param_bytes, opt_bytes = device_bytes(learner.params), device_bytes(learner.opt_state)
 
@@ -463,6 +466,22 @@ def plan_run(cfg: Any, target: str, *, mesh_spec: str | None = None, preset: str
         log(f"    {_brief(out)}")
         result[name] = out
     return result
+
+
+def _check_kernel_libraries(cfg: Any, target: str, platform: str) -> None:
+    """The kernels resolve for the target exactly as on the chip (never by what this host
+    has installed), so a GPU plan whose attention is cuDNN needs cuDNN here to compile it."""
+    from model_defs.fused_attention import cudnn_available, resolve_attention_impl
+
+    dtypes = {cfg.model.dtype, cfg.serving_dtype}
+    if platform != "gpu" or cudnn_available():
+        return
+    for dtype in sorted(dtypes):
+        if resolve_attention_impl(cfg.model.attention, platform, dtype=dtype) == "cudnn":
+            raise PlanError(f"{target} runs model.attention={cfg.model.attention} as cuDNN "
+                            f"attention for {dtype}, and this host cannot load cuDNN to compile "
+                            "it: pip install nvidia-cudnn-cu13 (in the aot extra), or plan "
+                            "with model.attention=pallas_gpu")
 
 
 def _rate(tokens: int, out: dict[str, Any]) -> float | None:

@@ -102,6 +102,45 @@ class ServerHandle:
         return f"ServerHandle(url={self.url!r}, pid={self.pid}, alive={self.alive()})"
 
 
+def jax_platform_name(platform: str, backends: Sequence[str] | None = None) -> str:
+    """The ``JAX_PLATFORMS`` value that names ``platform`` alone. jax reports a CUDA or ROCm
+    device as ``gpu``, but ``JAX_PLATFORMS=gpu`` means *cuda and rocm*, and a process
+    without both plugins fails to start ("Unable to initialize backend 'rocm'"). So ``gpu``
+    becomes the GPU backend this process runs (``backends``: its backend names, by default
+    jax's), else the GPU plugin installed (CUDA unless only ROCm's is), else ``cuda``.
+    Other names (and comma lists of them) are returned as they are."""
+    names = [p.strip() for p in platform.split(",") if p.strip()]
+    if "gpu" not in names:
+        return platform
+    if backends is None:
+        import jax.extend.backend
+
+        try:
+            backends = list(jax.extend.backend.backends())
+        except RuntimeError:  # no backend could start: fall through to the plugins
+            backends = []
+    gpu = next((b for b in backends if b in ("cuda", "rocm")), None)
+    if gpu is None:
+        plugins = _installed_jax_plugins()
+        rocm_only = (any(p.startswith("xla_rocm") for p in plugins)
+                     and not any(p.startswith("xla_cuda") for p in plugins))
+        gpu = "rocm" if rocm_only else "cuda"
+    return ",".join(gpu if n == "gpu" else n for n in names)
+
+
+def _installed_jax_plugins() -> list[str]:
+    """The names in jax's plugin namespace package (``xla_cuda13``, ``xla_rocm7``, ...)."""
+    try:
+        import jax_plugins
+    except ImportError:
+        return []
+    names: list[str] = []
+    for folder in getattr(jax_plugins, "__path__", []):
+        with contextlib.suppress(OSError):
+            names += os.listdir(folder)
+    return names
+
+
 def _child_env(jax_platforms: str | None, xla_cpu_threads: int | None,
                extra_env: dict[str, str] | None, api_key: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
@@ -120,7 +159,7 @@ def _child_env(jax_platforms: str | None, xla_cpu_threads: int | None,
             env[var] = str(xla_cpu_threads)
     env["XLA_FLAGS"] = " ".join(flags)
     if jax_platforms is not None:
-        env["JAX_PLATFORMS"] = jax_platforms
+        env["JAX_PLATFORMS"] = jax_platform_name(jax_platforms)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"
     if extra_env:
