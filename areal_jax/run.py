@@ -34,7 +34,7 @@ from areal_jax.checkpoint.publish import ADAPTER_SUBDIR, serving_copy
 from areal_jax.config import RolloutConfig, TrainConfig, to_dict
 from areal_jax.cpu_affinity import check_cpus_available, pin_process_to_cpus
 from areal_jax.data.advantages import group_advantages_for
-from areal_jax.data.prompts import load_prompt_dataset, read_records
+from areal_jax.data.prompts import load_prompt_dataset
 from areal_jax.data.tokenizer import ChatTokenizer, load_tokenizer
 from areal_jax.data.trajectories import ProcessRowsDataset, TrajectoryBatchDataset
 from areal_jax.engine.launch import (
@@ -76,6 +76,7 @@ from areal_jax.run_inputs import (
     check_prompt_lengths,
     check_servers_reachable,
     enable_compilation_cache,
+    load_eval_items,
     prepare_run_dir,
     resolve_dataset,
     resolve_model_path,
@@ -242,6 +243,7 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
         check_prompt_lengths(cfg, tokenizer, train_path)
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise TrainerError(f"data.train: {e}") from None
+    eval_items = load_eval_items(cfg, eval_path)
     storage.write_text(local_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     run_files.sync()
     publisher = _weight_publisher(cfg, run_dir)
@@ -290,8 +292,8 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     workflow = _workflow(cfg, tokenizer, reward_fn, stack)
     writer = MetricsWriter.from_config(cfg, local_dir, start_version, resumed=meta is not None)
     stack.callback(writer.close)
-    executor, eval_items = _executor(cfg, workflow, tokenizer, reward_pool, train_path, eval_path,
-                                     list(cfg.rollout.servers) or [h.url for h in handles], meta)
+    executor = _executor(cfg, workflow, tokenizer, reward_pool, train_path,
+                         list(cfg.rollout.servers) or [h.url for h in handles], meta)
     if handles:
         _wait_for_servers(cfg, handles)
         startup["servers_ready_s"] = time.time() - t_process
@@ -381,33 +383,23 @@ def _workflow(cfg: TrainConfig, tokenizer: Any, reward_fn: str, stack: contextli
 
 
 def _executor(cfg: TrainConfig, workflow: Any, tokenizer: Any, reward_pool: RewardPool,
-              train_path: str, eval_path: str | None, addresses: list[str],
-              meta: CheckpointMeta | None) -> tuple[RolloutExecutor, list[dict[str, Any]]]:
+              train_path: str, addresses: list[str],
+              meta: CheckpointMeta | None) -> RolloutExecutor:
     """The rollout executor over the training prompts (its accounting restored from the
-    checkpoint's meta; None: a fresh run), and the eval items."""
+    checkpoint's meta; None: a fresh run)."""
     data = cfg.data
     try:
         prompts = load_prompt_dataset(train_path, prompt_key=data.prompt_key,
                                       answer_key=data.answer_key, seed=cfg.seed,
                                       shuffle=data.shuffle, num_epochs=None)
-        eval_items = []
-        if eval_path:
-            eval_items = [dict(r) for r in read_records(eval_path)]
-            for r in eval_items:
-                if data.prompt_key not in r or data.answer_key not in r:
-                    raise ValueError(f"eval dataset {eval_path} rows need keys "
-                                     f"{data.prompt_key!r} and {data.answer_key!r}; "
-                                     f"got {sorted(r)}")
-                r["prompt"], r["answer"] = r[data.prompt_key], r[data.answer_key]
-            eval_items = eval_items[: data.max_eval_prompts or None]
     except (ValueError, KeyError, FileNotFoundError) as e:
-        raise TrainerError(str(e)) from None
+        raise TrainerError(f"data.train: {e}") from None
     executor = RolloutExecutor.from_config(cfg, RolloutClient.from_config(cfg.rollout, addresses),
                                            workflow, iter(prompts), reward_pool=reward_pool,
                                            tokenizer=tokenizer)
     if meta is not None and meta.executor:
         executor.load_state_dict(meta.executor)
-    return executor, eval_items
+    return executor
 
 
 def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitStack,

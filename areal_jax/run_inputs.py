@@ -113,6 +113,32 @@ def check_writable(path: Path, key: str) -> None:
         raise TrainerError(f"{key} {path} is not writable: {e.strerror or e}") from None
 
 
+def load_eval_items(cfg: TrainConfig, eval_path: str | None) -> list[dict[str, Any]]:
+    """The eval prompts of ``data.eval`` (at most ``data.max_eval_prompts``), each row with
+    ``prompt`` and ``answer`` from the run's keys; a row without them names ``data.eval``
+    and the key's option."""
+    from areal_jax.data.prompts import read_records
+
+    if not eval_path:
+        return []
+    data = cfg.data
+    try:
+        rows = read_records(eval_path)
+    except (ValueError, FileNotFoundError) as e:
+        raise TrainerError(f"data.eval: {e}") from None
+    items = []
+    for i, row in enumerate(rows[: data.max_eval_prompts or None]):
+        for key, option in ((data.prompt_key, "data.prompt_key"),
+                            (data.answer_key, "data.answer_key")):
+            if key not in row:
+                raise TrainerError(f"data.eval {eval_path}: row {i} has no {key!r} key "
+                                   f"({option}); keys: {sorted(row)}")
+        items.append({**row, "prompt": row[data.prompt_key], "answer": row[data.answer_key]})
+    if not items:
+        raise TrainerError(f"data.eval {eval_path} holds no prompts")
+    return items
+
+
 def check_prompt_lengths(cfg: TrainConfig, tokenizer: Any, train_path: str,
                          max_rows: int = 512) -> None:
     """The longest of the first ``max_rows`` prompts + ``rollout.max_new_tokens`` must fit a

@@ -105,6 +105,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Builds a config from an HF config.json dict (transformers 4.x or 5.x layout)."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source} holds a JSON {type(d).__name__}; expected a JSON object "
+                              "(an HF model config, {\"architectures\": [...], ...})")
         archs = d.get("architectures") or []
         if isinstance(archs, str):
             archs = [archs]

@@ -2,8 +2,8 @@
 
     python scripts/eval.py --model Qwen/Qwen2.5-1.5B-Instruct --benchmark gsm8k -n 8 --pass-at 1,4,8
     python scripts/eval.py --ckpt runs/qwen2.5-1.5b_gsm8k/checkpoints --benchmark math500
-    python scripts/eval.py --model runs/tiny_demo/weights/v40 --data builtin:eval -n 4
-    python scripts/eval.py --ckpt runs/tiny_demo/checkpoints [--step 40] --data builtin:eval
+    python scripts/eval.py --model runs/tiny_demo/weights/v60 --data builtin:eval -n 4
+    python scripts/eval.py --ckpt runs/tiny_demo/checkpoints [--step 60] --data builtin:eval
     # with an already-running server:
     python scripts/eval.py --model DIR --server http://127.0.0.1:30000 ...
 
@@ -39,7 +39,8 @@ import tempfile
 from pathlib import Path
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of eval.py (tests/test_docs_commands.py parses the docs with it)."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
@@ -80,17 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reward-timeout", type=float, default=10.0,
                    help="seconds per reward call; a call past it scores 0 (reward_failures)")
     p.add_argument("--out", default=None, help="JSON output path")
-    args = p.parse_args(argv)
-    if args.n_samples < 1:
-        p.error("-n must be >= 1")
-    if args.reward_workers < 1 or not args.reward_timeout > 0:
-        p.error("--reward-workers must be >= 1 and --reward-timeout > 0")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     from areal_jax import storage
     from areal_jax.data.prompts import read_records
     from areal_jax.data.tokenizer import load_tokenizer
     from areal_jax.rewards import reward_fn_spec
-    from areal_jax.rewards.pool import RewardPool
+    from areal_jax.rewards.pool import RewardPool, resolve_reward_fn
     from areal_jax.rollout.client import RolloutClient
     from areal_jax.rollout.evaluate import check_pass_at, evaluate_prompts, get_benchmark
     from areal_jax.run_inputs import (
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     from areal_jax.sampling_params import SamplingParams
 
     try:  # the arguments, before any model is loaded
+        _check_numbers(args)
         bench = get_benchmark(args.benchmark) if args.benchmark else None
         if bench is None and args.data is None:
             raise ValueError("name a --benchmark (gsm8k, math500) or a --data set")
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args.data = args.data or bench.data
-    args.max_new_tokens = args.max_new_tokens or (bench.max_new_tokens if bench else 64)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = bench.max_new_tokens if bench else 64
 
     tmp = tempfile.TemporaryDirectory(prefix="areal-eval-")
     try:
@@ -174,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         if not items:
             raise TrainerError(f"{args.data} has no rows")
         reward = reward_fn_spec(args.reward)
+        resolve_reward_fn(reward)  # importable here, not a traceback in a reward worker later
         if args.out:
             storage.check_location(args.out, "--out", write=False)
     except (TrainerError, ValueError, FileNotFoundError, RuntimeError) as e:
@@ -220,6 +224,26 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(json.dumps(result, indent=2))
     return 0
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for a number outside its range (before anything loads)."""
+    from areal_jax.sampling_params import SamplingParams
+
+    for flag, value in (("-n", args.n_samples), ("--max-prompts", args.max_prompts),
+                        ("--max-slots", args.max_slots), ("--max-seq-len", args.max_seq_len),
+                        ("--reward-workers", args.reward_workers)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if not args.reward_timeout > 0:
+        raise ValueError(f"--reward-timeout must be > 0, got {args.reward_timeout}")
+    for flag, field, value in (("--temperature", "temperature", args.temperature),
+                               ("--max-new-tokens", "max_new_tokens", args.max_new_tokens)):
+        if value is not None:  # the engine's own limits, from the one sampling record
+            try:
+                SamplingParams(**{field: value})
+            except ValueError as e:
+                raise ValueError(f"{flag}: {e}") from None
 
 
 def _parse_pass_at(spec: str | None, n_samples: int) -> list[int]:

@@ -208,6 +208,35 @@ def test_eval_bad_arguments_are_one_line_and_exit_2(capsys):
         assert len(lines) == 1 and lines[0].startswith(start), (args, lines)
 
 
+def test_eval_bad_numbers_and_reward_are_one_line_and_exit_2(capsys):
+    """issue 39 items 11-12: --temperature -1, --max-new-tokens -5 and an unimportable
+    --reward were tracebacks (exit 1); --max-new-tokens 0 silently became 64. Each is one
+    line naming the flag and exit 2, before a server starts."""
+    main = _eval_script().main
+    cases = [
+        (["--benchmark", "gsm8k", "--temperature", "-1"], "error: --temperature: temperature "),
+        (["--benchmark", "gsm8k", "--temperature", "nan"], "error: --temperature: temperature "),
+        (["--benchmark", "gsm8k", "--max-new-tokens", "-5"],
+         "error: --max-new-tokens: max_new_tokens must be an int in [1, "),
+        (["--data", "builtin:eval", "--max-new-tokens", "0"],
+         "error: --max-new-tokens: max_new_tokens must be an int in [1, "),
+        (["--data", "builtin:eval", "--max-prompts", "0"], "error: --max-prompts must be >= 1"),
+        (["--data", "builtin:eval", "--reward-timeout", "0"],
+         "error: --reward-timeout must be > 0"),
+    ]
+    for args, start in cases:
+        assert main(["--model", "areal-test/never-loaded", *args]) == 2, args
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(start), (args, lines)
+    # The reward resolves after the model and data (the run's own reward.fn may name it).
+    assert main(["--model", "builtin:arith_sft", "--data", "builtin:eval",
+                 "--reward", "nomod_xyz:fn"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: reward function 'nomod_xyz:fn': cannot import module "
+                               "'nomod_xyz'"), lines
+
+
 def test_eval_benchmark_not_cached_offline_is_one_line_and_exit_2(tmp_path):
     hf_home = tmp_path / "hf"
     add_hub_model(hf_home, MODEL_ID)  # the model only: no dataset in the cache

@@ -147,6 +147,16 @@ def test_config_json_missing_keys_names_the_file(tmp_path):
     assert "config.json" in str(excinfo.value) and "vocab_size" in str(excinfo.value)
 
 
+@pytest.mark.parametrize("text, kind", [("[1, 2]", "list"), ('"qwen"', "str"), ("3", "int")])
+def test_config_json_that_is_not_an_object_names_the_file(tmp_path, text, kind):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError) as excinfo:
+        ModelConfig.from_pretrained_dir(tmp_path)
+    assert str(excinfo.value).startswith(f"{tmp_path / 'config.json'} holds a JSON {kind}; "
+                                         "expected a JSON object")
+    _raised_in_model_defs(excinfo)
+
+
 def test_hf_config_round_trip_and_presets():
     for name in ("tiny", "qwen2.5-0.5b", "qwen3-0.6b", "llama3.2-1b"):
         cfg = ModelConfig.preset(name)

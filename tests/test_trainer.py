@@ -86,6 +86,47 @@ def test_cli_fails_early_with_a_clear_message(tmp_path, override, message):
     assert time.monotonic() - t0 < 120
 
 
+@pytest.mark.parametrize("correction, key", [("icepop", "algo.behav_correction_high"),
+                                             ("tis", "algo.behav_correction_cap")])
+def test_infinite_correction_bound_fails_at_load(tmp_path, correction, key):
+    """issue 39 item 10: an infinite bound passed the config check, started the servers and
+    crashed at the first step with a traceback (exit 1)."""
+    res = _run([f"run_dir={tmp_path / 'run'}", f"algo.behav_correction={correction}",
+                "algo.behav_imp_weight_cap=null", f"{key}=.inf"], timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"{key} must be a finite number" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "run").exists()  # found before anything was started or written
+
+
+def test_eval_rows_without_the_keys_name_data_eval_and_the_option(tmp_path):
+    """issue 39 item 14: a missing column in data.eval named neither data.eval nor the key's
+    option (data.train's did), and was found only after the servers had started."""
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text('{"question": "1+1", "solution": "2"}\n')
+    res = _run([f"run_dir={tmp_path / 'run'}", f"data.eval={eval_file}"], timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert (f"data.eval {eval_file}: row 0 has no 'answer' key (data.answer_key); keys: "
+            "['question', 'solution']") in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "run" / "weights").exists()  # before anything started
+
+
+def test_model_config_json_that_is_not_an_object_names_the_file(tmp_path):
+    """issue 39 item 13: a config.json holding a JSON list failed as
+    "tokenizer ...: 'list' object has no attribute 'get'"."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(REPO / "areal_jax" / "data" / "assets" / "arith_sft", model)
+    (model / "config.json").write_text("[1, 2]")
+    res = _run([f"run_dir={tmp_path / 'run'}", f"model.path={model}"], timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert (f"{model / 'config.json'} holds a JSON list; expected a JSON object"
+            in res.stderr), res.stderr[-2000:]
+    assert "has no attribute" not in res.stderr and "Traceback" not in res.stderr
+
+
 def test_unwritable_run_dir_fails_early(tmp_path):
     (tmp_path / "a_file").write_text("")
     res = _run([f"run_dir={tmp_path / 'a_file' / 'run'}"], timeout=120)

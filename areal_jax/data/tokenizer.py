@@ -144,9 +144,13 @@ class ChatTokenizer:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}; expected a JSON object "
+                         "of settings ({...}), as Hugging Face writes it")
+    return value
 
 
 def _eos_ids_from_model_config(folder: Path) -> list[int]:

@@ -7,6 +7,7 @@ key a user writes. Frozen, validated on construction.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -143,6 +144,12 @@ class AlgoConfig:
         _check_choice("algo", "behav_correction", self.behav_correction,
                       (*BEHAV_CORRECTIONS, None))
         check_positive("algo", behav_correction_cap=self.behav_correction_cap)
+        for key in ("behav_imp_weight_cap", "behav_correction_cap", "behav_correction_low",
+                    "behav_correction_high"):
+            value = getattr(self, key)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"algo.{key} must be a finite number, got {value} (no "
+                                 "correction at all is algo.behav_correction=none)")
         legacy = self.behav_imp_weight_cap
         if legacy is not None and self.behav_correction not in (None, "cap"):
             raise ValueError(f"algo.behav_imp_weight_cap={legacy} is the 'cap' correction and "
