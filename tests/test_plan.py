@@ -100,6 +100,81 @@ def test_plan_small_model_for_gpu(tmp_path):
     assert result["usable_bytes"] == int(0.75 * result["hbm_bytes"])
 
 
+# The chips' published figures, written here, not read from areal_jax.parallel.targets
+# (a wrong figure there must fail this test): dense bf16 FLOP/s and HBM bytes/s.
+#   TPU v5e: cloud.google.com/tpu/docs/v5e, 197 TFLOP/s bf16, 819 GB/s HBM2.
+#   H100 SXM: nvidia.com/en-us/data-center/h100 datasheet, 989 TFLOP/s bf16 dense
+#   (1,979 is with sparsity), 3.35 TB/s HBM3.
+PUBLISHED = {"v5e:2x2": (197e12, 819e9), "h100:1": (989e12, 3.35e12)}
+# (M, K, N) of one bf16 matmul [M, K] @ [K, N]: 2*M*K*N FLOPs, 2*(M*K + K*N + M*N) bytes
+# (each operand read once, the output written once). 8192^3 is compute-bound on both
+# chips (1.1 TFLOP against 0.4 GB), 128 x 16384 x 16384 memory-bound (69 GFLOP, 0.55 GB).
+MATMULS = {"compute": (8192, 8192, 8192), "memory": (128, 16384, 16384)}
+
+_MEASURE_MATMULS = """
+import json, sys
+import jax, jax.numpy as jnp
+from areal_jax.bench.plan import measure
+from areal_jax.parallel.targets import compile_only_devices, target_chip, target_platform
+target, shapes = sys.argv[1], json.loads(sys.argv[2])
+on = jax.sharding.SingleDeviceSharding(compile_only_devices(target)[0])
+chip, out = target_chip(target), {}
+for name, (m, k, n) in shapes.items():
+    a = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=on)
+    b = jax.ShapeDtypeStruct((k, n), jnp.bfloat16, sharding=on)
+    lowered = jax.jit(lambda a, b: a @ b).lower(a, b)
+    plan = measure(lowered, target_platform(target), chip, chip.hbm_bytes)
+    mem = lowered.compile().memory_analysis()  # XLA's own figures, read separately
+    plan["xla_memory"] = {k: int(getattr(mem, k + "_size_in_bytes"))
+                          for k in ("argument", "output", "temp", "alias")}
+    plan["xla_memory"]["peak"] = int(getattr(mem, "peak_memory_in_bytes", 0) or 0)
+    out[name] = plan
+print(json.dumps(out))
+"""
+
+
+def _check_floor_against_arithmetic(target: str, tpu_prefetch: bool = False) -> None:
+    """The plan of one matmul, compiled for ``target``: its FLOPs are the hand count, its
+    bytes the hand count (plus, on TPU, the cross-program prefetch of the small operand into
+    on-chip memory: read and written once, and a 4-byte flag), its floor is
+    max(FLOPs / peak, bytes / bandwidth) at the published figures, and its memory is XLA's."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _MEASURE_MATMULS, target, json.dumps(MATMULS)],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    plans = json.loads(out.stdout.strip().splitlines()[-1])
+    peak, bandwidth = PUBLISHED[target]
+    for bound, (m, k, n) in MATMULS.items():
+        plan = plans[bound]
+        flops, operand_bytes, out_bytes = 2 * m * k * n, 2 * (m * k + k * n), 2 * m * n
+        assert plan["flops"] == flops, (bound, plan)
+        hand = operand_bytes + out_bytes
+        prefetch = 2 * 2 * m * k + 4 if tpu_prefetch and bound == "memory" else 0
+        assert plan["bytes_accessed"] == hand + prefetch, (bound, plan)
+        floor = max(flops / peak, plan["bytes_accessed"] / bandwidth)
+        # Two float64 divisions and a max: equal to a few units in the last place.
+        assert plan["step_time_floor_s"] == pytest.approx(floor, rel=4 * 2.0**-52), (bound, plan)
+        assert plan["bound"] == bound, plan
+        assert plan["best_mfu"] == pytest.approx(flops / peak / floor, rel=4 * 2.0**-52)
+        xla = plan["xla_memory"]
+        assert xla["argument"] == plan["argument_bytes"] == operand_bytes, (bound, plan)
+        assert xla["output"] == out_bytes, (bound, xla)
+        # XLA's peak where the backend reports one (TPU: the prefetched operand's on-chip
+        # copy too), else what the program holds at once: arguments, output and temporaries.
+        want = xla["peak"] or xla["argument"] + xla["output"] + xla["temp"] - xla["alias"]
+        assert plan["peak_bytes"] == want >= operand_bytes + out_bytes, (bound, plan, xla)
+
+
+@needs_libtpu
+def test_plan_floor_is_the_arithmetic_of_a_matmul_on_tpu():
+    _check_floor_against_arithmetic("v5e:2x2", tpu_prefetch=True)
+
+
+@needs_cuda_plugin
+def test_plan_floor_is_the_arithmetic_of_a_matmul_on_gpu():
+    _check_floor_against_arithmetic("h100:1")
+
+
 def test_plan_rejects_an_unknown_target(tmp_path):
     config = _small_config(tmp_path, "cpu")
     out = _plan(tmp_path, "--config", str(config), "--target", "v9:4x4", timeout=120)

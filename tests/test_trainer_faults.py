@@ -339,22 +339,51 @@ def test_nonfinite_loss_for_k_versions_stops_the_run(tmp_path):
 
 
 # ----------------------------------------------------------------------------- resume
-def test_resume_writes_each_version_once_and_publish_update_s_is_measured(tmp_path):
-    """A run killed after version 3 but before its checkpoint committed trains version 3
-    again on resume; metrics.jsonl and consumed_prompts.jsonl keep one row per version.
-    With a checkpoint every version (which waits for the servers' update), every row after
-    the first still reports how long its weights' server update took (it used to be 0)."""
+def _resumed_state(run_dir: Path, ckpt_dir: Path, versions: list[int]) -> dict:
+    """tests/_resume_state.py on a run's checkpoints: what a resume restores, read back."""
+    import json
+
+    res = subprocess.run([sys.executable, "-m", "tests._resume_state", str(run_dir),
+                          str(ckpt_dir), *map(str, versions)], capture_output=True, text=True,
+                         timeout=600, env=_env(), cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_resume_restores_the_checkpointed_state_and_writes_each_version_once(tmp_path):
+    """Resume by its state: killed after checkpoint 1, the resumed learner's weights and
+    optimizer state are the checkpoint's, its step and version too, and training the
+    uninterrupted run's own batches 2 and 3 from there gives that run's losses (version 3's
+    depends on the AdamW moments and the step of the LR warmup). Then a run killed after
+    version 3 but before its checkpoint committed trains version 3 again on resume;
+    metrics.jsonl and consumed_prompts.jsonl keep one row per version. With a checkpoint
+    every version (which waits for the servers' update), every row after the first still
+    reports how long its weights' server update took (it used to be 0)."""
     import shutil
 
     run_dir = tmp_path / "run"
     args = [f"run_dir={run_dir}", "train.total_versions=3", "checkpoint.every_versions=1",
-            "checkpoint.keep=3"]
+            "checkpoint.keep=3", "train.record_batches=true"]
     res = _run(args)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = _rows(run_dir)
     assert [r["version"] for r in rows] == [1, 2, 3]
     assert rows[0]["publish_update_s"] == 0.0  # v0 was loaded at start-up, not published
     assert all(r["publish_update_s"] > 0 for r in rows[1:]), rows
+
+    # As if killed after checkpoint 1 was committed.
+    killed = tmp_path / "killed"
+    shutil.copytree(run_dir / "checkpoints" / "1", killed / "1")
+    state = _resumed_state(run_dir, killed, [2, 3])
+    assert state["checkpoint"] == {"step": 1, "version": 1}, state
+    assert state["learner"] == state["checkpoint"], state
+    assert state["params_max_abs_diff"] == 0.0, state  # restored, not recomputed: exact
+    assert state["opt_state_max_abs_diff"] == 0.0, state
+    for v in ("2", "3"):
+        loss, tol = state["losses"][v]
+        want = rows[int(v) - 1]["train/loss"]
+        assert abs(loss - want) <= tol, (v, loss, want, tol)
+
     # As if killed before checkpoint 3 was committed.
     shutil.rmtree(run_dir / "checkpoints" / "3")
     res = _run(args + ["--resume"])
