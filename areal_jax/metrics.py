@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -91,6 +92,42 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
         self._file.close()
+
+
+def run_summary(rows: list[dict[str, Any]], *, wall_s: float, run_dir: str, version: int,
+                weights: str | None, ckpt_dir: str, eval_data: str, serve_model: str) -> str:
+    """What a finished run prints last: the final eval accuracy and reward, the wall time,
+    and the next three commands (plot, evaluate, serve) with this run's paths. ``rows`` are
+    metrics.jsonl's; ``weights`` is the last version's serving weights when eval.py can
+    take them as they are (``RUN_DIR/weights/vN``, next to the run's config), else None:
+    eval.py then reads the checkpoint. ``serve_model``: what serve.py can serve (those
+    weights, ``checkpoint.publish_dir``'s, or with LoRA adapters the base model)."""
+    q = shlex.quote
+    minutes, seconds = divmod(round(wall_s), 60)
+    lines = [f"done: version {version} in {minutes}m {seconds:02d}s; run directory {run_dir}"]
+    for key, name in (("eval_accuracy", "eval accuracy"), ("reward_mean", "reward")):
+        last = next((r for r in reversed(rows) if key in r), None)
+        if last is not None:
+            lines.append(f"  {name} {last[key]:.3f} (version {int(last.get('version', 0))})")
+    source = f"--model {q(weights)}" if weights else f"--ckpt {q(ckpt_dir)}"
+    lines += ["next:",
+              f"  python scripts/plot.py {q(run_dir)}",
+              f"  python scripts/eval.py {source} --data {q(eval_data)} -n 4",
+              f"  python scripts/serve.py --model-path {q(serve_model)} --port 30000"]
+    return "\n".join(lines)
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL metrics file (unparsable lines skipped)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 class MismatchWarner:

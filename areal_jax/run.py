@@ -47,7 +47,7 @@ from areal_jax.interrupt import Interrupted, raise_if_interrupted
 from areal_jax.learner import Learner
 from areal_jax.learner.config import AlgoConfig, OptimConfig
 from areal_jax.learner.critic import Critic
-from areal_jax.metrics import MetricsWriter
+from areal_jax.metrics import MetricsWriter, read_rows, run_summary
 from areal_jax.parallel import (
     detected_cluster,
     initialize_distributed,
@@ -166,13 +166,35 @@ def run_training(cfg: TrainConfig, resume: bool | None = None, *,
             stack.callback(arm_shutdown_deadline, cfg.watchdog.shutdown_timeout_s,
                            EXIT_CODES["shutdown_timeout"])
         try:
-            return trainer.run()
+            row = trainer.run()
         except Interrupted:
             if cfg.checkpoint.on_interrupt:
                 arm_shutdown_deadline(cfg.watchdog.shutdown_timeout_s,
                                       EXIT_CODES["shutdown_timeout"])
                 trainer.checkpoint_on_interrupt()
             raise
+        summary = _summary(cfg, trainer) if trainer.is_main else None
+    if summary:  # after the shutdown: the last lines on the console
+        print(summary, flush=True)
+    return row
+
+
+def _summary(cfg: TrainConfig, trainer: Trainer) -> str:
+    """The end-of-run summary (metrics.run_summary) with this run's paths."""
+    version, run_dir = trainer.learner.version, cfg.run_dir
+    published: str | None = storage.join(
+        cfg.checkpoint.publish_dir or storage.join(run_dir, "weights"), f"v{version}")
+    with contextlib.suppress(storage.StorageError, OSError):  # LoRA adapters: no model there
+        if not storage.exists(storage.join(published, "config.json")):
+            published = None
+    # eval.py takes the run's config (reward, keys) from next to RUN_DIR/weights only.
+    weights = None if cfg.checkpoint.publish_dir else published
+    return run_summary(read_rows(trainer.rollout.writer.path),
+                       wall_s=time.time() - process_start_time(), run_dir=run_dir,
+                       version=version, weights=weights,
+                       ckpt_dir=cfg.checkpoint.dir or storage.join(run_dir, "checkpoints"),
+                       eval_data=cfg.data.eval or cfg.data.train,
+                       serve_model=published or cfg.model.path)
 
 
 def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitStack) -> Trainer:
@@ -220,6 +242,9 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
         check_servers_reachable(list(cfg.rollout.servers), cfg.rollout.api_key)
     raise_if_interrupted()  # a safe point for SIGINT/SIGTERM
     run_dir, ckpt_dir, has_ckpt = prepare_run_dir(cfg, resume)
+    if is_main:
+        print(f"run directory: {run_dir} (metrics.jsonl, weights/, checkpoints/, logs/)",
+              flush=True)
     if not is_main:  # a learner only: its rows of every batch come from process 0
         learner_side = _build_learner_side(cfg, resume, stack, model_path, ckpt_dir, has_ckpt)
         learner_side.pop("first_params"), learner_side.pop("meta")

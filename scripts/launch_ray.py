@@ -121,7 +121,8 @@ class ProcessRunner:
         return self.proc.poll()
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_docs_commands.py parses the docs' commands with it)."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", default=None,
@@ -149,6 +150,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pid-file", default=None,
                    help="write the started processes as JSON [{role, host, pid}] here")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, passed to train.py")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.trainers < 1 or args.servers < 0:
         p.error("--trainers must be >= 1 and --servers >= 0")

@@ -153,7 +153,8 @@ def accuracy(model, items, temperature, key, max_new=48, seq_len=SEQ_LEN) -> flo
                           for o, it in zip(outs, items, strict=False)]))
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_docs_commands.py parses the docs' commands with it)."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=sorted(TASKS), default="arith",
@@ -171,7 +172,11 @@ def main() -> int:
                    help="default 128 (longtail: 16; its decode is a full re-forward per token)")
     p.add_argument("--answer-noise", type=float, default=0.7,
                    help="fraction of SFT solutions whose final answer is replaced by a random one")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     defaults = {"steps": 1500, "batch_size": 64, "lr": 3e-3, "eval_every": 100,
                 "eval_prompts": 128}
     if args.task != "arith":

@@ -103,7 +103,8 @@ def write_tokenizer(out: Path) -> None:
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_docs_commands.py parses the docs' commands with it)."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="areal_jax/data/assets/arith_tools")
@@ -115,7 +116,11 @@ def main() -> int:
                    help="fraction of traces that solve by hand without calling the tool")
     p.add_argument("--expression-noise", type=float, default=0.5,
                    help="fraction of calls that send a mangled expression")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
 
     model, cfg = load_hf(ASSETS_DIR / "arith_sft", dtype="float32")
     tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, 20, args.steps,

@@ -25,7 +25,8 @@ import time
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_docs_commands.py parses the docs' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="run config YAML (configs/*.yaml)")
     parser.add_argument("--target", default=None,
@@ -39,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
                              "largest that fits; 0: only the config's")
     parser.add_argument("--json", default=None, help="write the plan as JSON here")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     from areal_jax.bench.plan import PlanError, format_table, plan_run
     from areal_jax.config import ConfigError, load_config

@@ -221,13 +221,18 @@ def _plot_local(run_dir: Path, out_dir: Path | None, log: Any) -> list[Path]:
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_docs_commands.py parses the docs' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="run directory holding metrics.jsonl (local or gs://)")
     parser.add_argument("--out", default=None,
                         help="output directory, local or gs:// (default RUN_DIR/plots)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         paths = plot_run(args.run_dir, args.out, log=lambda m: print(m, file=sys.stderr))
     except (PlotError, OSError) as e:

@@ -22,7 +22,8 @@ import os
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_docs_commands.py parses the docs' commands with it)."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML run config (see configs/)")
@@ -34,7 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--no-resume", dest="resume", action="store_false",
                    help="start fresh; error if the run dir already has checkpoints")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     from areal_jax.process import install_signal_handlers
 

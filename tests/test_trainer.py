@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from areal_jax.config import ConfigError, load_config
@@ -44,6 +45,76 @@ def _rows(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _external_server(tmp_path: Path, run_dir: Path, dtype: str = "float32"):
+    """A server of the demo's model for a run to use (rollout.servers): it outlives the
+    run, so a test can ask it what it serves afterwards."""
+    from areal_jax.engine.launch import launch_server
+    from areal_jax.run_inputs import resolve_model_path
+
+    (run_dir / "weights").mkdir(parents=True)
+    return launch_server(resolve_model_path("builtin:arith_sft", None), max_slots=16,
+                         max_seq_len=96, dtype=dtype, log_path=tmp_path / "server.log",
+                         allowed_weight_dirs=[run_dir / "weights"])
+
+
+FIXED_PROMPT = [1, 7, 12, 9, 15]  # token ids of the demo's 32-token vocabulary
+
+
+def _greedy(url: str, prompt: list[int] = FIXED_PROMPT, new_tokens: int = 16):
+    """The server's greedy completion of ``prompt``: (token ids, their logprobs, the weight
+    version it reports)."""
+    import httpx
+    import numpy as np
+
+    r = httpx.post(f"{url}/generate", timeout=120, json={
+        "input_ids": prompt, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0,
+                            "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    return ([e[1] for e in meta["output_token_logprobs"]],
+            np.array([e[0] for e in meta["output_token_logprobs"]]), meta["weight_version"])
+
+
+def _checkpointed_weights(run_dir: Path, version: int, out_dir: Path, dtype: str) -> Path:
+    """The learner's params at ``version`` (its Orbax checkpoint), written as the servers'
+    weights are: an HF dir of ``dtype`` tensors."""
+    from areal_jax.checkpoint import TrainCheckpointer
+    from areal_jax.checkpoint.publish import params_to_hf_dir
+
+    ckpt = TrainCheckpointer(str(run_dir / "checkpoints"), read_only=True)
+    params, _, meta = ckpt.restore(version, params_only=True)
+    ckpt.close()
+    assert meta.version == version
+    return params_to_hf_dir(params, meta.model_config, out_dir, dtype=dtype)
+
+
+def _assert_published_tensors_are_the_learners(run_dir: Path, version: int, want_dir: Path):
+    """weights/v{version}, tensor for tensor, is the learner's checkpointed params."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    served, want = (load_file(str(d / "model.safetensors"))
+                    for d in (run_dir / "weights" / f"v{version}", want_dir))
+    assert served.keys() == want.keys()
+    for name, value in want.items():
+        assert served[name].dtype == value.dtype, name
+        np.testing.assert_array_equal(served[name], value, err_msg=f"v{version} {name}")
+
+
+def _reference_logprobs(model_dir: Path, prompt: list[int], ids: list[int]):
+    """transformers' logprobs of ``ids`` after ``prompt`` (fp32, temperature 1)."""
+    import torch
+
+    from tests.hf_fixtures import _load_reference
+
+    model = _load_reference(str(model_dir))
+    seq = torch.tensor([prompt + ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(seq).logits[0].double(), -1)
+    return logp[len(prompt) - 1:-1].gather(-1, seq[0, len(prompt):, None])[:, 0].numpy()
 
 
 # ----------------------------------------------------------------------------- early errors
@@ -151,12 +222,34 @@ def test_no_resume_refuses_existing_checkpoints(tmp_path):
 
 # ----------------------------------------------------------------------------- end to end
 def test_async_training_end_to_end(tmp_path):
+    """Four versions with background publishing (the default) against a rollout server
+    that outlives the run, so that what it serves at the end can be checked: the weights
+    of each checkpointed version are, tensor for tensor, the learner's, and the server's
+    greedy logprobs at version 4 are transformers' on the learner's version-4 params."""
+    from tests.hf_fixtures import token_logprob_tolerance
+
     run_dir = tmp_path / "run"
+    server = _external_server(tmp_path, run_dir)
     # eta = 1: batches 1-2 may come from prompts submitted under v0, batch 3 onwards
     # must have been (at least partly) generated under published weights v >= 1.
-    res = _run([f"run_dir={run_dir}", "train.total_versions=4", "checkpoint.every_versions=2",
-                "rollout.max_staleness=1", "eval.at_end=true"])
-    assert res.returncode == 0, res.stderr[-4000:]
+    try:
+        res = _run([f"run_dir={run_dir}", "train.total_versions=4",
+                    "checkpoint.every_versions=2", "rollout.max_staleness=1",
+                    "eval.at_end=true", f"rollout.servers=[{server.url}]"])
+        assert res.returncode == 0, res.stderr[-4000:]
+        ids, served_logp, served_version = _greedy(server.url)
+    finally:
+        server.terminate()
+    assert served_version == "4"
+    want = {v: _checkpointed_weights(run_dir, v, tmp_path / f"want{v}", "float32")
+            for v in (2, 4)}
+    for v, want_dir in want.items():
+        _assert_published_tensors_are_the_learners(run_dir, v, want_dir)
+    ref_logp = _reference_logprobs(want[4], FIXED_PROMPT, ids)
+    tol = token_logprob_tolerance(want[4], FIXED_PROMPT + ids, temperature=0)
+    np.testing.assert_allclose(served_logp, ref_logp, rtol=0, atol=tol)
+    # The check can tell versions apart: version 2's weights give other logprobs.
+    assert np.abs(_reference_logprobs(want[2], FIXED_PROMPT, ids) - ref_logp).max() > tol
     rows = _rows(run_dir)
     assert [r["version"] for r in rows] == [1, 2, 3, 4]
     # Rewards are recorded and are real verifier rewards in [0, 1].
@@ -176,6 +269,21 @@ def test_async_training_end_to_end(tmp_path):
     assert any((run_dir / "tensorboard").iterdir())
     # The learner trained: the loss is finite and gradients flowed.
     assert all(r["train/grad_norm"] > 0 for r in rows)
+    # issue 39 items 1-2: the console says where the run is, ends with a summary whose next
+    # commands name this run's real paths, and a healthy run prints no warning.
+    out = res.stdout.splitlines()
+    assert out[0] == f"run directory: {run_dir} (metrics.jsonl, weights/, checkpoints/, logs/)"
+    done = next(i for i, line in enumerate(out) if line.startswith("done: version 4 in "))
+    assert out[done].endswith(f"; run directory {run_dir}")
+    assert out[done + 1] == f"  eval accuracy {rows[-1]['eval_accuracy']:.3f} (version 4)"
+    assert out[done + 2] == f"  reward {rows[-1]['reward_mean']:.3f} (version 4)"
+    assert out[done + 3:] == [
+        "next:", f"  python scripts/plot.py {run_dir}",
+        f"  python scripts/eval.py --model {run_dir}/weights/v4 --data builtin:eval -n 4",
+        f"  python scripts/serve.py --model-path {run_dir}/weights/v4 --port 30000"]
+    assert (run_dir / "weights" / "v4" / "config.json").exists()
+    warnings = [line for line in res.stderr.splitlines() if "WARNING" in line]
+    assert not warnings, warnings
 
 
 @pytest.mark.slow

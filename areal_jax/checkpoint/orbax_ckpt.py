@@ -22,9 +22,12 @@ arrays come back on the default device and containers as plain dicts/lists.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -155,6 +158,29 @@ def rng_from_json(data: list[int], *, typed: bool = True) -> jax.Array:
     return jax.random.wrap_key_data(raw) if typed else jax.numpy.asarray(raw)
 
 
+class _DropReadOnlyNotice(logging.Filter):
+    """Drops Orbax's ``Given directory is read only=DIR``: a WARNING that CheckpointManager
+    logs whenever it is opened with ``read_only=True``, which is how a checkpoint is only
+    looked at (the run-dir probe before every run, eval.py, convert.py); the directory is
+    usually writable and nothing is wrong."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+
+@contextlib.contextmanager
+def _quiet_read_only_notice(read_only: bool) -> Iterator[None]:
+    if not read_only:
+        yield
+        return
+    absl_logger, notice = logging.getLogger("absl"), _DropReadOnlyNotice()
+    absl_logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(notice)
+
+
 class TrainCheckpointer:
     """Saves and restores the learner's training state in ``directory`` (local or gs://).
 
@@ -189,8 +215,9 @@ class TrainCheckpointer:
             # Leftover tmp dirs of a killed save are ignored, and removed before the next save.
             cleanup_tmp_directories=not read_only,
         )
-        self._manager = ocp.CheckpointManager(directory, options=options,
-                                              item_handlers=_item_handlers())
+        with _quiet_read_only_notice(read_only):
+            self._manager = ocp.CheckpointManager(directory, options=options,
+                                                  item_handlers=_item_handlers())
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, params: PyTree, opt_state: PyTree | None, meta: CheckpointMeta,
