@@ -20,6 +20,8 @@ import numpy as np
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
+# An agent's episode ended because its next model call no longer fitted the context.
+FINISH_CONTEXT = "context_length"
 
 
 @dataclass

@@ -64,6 +64,8 @@ Backend = Callable[[str, list[int], SamplingParams, TokenCallback | None], Await
 ChatRenderer = Callable[[str, list[dict[str, Any]], "ToolSpec", str], list[int]]
 # on_reply(key, generated, message): the assistant message a chat request was answered with.
 ReplyHook = Callable[[str, "Generated", dict[str, Any]], None]
+# on_error(key, error): an error a request was answered with.
+ErrorHook = Callable[[str, "OpenAIError"], None]
 
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stream",
                   "stream_options", "logprobs", "top_logprobs", "n", "user", "stop",
@@ -412,12 +414,13 @@ class OpenAIRoutes:
     def __init__(self, backend: Backend, *, tokenizer: Any, vocab_size: int, max_seq_len: int,
                  model_name: str, stop_token_ids: tuple[int, ...] = (),
                  params_hook: Callable[[SamplingParams], SamplingParams] | None = None,
-                 renderer: ChatRenderer | None = None, on_reply: ReplyHook | None = None):
+                 renderer: ChatRenderer | None = None, on_reply: ReplyHook | None = None,
+                 on_error: ErrorHook | None = None):
         self.backend, self.tokenizer = backend, tokenizer
         self.vocab_size, self.max_seq_len, self.model_name = vocab_size, max_seq_len, model_name
         self.stop_token_ids = tuple(stop_token_ids)
         self.params_hook = params_hook
-        self.renderer, self.on_reply = renderer, on_reply
+        self.renderer, self.on_reply, self.on_error = renderer, on_reply, on_error
         self.tool_format = tool_call_format(getattr(tokenizer, "chat_template", None))
 
     def register(self, app: FastAPI, prefix: str = "") -> None:
@@ -460,6 +463,8 @@ class OpenAIRoutes:
             gen = await self._until_disconnected(
                 request, self.backend(key, parsed.input_ids, parsed.params, None))
         except OpenAIError as e:
+            if self.on_error is not None:
+                self.on_error(key, e)
             return e.response()
         if gen is None:  # the client went away; its generation was aborted
             return Response(status_code=499)
@@ -584,6 +589,8 @@ class OpenAIRoutes:
             try:
                 gen = task.result()
             except OpenAIError as e:
+                if self.on_error is not None:
+                    self.on_error(key, e)
                 err = {"error": {"message": e.message, "type": e.kind, "param": e.param,
                                  "code": e.code}}
                 yield f"data: {json.dumps(err)}\n\n"

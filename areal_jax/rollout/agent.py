@@ -42,6 +42,13 @@ asks (the learner recomputes logprobs at that temperature), ``max_tokens`` is ca
 ``max_total_tokens``, get a 400 with ``code`` ``turn_limit`` / ``context_length_exceeded``.
 If the agent raises or returns no valid reward, or made no call, the group is rejected
 (counted as ``agent_failed_groups``), as a failed reward rejects a single-turn group.
+
+**An episode that outgrows the context** ends there: once a call has been refused with
+``context_length_exceeded``, the trajectory (the calls made until then) gets the finish
+reason ``context_length`` (counted in ``agent_context_exceeded``), with the agent's reward,
+or 0 if the agent raised. Tools run through :class:`areal_jax.rollout.tools.ToolRunner`
+are counted per episode (``tool_calls``, ``tool_errors``, ``tool_results_truncated``, in
+the trajectory's ``info`` and the metrics).
 """
 
 from __future__ import annotations
@@ -62,10 +69,11 @@ from areal_jax.engine.openai_api import Generated, OpenAIError, OpenAIRoutes, re
 from areal_jax.engine.tool_calls import ToolSpec
 from areal_jax.plugins import import_callable
 from areal_jax.rewards.pool import check_reward_value
+from areal_jax.rollout.tools import TOOL_COUNTS, counting_tools
 from areal_jax.rollout.types import FINISH_LENGTH, FINISH_STOP
 from areal_jax.rollout.workflows import WorkflowContext, sample_request
 from areal_jax.sampling_params import SamplingParams
-from areal_jax.trajectory import Trajectory
+from areal_jax.trajectory import FINISH_CONTEXT, Trajectory
 
 logger = logging.getLogger(__name__)
 AgentFn = Callable[..., Any]
@@ -118,6 +126,19 @@ class _Recorder:
     calls: list[RecordedCall] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     rendered: dict[tuple[int, ...], _Rendered] = field(default_factory=dict)
+    context_exceeded: str | None = None  # the first call refused for not fitting
+
+
+@dataclass
+class _Episode:
+    """What one sample's agent run left: its reward (None with ``problem``), its calls,
+    and how it ended."""
+
+    reward: float | None
+    calls: list[RecordedCall]
+    problem: str | None
+    context_exceeded: bool = False
+    tool_counts: dict[str, int] = field(default_factory=dict)
 
 
 def assemble_trajectory(calls: list[RecordedCall], reward: float, **fields: Any
@@ -169,7 +190,7 @@ class AgentProxy:
         self._routes = OpenAIRoutes(
             self._generate, tokenizer=tokenizer, vocab_size=vocab_size,
             max_seq_len=max_seq_len, model_name="policy", stop_token_ids=stops,
-            renderer=self._render, on_reply=self._on_reply)
+            renderer=self._render, on_reply=self._on_reply, on_error=self._on_error)
         self._routes.register(app, prefix="/traj/{key}")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -261,6 +282,12 @@ class AgentProxy:
         if rec is not None and turn is not None:
             with rec.lock:
                 rec.calls[turn].reply = message
+
+    def _on_error(self, key: str, error: OpenAIError) -> None:
+        rec = self._recorders.get(key)
+        if rec is not None and error.code == "context_length_exceeded":
+            with rec.lock:
+                rec.context_exceeded = rec.context_exceeded or error.message
 
     async def _generate(self, key: str, input_ids: list[int], params: SamplingParams,
                         on_tokens: Any) -> Generated:
@@ -379,7 +406,7 @@ class AgenticWorkflow:
             self._proxy = None
 
     async def _sample(self, client: Any, item: dict[str, Any], ctx: WorkflowContext,
-                      index: int) -> tuple[float | None, list[RecordedCall], str | None]:
+                      index: int) -> _Episode:
         proxy = self.proxy(self.tokenizer or ctx.tokenizer)
         rec = _Recorder(client=client, loop=asyncio.get_running_loop(), gconfig=self.gconfig,
                         seed=ctx.seed + 1000 * index, rid=f"{ctx.group_id}/{index}",
@@ -387,11 +414,12 @@ class AgenticWorkflow:
         key = proxy.open(rec)
         max_abs = self.reward_max_abs or ctx.reward_max_abs
         try:
-            if inspect.iscoroutinefunction(self.agent):
-                value = await self.agent(proxy.base_url(key), item, **self.agent_kwargs)
-            else:  # a plain agent blocks: it runs in a thread, the loop stays free
-                value = await asyncio.to_thread(self.agent, proxy.base_url(key), item,
-                                                **self.agent_kwargs)
+            with counting_tools() as tool_counts:
+                if inspect.iscoroutinefunction(self.agent):
+                    value = await self.agent(proxy.base_url(key), item, **self.agent_kwargs)
+                else:  # a plain agent blocks: it runs in a thread, the loop stays free
+                    value = await asyncio.to_thread(self.agent, proxy.base_url(key), item,
+                                                    **self.agent_kwargs)
             reward, problem = check_reward_value(value, max_abs), None
         except Exception as e:  # noqa: BLE001 - one bad episode must not stop the run
             name = getattr(self.agent, "__name__", repr(self.agent))
@@ -401,27 +429,41 @@ class AgenticWorkflow:
         calls = [c for c in rec.calls if c is not None]
         if problem is None and not calls:
             problem = "the agent made no model call"
-        return reward, calls, problem
+        overflow = rec.context_exceeded is not None and bool(calls)
+        if overflow and reward is None:
+            # The conversation outgrew the context and the agent gave up with an error (the
+            # 400 it was answered): the episode ends there, scored 0, rather than the group
+            # being rejected and the prompt retried into the same wall.
+            logger.info("agent sample %s/%d ended at the context limit: %s (%s)",
+                        ctx.group_id, index, rec.context_exceeded, problem)
+            reward, problem = 0.0, None
+        return _Episode(reward, calls, problem, overflow, dict(tool_counts))
 
     async def arun(self, client: Any, item: dict[str, Any],
                    ctx: WorkflowContext) -> list[Trajectory] | None:
-        results = await asyncio.gather(*(self._sample(client, item, ctx, i)
-                                         for i in range(self.n_samples)))
+        episodes = await asyncio.gather(*(self._sample(client, item, ctx, i)
+                                          for i in range(self.n_samples)))
         group = []
-        for i, (reward, calls, problem) in enumerate(results):
-            if problem is not None or reward is None:
-                logger.warning("agent sample %s/%d: %s", ctx.group_id, i, problem)
+        for i, ep in enumerate(episodes):
+            for name, n in ep.tool_counts.items():
+                ctx.count(name, n)
+            if ep.problem is not None or ep.reward is None:
+                logger.warning("agent sample %s/%d: %s", ctx.group_id, i, ep.problem)
                 ctx.count("agent_failed_groups")
-                ctx.note_problem(problem or "the agent returned no reward")
+                ctx.note_problem(ep.problem or "the agent returned no reward")
                 return None
-            traj, unmatched = assemble_trajectory(calls, reward, info={"sample_index": i})
+            info = {"sample_index": i, **{k: ep.tool_counts.get(k, 0) for k in TOOL_COUNTS}}
+            traj, unmatched = assemble_trajectory(ep.calls, ep.reward, info=info)
+            if ep.context_exceeded:
+                traj.finish_reason = FINISH_CONTEXT
+                ctx.count("agent_context_exceeded")
             if unmatched:
                 ctx.count("agent_calls_unmatched", unmatched)
             if traj.info["assistant_mismatch"]:
                 ctx.count("agent_assistant_mismatch", traj.info["assistant_mismatch"])
             if traj.info["history_retokenized"]:
                 ctx.count("agent_history_retokenized")
-            ctx.count("agent_turns", len(calls))
+            ctx.count("agent_turns", len(ep.calls))
             group.append(traj)
         if self.group_filter is not None and not self.group_filter(group):
             ctx.count("filtered_groups")

@@ -19,11 +19,11 @@ checkpoint, whose chat template writes calls in the task's vocabulary).
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 from areal_jax.rewards.builtin import builtin_reward
+from areal_jax.rollout.tools import ToolRunner
 
 
 async def arith_retry_agent(base_url: str, item: dict[str, Any], *, max_attempts: int = 2,
@@ -63,30 +63,36 @@ def calculator(expression: str) -> str:
 
 
 async def arith_calculator_agent(base_url: str, item: dict[str, Any], *, max_calls: int = 2,
-                                 max_tokens: int = 24) -> float:
+                                 max_tokens: int = 24, max_result_chars: int = 32,
+                                 tools: dict[str, Any] | None = None) -> float:
     """Solves the built-in task with a calculator tool it must call, through the OpenAI
-    chat API's ``tools``: the model's calls are run and their results sent back as ``tool``
-    messages until it answers. Reward 1 for a right ``A:<n>`` after at least one call,
-    else 0."""
+    chat API's ``tools``: the model's calls are run by a :class:`ToolRunner` (a failing
+    tool's error and a long result, truncated to ``max_result_chars``, are what the model
+    reads) and sent back as ``tool`` messages until it answers. Reward 1 for a right
+    ``A:<n>`` after at least one call, else 0; an episode that outgrows the context ends
+    with 0. ``tools`` replaces the calculator's implementation (name -> callable)."""
     import openai
 
+    runner = ToolRunner(tools or {"calculator": calculator}, max_result_chars=max_result_chars)
     messages: list[dict[str, Any]] = [{"role": "user", "content": item["prompt"]}]
     called = False
     timeout = openai.Timeout(600.0, connect=60.0)
     async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0,
                                   timeout=timeout) as client:
         for _ in range(max_calls + 1):
-            reply = await client.chat.completions.create(
-                model="policy", messages=messages, tools=[CALCULATOR_TOOL],
-                max_tokens=max_tokens)
+            try:
+                reply = await client.chat.completions.create(
+                    model="policy", messages=messages, tools=[CALCULATOR_TOOL],
+                    max_tokens=max_tokens)
+            except openai.BadRequestError as e:
+                if (e.body or {}).get("code") == "context_length_exceeded":
+                    return 0.0  # the conversation no longer fits: the episode ends here
+                raise
             message = reply.choices[0].message
             if not message.tool_calls:
                 right = builtin_reward(message.content or "", item["answer"]) > 0
                 return 1.0 if called and right else 0.0
             called = True
             messages.append(message.model_dump(exclude_none=True))
-            for call in message.tool_calls:
-                args = json.loads(call.function.arguments)
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": calculator(args.get("expression", ""))})
+            messages += await runner.run(message.tool_calls)
     return 0.0

@@ -1,0 +1,171 @@
+"""Running an agent's tool calls: the ``tool`` messages an OpenAI chat agent sends back.
+
+    runner = ToolRunner({"calculator": calculator}, max_result_chars=256)
+    reply = await client.chat.completions.create(..., tools=[CALCULATOR_TOOL])
+    message = reply.choices[0].message
+    messages.append(message.model_dump(exclude_none=True))
+    messages += await runner.run(message.tool_calls)
+
+A tool fails as agent frameworks let tools fail: the episode goes on and the model reads
+what went wrong as the tool's result. For each call:
+
+- arguments that are not a JSON object, an unknown function, or a tool that raises give
+  ``Error: ...`` as the result (at most ``max_error_chars`` characters);
+- a result that is not a string (a number, None, a dict, a list) is sent as JSON text
+  (``null``, ``{"a": 1}``); what JSON cannot hold is written with ``str``;
+- a result longer than ``max_result_chars`` keeps its head and ends with
+  ``...[truncated: N of M characters]``, so one huge result cannot fill the context;
+- with ``timeout_s``, a tool that takes longer is answered with an error (a plain tool's
+  thread is left to finish on its own).
+
+Inside an :class:`areal_jax.rollout.agent.AgenticWorkflow` episode the runner counts its
+calls, errors and truncations; the workflow adds them to the trajectory's ``info`` and the
+run's metrics (``tool_calls``, ``tool_errors``, ``tool_results_truncated``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import json
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+TRUNCATED = "...[truncated: {shown} of {total} characters]"
+TOOL_COUNTS = ("tool_calls", "tool_errors", "tool_results_truncated")
+_EPISODE: contextvars.ContextVar[Counter[str] | None] = contextvars.ContextVar(
+    "areal_tool_counts", default=None)
+
+
+@contextmanager
+def counting_tools() -> Iterator[Counter[str]]:
+    """Counts the tool calls that runners make in this context (the agentic workflow opens
+    one per episode; a plain agent's thread inherits it)."""
+    counts: Counter[str] = Counter()
+    token = _EPISODE.set(counts)
+    try:
+        yield counts
+    finally:
+        _EPISODE.reset(token)
+
+
+def _count(name: str) -> None:
+    counts = _EPISODE.get()
+    if counts is not None:
+        counts[name] += 1
+
+
+def _bounded(text: str, limit: int) -> tuple[str, bool]:
+    if len(text) <= limit:
+        return text, False
+    marker = TRUNCATED.format(shown=limit, total=len(text))
+    return text[:limit] + marker, True
+
+
+def _field(obj: Any, name: str) -> Any:
+    return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+
+class ToolRunner:
+    """Runs tool calls against ``tools`` (function name -> callable taking the call's
+    arguments as keywords; plain or async) and returns the ``tool`` messages."""
+
+    def __init__(self, tools: dict[str, Callable[..., Any]], *, max_result_chars: int = 4096,
+                 max_error_chars: int = 512, timeout_s: float | None = None) -> None:
+        if max_result_chars < 1 or max_error_chars < 1:
+            raise ValueError(f"ToolRunner needs max_result_chars >= 1 and max_error_chars >= 1, "
+                             f"got {max_result_chars} and {max_error_chars}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"ToolRunner timeout_s must be > 0 or None, got {timeout_s}")
+        self.tools = dict(tools)
+        self.max_result_chars, self.max_error_chars = max_result_chars, max_error_chars
+        self.timeout_s = timeout_s
+
+    def result_text(self, value: Any) -> str:
+        """A tool's return value as the ``tool`` message's content (JSON text unless it is
+        a string), truncated to ``max_result_chars`` with the marker."""
+        if isinstance(value, str):
+            text = value
+        else:
+            try:
+                text = json.dumps(value, ensure_ascii=False, default=str)
+            except (ValueError, TypeError, RecursionError):  # cycles, odd keys, deep nesting
+                text = str(value)
+        text, truncated = _bounded(text, self.max_result_chars)
+        if truncated:
+            _count("tool_results_truncated")
+        return text
+
+    def error_text(self, error: str | BaseException) -> str:
+        """The result of a call that failed: ``Error: ...``, bounded."""
+        if isinstance(error, BaseException):
+            error = f"{type(error).__name__}: {error}"
+        _count("tool_errors")
+        return _bounded(f"Error: {error}", self.max_error_chars)[0]
+
+    def _prepare(self, call: Any) -> tuple[Callable[..., Any] | None, dict[str, Any], str]:
+        """(tool, keyword arguments, error): the error is "" when the call can run."""
+        fn = _field(call, "function")
+        name, raw = _field(fn, "name"), _field(fn, "arguments")
+        tool = self.tools.get(name) if isinstance(name, str) else None
+        if tool is None:
+            return None, {}, (f"unknown tool {name!r}; the tools are "
+                              f"{', '.join(sorted(self.tools)) or 'none'}")
+        try:
+            args = json.loads(raw) if isinstance(raw, str) and raw.strip() else (raw or {})
+        except (ValueError, RecursionError) as e:
+            return None, {}, f"the arguments of {name} are not valid JSON ({e})"
+        if not isinstance(args, dict):
+            return None, {}, f"the arguments of {name} must be a JSON object, got {raw!r}"
+        return tool, args, ""
+
+    def _message(self, call: Any, content: str) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": _field(call, "id"), "content": content}
+
+    async def run_one(self, call: Any) -> dict[str, Any]:
+        """The ``tool`` message answering one call (an OpenAI ``tool_calls`` entry, as the
+        client's object or a dict). A plain tool runs in a thread."""
+        _count("tool_calls")
+        tool, args, error = self._prepare(call)
+        if tool is None:
+            return self._message(call, self.error_text(error))
+        async def call_tool() -> Any:
+            if inspect.iscoroutinefunction(tool):
+                return await tool(**args)
+            value = await asyncio.to_thread(tool, **args)
+            return await value if inspect.isawaitable(value) else value
+
+        try:
+            value = await asyncio.wait_for(call_tool(), self.timeout_s)
+        except TimeoutError:
+            return self._message(call, self.error_text(
+                f"the tool did not answer within {self.timeout_s} s"))
+        except Exception as e:  # noqa: BLE001 - a failing tool is the model's to read
+            return self._message(call, self.error_text(e))
+        return self._message(call, self.result_text(value))
+
+    async def run(self, calls: Iterable[Any] | None) -> list[dict[str, Any]]:
+        """The ``tool`` messages for a reply's calls, in order (run one after another)."""
+        return [await self.run_one(call) for call in calls or ()]
+
+    def run_sync(self, calls: Iterable[Any] | None) -> list[dict[str, Any]]:
+        """:meth:`run` for plain (non-async) agents; async tools are run to completion."""
+        out = []
+        for call in calls or ():
+            _count("tool_calls")
+            tool, args, error = self._prepare(call)
+            if tool is None:
+                out.append(self._message(call, self.error_text(error)))
+                continue
+            try:
+                value = tool(**args)
+                if inspect.isawaitable(value):
+                    value = asyncio.run(value)
+            except Exception as e:  # noqa: BLE001 - a failing tool is the model's to read
+                out.append(self._message(call, self.error_text(e)))
+                continue
+            out.append(self._message(call, self.result_text(value)))
+        return out

@@ -1,0 +1,197 @@
+"""Tools that fail like tools (areal_jax.rollout.tools.ToolRunner): the tool-calling demo's
+agent (``arith_calculator_agent``, model ``builtin:arith_tools``, greedy, which always calls
+the calculator on this prompt) runs through the agentic workflow against a real engine
+server on 127.0.0.1 with calculators that raise, return 2 MB, or return None, a dict or a
+number. The episode goes on with the error or the JSON text as the tool's result, the
+group is accepted, and the tool counts reach the trajectory and the metrics. An episode
+whose tool result no longer fits the context ends with finish reason ``context_length``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+
+import pytest
+
+from areal_jax.data.tokenizer import load_tokenizer
+from areal_jax.rollout.agent import AgenticWorkflow
+from areal_jax.rollout.agent_examples import arith_calculator_agent, calculator
+from areal_jax.rollout.client import RolloutClient
+from areal_jax.rollout.tools import TRUNCATED, ToolRunner, counting_tools
+from areal_jax.rollout.workflows import WorkflowContext
+from areal_jax.run_inputs import ASSETS_DIR
+from areal_jax.sampling_params import SamplingParams
+from areal_jax.trajectory import FINISH_CONTEXT
+from tests.server_fixtures import start_server
+
+MODEL = ASSETS_DIR / "arith_tools"
+ITEM = {"prompt_id": "p0", "prompt": "Q:17+5-8=", "answer": "14"}
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
+TWO_MB = 2_000_000
+
+
+def call(name, arguments, call_id="call_1"):
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def raising(expression):
+    raise ZeroDivisionError(f"cannot evaluate {expression}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with start_server(MODEL, tmp_path_factory, max_slots=8, max_seq_len=128) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(MODEL)
+
+
+def run_group(server, tok, n_samples=2, **agent_kwargs):
+    """One group of the calculator agent: (trajectories or None, the workflow's counts)."""
+    counts = Counter()
+    workflow = AgenticWorkflow(arith_calculator_agent, n_samples=n_samples, gconfig=GREEDY,
+                               tokenizer=tok, max_turns=3, max_total_tokens=128,
+                               agent_kwargs=agent_kwargs)
+
+    async def go():
+        async with RolloutClient([server.url]) as client:
+            ctx = WorkflowContext(start_version=0, seed=1, group_id="g0", tokenizer=tok,
+                                  _count=lambda name, n: counts.update({name: n}))
+            return await workflow.arun(client, ITEM, ctx)
+
+    try:
+        return asyncio.run(go()), counts
+    finally:
+        workflow.close()
+
+
+def tool_result(tok, traj):
+    text = tok.decode(traj.input_ids.tolist(), skip_special_tokens=False)
+    return text.split("<tool_response>")[1].split("</tool_response>")[0]
+
+
+def test_the_runner_turns_failures_and_values_into_tool_messages():
+    def huge(expression):
+        return "9" * TWO_MB
+
+    async def async_dict(expression):
+        return {"value": 14, "expression": expression}
+
+    runner = ToolRunner({"calculator": calculator, "raising": raising, "huge": huge,
+                         "none": lambda expression: None, "number": lambda expression: 14.5,
+                         "adict": async_dict}, max_result_chars=100, max_error_chars=60)
+    args = json.dumps({"expression": "17+5-8"})
+    calls = [call("calculator", args, "c0"), call("raising", args, "c1"),
+             call("huge", args, "c2"), call("none", args, "c3"), call("number", args, "c4"),
+             call("adict", args, "c5"), call("nope", args, "c6"), call("calculator", "{x", "c7"),
+             call("calculator", "[1]", "c8"), call("calculator", '{"expr": "1"}', "c9")]
+    with counting_tools() as counts:
+        messages = asyncio.run(runner.run(calls))
+        assert runner.run_sync(calls[:3]) == messages[:3]
+    assert [m["tool_call_id"] for m in messages] == [f"c{i}" for i in range(10)]
+    assert all(m["role"] == "tool" and isinstance(m["content"], str) for m in messages)
+    content = [m["content"] for m in messages]
+    assert content[0] == "14"
+    assert content[1] == "Error: ZeroDivisionError: cannot evaluate 17+5-8"
+    assert content[2] == "9" * 100 + TRUNCATED.format(shown=100, total=TWO_MB)
+    assert content[3:6] == ["null", "14.5", '{"value": 14, "expression": "17+5-8"}']
+    # An error is cut to max_error_chars, then the marker.
+    assert content[6].startswith("Error: unknown tool 'nope'")
+    assert content[6].endswith(TRUNCATED.format(shown=60, total=88))
+    assert "not valid JSON" in content[7] and "JSON object" in content[8]
+    assert content[9].startswith("Error: TypeError: calculator() got an unexpected")
+    assert counts == {"tool_calls": 13, "tool_errors": 6, "tool_results_truncated": 2}
+
+
+def test_a_slow_tool_is_answered_with_an_error():
+    async def slow(expression):
+        await asyncio.sleep(60)
+
+    runner = ToolRunner({"calculator": slow}, timeout_s=0.05)
+    (message,) = asyncio.run(runner.run([call("calculator", '{"expression": "1"}')]))
+    assert message["content"] == "Error: the tool did not answer within 0.05 s"
+
+
+def test_the_calculator_agent_solves_with_the_tool(server, tok):
+    group, counts = run_group(server, tok)
+    assert [t.reward for t in group] == [1.0, 1.0]
+    assert [tool_result(tok, t) for t in group] == ["14", "14"]
+    assert all(t.info["tool_calls"] == 1 and t.info["tool_errors"] == 0 for t in group)
+    assert counts["tool_calls"] == 2 and counts["tool_errors"] == 0
+
+
+def test_a_raising_tool_is_the_models_to_read_and_the_group_is_kept(server, tok):
+    group, counts = run_group(server, tok, tools={"calculator": raising})
+    assert group is not None and counts["agent_failed_groups"] == 0
+    for traj in group:
+        # The error went back as the tool's result and the model answered after it.
+        assert traj.info["turns"] == 2 and traj.info["tool_errors"] == 1
+        assert traj.finish_reason == "stop" and traj.reward == 0.0
+    assert counts["tool_errors"] == 2 and counts["tool_calls"] == 2
+
+
+@pytest.mark.parametrize("value,text", [(None, "null"), (14, "14"),
+                                        ({"v": 14}, '{"v": 14}')])
+def test_non_string_results_are_sent_as_json_text(server, tok, value, text):
+    group, counts = run_group(server, tok, n_samples=1,
+                              tools={"calculator": lambda expression: value})
+    (traj,) = group
+    want = tok.decode(tok.encode(text), skip_special_tokens=False)  # in the task's vocabulary
+    assert tool_result(tok, traj) == want and traj.info["turns"] == 2
+    assert counts["tool_errors"] == 0 and counts["agent_failed_groups"] == 0
+
+
+def test_a_2mb_result_is_truncated_and_the_episode_goes_on(server, tok):
+    group, counts = run_group(server, tok, tools={"calculator": lambda expression: "9" * TWO_MB})
+    assert group is not None and counts["tool_results_truncated"] == 2
+    for traj in group:
+        assert traj.info["turns"] == 2 and traj.finish_reason != FINISH_CONTEXT
+        assert tool_result(tok, traj).startswith("9" * 32)
+    assert counts["agent_context_exceeded"] == 0
+
+
+def test_an_episode_that_outgrows_the_context_ends_with_a_finish_reason(server, tok):
+    # With a budget larger than the context, the 2 MB result makes the next prompt too long:
+    # the agent's call is refused and the episode ends there, scored 0, group kept.
+    group, counts = run_group(server, tok, tools={"calculator": lambda expression: "9" * TWO_MB},
+                              max_result_chars=TWO_MB)
+    assert group is not None and counts["agent_failed_groups"] == 0
+    for traj in group:
+        assert traj.finish_reason == FINISH_CONTEXT and traj.reward == 0.0
+        assert traj.info["turns"] == 1 and traj.num_tokens <= 128
+    assert counts["agent_context_exceeded"] == 2
+
+
+def test_an_agent_that_raises_at_the_context_limit_still_ends_its_episode(server, tok):
+    async def stubborn(base_url, item, **kwargs):  # does not catch the 400
+        import openai
+
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0) as client:
+            messages = [{"role": "user", "content": item["prompt"]}]
+            for _ in range(3):
+                r = await client.chat.completions.create(model="policy", messages=messages,
+                                                         max_tokens=24)
+                messages += [r.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "user", "content": "9" * 200}]
+        return 1.0
+
+    counts = Counter()
+    workflow = AgenticWorkflow(stubborn, n_samples=1, gconfig=GREEDY, tokenizer=tok,
+                               max_turns=3, max_total_tokens=128)
+
+    async def go():
+        async with RolloutClient([server.url]) as client:
+            ctx = WorkflowContext(start_version=0, seed=1, group_id="g1", tokenizer=tok,
+                                  _count=lambda name, n: counts.update({name: n}))
+            return await workflow.arun(client, ITEM, ctx)
+
+    try:
+        (traj,) = asyncio.run(go())
+    finally:
+        workflow.close()
+    assert traj.finish_reason == FINISH_CONTEXT and traj.reward == 0.0
+    assert counts["agent_context_exceeded"] == 1 and counts["agent_failed_groups"] == 0
