@@ -13,6 +13,7 @@ from model_defs.hf_io import HF_PARAM_TABLE, CheckpointError, load_hf, parse_dty
 from model_defs.lora import LORA_TARGETS, LoraConfig, add_lora, lora_config, merge_lora
 from model_defs.model import REMAT_POLICIES, CausalLM, remat_policy_name
 from model_defs.peft_io import PeftAdapter, load_peft_adapter, peft_adapter, save_peft_adapter
+from model_defs.precision import fp32_matmul_precision, fp32_matmuls
 from model_defs.sharding import (
     LOGICAL_AXIS_RULES,
     PyTree,
@@ -43,6 +44,8 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "UnsupportedArchitectureError",
     "current_mesh",
+    "fp32_matmul_precision",
+    "fp32_matmuls",
     "load_hf",
     "load_peft_adapter",
     "logical_to_spec",

@@ -95,7 +95,8 @@ def attention(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, *,
     b, _, _, t, _ = q_bkgtd.shape
     if keys_transposed:
         k_bksd = k_bksd.swapaxes(2, 3)
-    kernel = resolve_attention_impl(impl, active_platform(), interpret=interpret)
+    kernel = resolve_attention_impl(impl, active_platform(), dtype=q_bkgtd.dtype,
+                                    interpret=interpret)
     if kernel != "xla":
         seg_bt = None if segment_ids_bt is None else jnp.asarray(segment_ids_bt, jnp.int32)
         return fused_self_attention(kernel, q_bkgtd, k_bksd, v_bksd, seg_bt,
@@ -206,6 +207,37 @@ def _block_slices(x: Array, axis: int, block: int, i: Array) -> Array:
     return jax.lax.dynamic_slice_in_dim(x, i * block, block, axis=axis)
 
 
+def _first_same_segment(seg_t: Array) -> Array:
+    """[T]: for each token, the index of the first token of its segment id in the row
+    (exact for any ids, contiguous or not: a stable sort groups each id's tokens in index
+    order, so a group's first sorted entry is its smallest index)."""
+    t = seg_t.shape[0]
+    order_t = jnp.argsort(seg_t, stable=True)
+    sorted_t = seg_t[order_t]
+    starts_t = jnp.concatenate([jnp.ones((1,), bool), sorted_t[1:] != sorted_t[:-1]])
+    group_start_t = jax.lax.cummax(jnp.where(starts_t, jnp.arange(t), 0))
+    return jnp.zeros((t,), order_t.dtype).at[order_t].set(order_t[group_start_t])
+
+
+def _key_block_ranges(seg_bt: Array, block: int) -> tuple[Array, Array]:
+    """The block pairs the segments let meet, for every row of the batch at once.
+
+    Returns ``first_n`` [n]: query block i reads key blocks first_n[i]..i (no key before
+    the first token of any of its queries' segments is visible to it), and ``end_n`` [n]:
+    key block j is read by query blocks j..end_n[j]-1 (1 + the last query block whose
+    first_n is <= j). Both are bounds over the batch's rows (one loop serves them all);
+    the per-element mask still decides what is read inside a visited pair, so the bounds
+    change which pairs cost work, never a value."""
+    b, t = seg_bt.shape
+    n = t // block
+    first_bt = jax.vmap(_first_same_segment)(seg_bt)
+    first_n = (jnp.min(first_bt.reshape(b, n, block), axis=(0, 2)) // block).astype(jnp.int32)
+    blocks_n = jnp.arange(n, dtype=jnp.int32)
+    reads_nn = first_n[None, :] <= blocks_n[:, None]  # [key block j, query block i]
+    end_n = jnp.max(jnp.where(reads_nn, blocks_n[None, :], -1), axis=1) + 1
+    return first_n, jnp.maximum(end_n, blocks_n + 1)
+
+
 def _block_mask(seg_bt: Array, qi: Array, kj: Array, block: int) -> Array:
     """[B, 1, 1, c, c]: key j of block kj visible to query i of block qi."""
     arange_c = jnp.arange(block, dtype=jnp.int32)
@@ -219,9 +251,11 @@ def _block_mask(seg_bt: Array, qi: Array, kj: Array, block: int) -> Array:
 def _flash_forward(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, seg_bt: Array,
                    block: int) -> tuple[Array, Array]:
     """(out [B, K, G, T, Dh] in the queries' dtype, lse [B, K, G, T] fp32); T a multiple of
-    ``block``. Query block i reads key blocks 0..i (a loop of i + 1 steps)."""
+    ``block``. Query block i reads key blocks first[i]..i, where first[i] is the block of
+    the earliest key any of its queries' segments holds (:func:`_key_block_ranges`)."""
     b, kv, g, t, dh = q_bkgtd.shape
     n = t // block
+    first_n, _ = _key_block_ranges(seg_bt, block)
 
     def query_block(_, qi):
         q_bkgcd = _block_slices(q_bkgtd, 3, block, qi)
@@ -247,7 +281,7 @@ def _flash_forward(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, seg_bt: Array,
         init = (jnp.zeros((b, kv, g, block, dh), jnp.float32),
                 jnp.full((b, kv, g, block), MASK_VALUE, jnp.float32),
                 jnp.zeros((b, kv, g, block), jnp.float32))
-        acc, m, l_sum = jax.lax.fori_loop(0, qi + 1, read, init)
+        acc, m, l_sum = jax.lax.fori_loop(first_n[qi], qi + 1, read, init)
         return None, (acc / l_sum[..., None], m + jnp.log(l_sum))
 
     _, (out_nbkgcd, lse_nbkgc) = jax.lax.scan(query_block, None, jnp.arange(n))
@@ -262,12 +296,13 @@ def _flash_fwd(q_bkgtd, k_bksd, v_bksd, seg_bt, block):
 
 
 def _flash_bwd(block, residuals, d_out_bkgtd):
-    """Key blocks outer (dK, dV of a block accumulate in the carry), query blocks i >= j
-    inner; dQ accumulates in one fp32 buffer. P = exp(S - lse), dS = P * (dP - delta) with
+    """Key blocks outer (dK, dV of a block accumulate in the carry), query blocks
+    j <= i < end[j] inner (the blocks whose segments reach back to key block j); dQ accumulates in one fp32 buffer. P = exp(S - lse), dS = P * (dP - delta) with
     delta = rowsum(dO * O); products in the inputs' dtype with fp32 accumulation."""
     q_bkgtd, k_bksd, v_bksd, seg_bt, out_bkgtd, lse_bkgt = residuals
     b, kv, g, t, dh = q_bkgtd.shape
     n = t // block
+    _, end_n = _key_block_ranges(seg_bt, block)
     d_out_bkgtd = d_out_bkgtd.astype(q_bkgtd.dtype)
     delta_bkgt = jnp.sum(d_out_bkgtd.astype(jnp.float32) * out_bkgtd.astype(jnp.float32),
                          axis=-1)
@@ -300,7 +335,8 @@ def _flash_bwd(block, residuals, d_out_bkgtd):
             return dk_bksd, dv_bksd, dq_bkgtd
 
         zeros = jnp.zeros((b, kv, block, dh), jnp.float32)
-        dk_bksd, dv_bksd, dq_bkgtd = jax.lax.fori_loop(kj, n, read, (zeros, zeros, dq_bkgtd))
+        dk_bksd, dv_bksd, dq_bkgtd = jax.lax.fori_loop(kj, end_n[kj], read,
+                                                       (zeros, zeros, dq_bkgtd))
         return dq_bkgtd, (dk_bksd, dv_bksd)
 
     dq_bkgtd, (dk_nbkcd, dv_nbkcd) = jax.lax.scan(

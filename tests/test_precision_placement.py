@@ -3,7 +3,12 @@ weights) and where the embedded engine runs (rollout.engine_platform / engine_de
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -154,3 +159,39 @@ def test_engine_dtype_sets_the_servers_and_published_weights_apart(tmp_path):
         floats = {x.dtype for x in jax.tree.leaves(weights.params)
                   if np.issubdtype(x.dtype, np.floating) or x.dtype == jnp.bfloat16}
         assert floats == {jnp.dtype(dtype)}, (dtype, floats)
+
+
+def test_fp32_matmul_precision_per_dtype_and_platform():
+    from model_defs import fp32_matmul_precision
+
+    for platform in ("gpu", "cuda", "rocm", "tpu"):
+        assert fp32_matmul_precision("float32", platform) == "highest"
+        assert fp32_matmul_precision(None, platform) == "highest"  # the fp32 params' own
+        assert fp32_matmul_precision("bfloat16", platform) is None
+        assert fp32_matmul_precision(jnp.float16, platform) is None
+    assert fp32_matmul_precision("float32", "cpu") is None  # CPU programs unchanged
+
+
+def _lowered_precision(target: str, dtype: str) -> dict:
+    script = Path(__file__).with_name("_precision_lower.py")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, str(script), target, dtype], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
+                    reason="needs the CUDA plugin: pip install jax-cuda13-plugin "
+                           "jax-cuda13-pjrt (aot extra)")
+def test_fp32_programs_pin_fp32_products_on_gpu_and_nowhere_else():
+    """XLA and Triton run fp32 products in TF32 on a GPU by default (a GPU check saw fp32
+    attention 8.6e-4 off an fp32 reference). The learner's gradient program (forward and
+    the custom-VJP backward rules) and the engine's prefill and decode, lowered for an H100
+    as the planner lowers them, ask for the highest precision in every product when the
+    dtype is fp32; bf16 programs and CPU programs ask for nothing."""
+    for name, prog in _lowered_precision("h100:1", "float32").items():
+        assert prog["dots"] > 0 and prog["highest"] == prog["dots"], (name, prog)
+    for target, dtype in (("h100:1", "bfloat16"), ("cpu", "float32")):
+        for name, prog in _lowered_precision(target, dtype).items():
+            assert prog["dots"] > 0 and prog["highest"] == 0, (target, dtype, name, prog)

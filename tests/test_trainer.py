@@ -352,42 +352,47 @@ def test_external_server_with_another_model_fails_with_a_clear_error(tmp_path):
 
 def test_inline_publish_serves_the_learners_own_bf16_weights(tmp_path):
     """checkpoint.publish_mode=inline with model.dtype=bfloat16: the learner writes each
-    version from its own arrays (no host copy); the servers load every version, and the
-    served v2 is, tensor for tensor, the bf16 cast of the checkpointed v2 params."""
-    import numpy as np
-    from safetensors.numpy import load_file
-
-    from areal_jax.checkpoint import TrainCheckpointer
-    from areal_jax.checkpoint.publish import params_to_hf_dir
-    from areal_jax.learner import Learner
-    from areal_jax.run import learner_configs
-    from areal_jax.run_inputs import resolve_model_path
+    version from its own arrays (no host copy) and the server loads it. The published v2
+    is, tensor for tensor, the bf16 cast of the checkpointed v2 params; and the server, at
+    the end of the run, serves exactly those tensors: its greedy tokens and logprobs are
+    the ones it gives after loading weights/v2 itself again (the same program on the same
+    tensors), and not the ones of v1."""
+    import httpx
 
     run_dir = tmp_path / "run"
-    res = _run([f"run_dir={run_dir}", "train.total_versions=2", "checkpoint.every_versions=2",
-                "checkpoint.publish_mode=inline", "model.dtype=bfloat16"])
-    assert res.returncode == 0, res.stderr[-4000:]
+    server = _external_server(tmp_path, run_dir, dtype="bfloat16")
+
+    def load(version: int) -> None:
+        r = httpx.post(f"{server.url}/update_weights_from_disk", timeout=120, json={
+            "model_path": str(run_dir / "weights" / f"v{version}"),
+            "weight_version": f"reloaded-v{version}"})
+        assert r.status_code == 200 and r.json()["success"], r.text
+
+    try:
+        res = _run([f"run_dir={run_dir}", "train.total_versions=2",
+                    "checkpoint.every_versions=2", "checkpoint.publish_mode=inline",
+                    "model.dtype=bfloat16", f"rollout.servers=[{server.url}]"])
+        assert res.returncode == 0, res.stderr[-4000:]
+        served = _greedy(server.url)
+        load(2)
+        from_file = _greedy(server.url)
+        load(1)
+        from_v1 = _greedy(server.url)
+    finally:
+        server.terminate()
     rows = _rows(run_dir)
     assert [r["version"] for r in rows] == [1, 2]
     assert all(r["publish_write_s"] > 0 for r in rows[1:])
-    cfg = load_config(run_dir / "config.yaml")
-    optim, algo, loss_kwargs = learner_configs(cfg)
-    learner = Learner.from_hf(str(resolve_model_path(cfg.model.path)), optim, algo, **loss_kwargs)
-    ckpt = TrainCheckpointer(str(run_dir / "checkpoints"), read_only=True)
-    st = learner.state_dict()
-    params, opt_state, meta = ckpt.restore(params_target=st["params"],
-                                           opt_state_target=st["opt_state"])
-    ckpt.close()
-    assert meta.version == 2
-    learner.load_state(params, opt_state, step=meta.step, version=meta.version)
-    want_dir = params_to_hf_dir(learner.model, learner.model_cfg, tmp_path / "want",
-                                dtype="bfloat16")
-    served, want = (load_file(str(d / "model.safetensors"))
-                    for d in (run_dir / "weights" / "v2", want_dir))
-    assert served.keys() == want.keys()
-    for name, value in want.items():
-        assert served[name].dtype == value.dtype and str(value.dtype) == "bfloat16", name
-        np.testing.assert_array_equal(served[name], value, err_msg=name)
+    assert served[2] == "2" and from_file[2] == "reloaded-v2"
+    assert served[0] == from_file[0]
+    np.testing.assert_array_equal(served[1], from_file[1])
+    assert served[0] != from_v1[0] or not np.array_equal(served[1], from_v1[1])
+    want_dir = _checkpointed_weights(run_dir, 2, tmp_path / "want", "bfloat16")
+    _assert_published_tensors_are_the_learners(run_dir, 2, want_dir)
+    from safetensors.numpy import load_file
+
+    assert all(str(t.dtype) == "bfloat16"
+               for t in load_file(str(run_dir / "weights" / "v2" / "model.safetensors")).values())
 
 
 def test_publish_mode_is_checked():

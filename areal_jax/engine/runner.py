@@ -49,6 +49,7 @@ from areal_jax.engine.forward import (
     scan_layers_by_default,
 )
 from areal_jax.engine.sampling import sample_tokens
+from model_defs import fp32_matmuls
 
 MIN_PREFILL_BUCKET = 16
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -256,7 +257,8 @@ class ModelRunner:
     def _prefill_impl(self, state, cache, slots, prompt_pt, prompt_len_p, slot_p, temperature_p,
                       top_p_p, top_k_p, seed_p, any_truncation, any_random):
         model = nnx.merge(self.graphdef, state)
-        logits_pv, cache = prefill_forward(model, prompt_pt, prompt_len_p, slot_p, cache)
+        with fp32_matmuls(model.dtype):  # an fp32 engine computes in fp32 on GPU/TPU too
+            logits_pv, cache = prefill_forward(model, prompt_pt, prompt_len_p, slot_p, cache)
         token_p, logprob_p = sample_tokens(logits_pv, temperature_p, top_p_p, top_k_p, seed_p,
                                            prompt_len_p, any_truncation, any_random)
         updates = {"token": token_p, "position": prompt_len_p, "temperature": temperature_p,
@@ -275,8 +277,10 @@ class ModelRunner:
                 next_position_b, any_truncation, any_random)
             return token_b, (token_b, logprob_b)
 
-        (token_kb, logprob_kb), cache = decode_chunk(
-            model, slots["token"], slots["position"], cache, kv_len, self.decode_steps, choose)
+        with fp32_matmuls(model.dtype):
+            (token_kb, logprob_kb), cache = decode_chunk(
+                model, slots["token"], slots["position"], cache, kv_len, self.decode_steps,
+                choose)
         # Finished or free slots keep stepping until the host notices; keep them in range.
         position_b = jnp.minimum(slots["position"] + self.decode_steps, self.max_seq_len - 1)
         slots = {**slots, "token": token_kb[-1], "position": position_b}

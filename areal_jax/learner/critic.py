@@ -45,7 +45,15 @@ from areal_jax.learner.trainable import MicroBatch, TrainableModel, _get
 from areal_jax.losses import gae, normalize_advantages, ppo_value_loss
 from areal_jax.parallel.mesh import make_mesh, replicated
 from areal_jax.trajectory import Trajectory
-from model_defs import CausalLM, ModelConfig, PyTree, load_hf, remat_policy_name, use_mesh
+from model_defs import (
+    CausalLM,
+    ModelConfig,
+    PyTree,
+    fp32_matmuls,
+    load_hf,
+    remat_policy_name,
+    use_mesh,
+)
 
 VALUE_TRAIN_KEYS = (*LOGP_KEYS, "loss_mask", "returns", "old_values")
 VALUE_SUM_KEYS = ("value_loss", "token_count", "n_tokens", "value_clipped", "value_sum",
@@ -86,7 +94,8 @@ def make_values_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None
 
     def values_fn(params, rest, batch):
         model = nnx.merge(graphdef, cast_params(params, compute_dtype), rest)
-        return model(batch["input_ids"], batch["positions"], batch["segment_ids"])
+        with fp32_matmuls(compute_dtype):  # fp32 stays fp32 on GPU/TPU (model_defs.precision)
+            return model(batch["input_ids"], batch["positions"], batch["segment_ids"])
 
     return values_fn
 
@@ -111,8 +120,9 @@ def make_value_grad_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None,
 
     def grad_fn(params, rest, grads, sums, batch, denom, n_loss_tokens, version):
         del n_loss_tokens, version
-        (_, (loss, values_bt, stats)), g = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, rest, batch, denom)
+        with fp32_matmuls(compute_dtype):  # the backward rules are traced here
+            (_, (loss, values_bt, stats)), g = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, rest, batch, denom)
         grads = jax.tree.map(jnp.add, grads, g)
         mask_bt = batch["loss_mask"] != 0
         count = jnp.sum(mask_bt).astype(jnp.float32)

@@ -20,7 +20,7 @@ from areal_jax.learner.config import AlgoConfig
 from areal_jax.learner.token_logp import packed_token_logprobs
 from areal_jax.losses import decoupled_ppo_loss_terms, loss_denominator, token_kl
 from areal_jax.losses.mismatch import lag_bucket_names, mismatch_terms
-from model_defs import PyTree
+from model_defs import PyTree, fp32_matmuls
 
 # XLA compiler options (``jax.jit(compiler_options=...)``): flag name -> value.
 CompilerOptions = dict[str, str | bool | int | float]
@@ -62,10 +62,12 @@ def make_logp_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None, temper
 
     def logp_fn(params, rest, batch, layer_grad_acc=None, head_grad_acc=None):
         model = nnx.merge(graphdef, params, cast_params(rest, compute_dtype))
-        return packed_token_logprobs(model, batch["input_ids"], batch["positions"],
-                                     batch["segment_ids"], temperature=temperature,
-                                     chunk_size=chunk_size, layer_grad_acc=layer_grad_acc,
-                                     head_grad_acc=head_grad_acc)
+        # fp32 compute stays fp32 on GPU/TPU (model_defs.precision).
+        with fp32_matmuls(compute_dtype):
+            return packed_token_logprobs(model, batch["input_ids"], batch["positions"],
+                                         batch["segment_ids"], temperature=temperature,
+                                         chunk_size=chunk_size, layer_grad_acc=layer_grad_acc,
+                                         head_grad_acc=head_grad_acc)
 
     return logp_fn
 
@@ -194,8 +196,11 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None, algo: 
         layer_acc = _layer_accumulators(grads)
         head_key = _head_key(params, rest)
         head_acc = _head_accumulator(grads, head_key)
-        (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, rest, batch, denom, n_loss_tokens, version, layer_acc, head_acc)
+        # Around the whole gradient: custom-VJP backward rules (the logprob head's, the
+        # attention kernels') are traced here, outside logp_fn's own context.
+        with fp32_matmuls(compute_dtype):
+            (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, rest, batch, denom, n_loss_tokens, version, layer_acc, head_acc)
         terms, logp_bt, entropy_bt, kl_ref, held_bt = aux
         grads = accumulate(grads, g, layers_done=layer_acc is not None,
                            head_done=head_key if head_acc is not None else None)
