@@ -85,7 +85,7 @@ def local_model_dir(spec: str, revision: str | None = None, key: str = "model.pa
             rev = f" --revision {revision}" if revision else ""
             raise HubError(f"{key} {spec}{at} is not in the Hugging Face cache "
                            f"(HF_HOME={_hf_home()}) and HF_HUB_OFFLINE=1: run "
-                           f"`huggingface-cli download {spec}{rev}` with network access, "
+                           f"`hf download {spec}{rev}` with network access, "
                            f"{local}") from None
         raise HubError(f"{key} {spec}{at}: the hub ({_endpoint()}) cannot be reached and the "
                        f"repo is not in the cache (HF_HOME={_hf_home()}): "

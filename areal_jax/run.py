@@ -73,6 +73,7 @@ from areal_jax.run_inputs import (
     CHECKPOINT_DIR_NAMES,
     RunStopped,
     TrainerError,
+    check_optional_packages,
     check_prompt_lengths,
     check_servers_reachable,
     enable_compilation_cache,
@@ -200,6 +201,7 @@ def _summary(cfg: TrainConfig, trainer: Trainer) -> str:
 def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitStack) -> Trainer:
     """Everything a run needs, in dependency order; registers shutdown on ``stack``."""
     t_process = process_start_time()
+    check_optional_packages(cfg)  # an extra the config needs and pip did not install
     if cfg.rollout.server_cpu_cores and not cfg.rollout.servers:
         # Checked here, before the learner pins this process, so the error names the key
         # (the servers would report their own flag, --cpu-affinity).

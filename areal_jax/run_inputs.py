@@ -7,12 +7,15 @@ scripts/launch_ray.py. Every problem is a :class:`TrainerError` with one clear l
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from areal_jax import hub, storage
-from areal_jax.config import TrainConfig
+from areal_jax.config import TrainConfig, to_dict
 
 if TYPE_CHECKING:
     from areal_jax.checkpoint.meta import CheckpointMeta
@@ -27,6 +30,51 @@ class TrainerError(RuntimeError):
 class RunStopped(TrainerError):
     """The run started but cannot go on (no progress, a non-finite loss, a failed weight
     update); the message says why. scripts/train.py exits with status 3."""
+
+
+def check_optional_packages(cfg: TrainConfig) -> None:
+    """The packages of the optional extras (pyproject.toml) that this config needs, checked
+    before anything starts: the OpenAI client for an agent whose module imports it (the
+    shipped examples do), gcsfs for ``gs://`` paths. TrainerError naming the key and the
+    extra to install."""
+    needs: list[tuple[str, str, str]] = []  # (package, extra, the key that needs it)
+    agent = cfg.rollout.agent if cfg.rollout.workflow == "agent" else None
+    if agent and _module_imports(agent.split(":", 1)[0], "openai"):
+        needs.append(("openai", "agent", f"rollout.agent {agent}"))
+    for key, value in _flat_items(to_dict(cfg)):
+        if isinstance(value, str) and value.startswith("gs://"):
+            needs.append(("gcsfs", "gcs", f"{key} {value}"))
+            break
+    for package, extra, why in needs:
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            raise TrainerError(f"{why} needs the {package} package, which is not installed: "
+                               f"pip install -e '.[{extra}]' (or pip install "
+                               f"'areal-jax[{extra}]')") from None
+
+
+def _module_imports(module: str, package: str) -> bool:
+    """Whether ``module``'s source imports ``package`` (at any depth: agents import their
+    client inside the function), read without running the module."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return False  # an unknown module: the agent's own check names it
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return False
+    try:
+        source = Path(spec.origin).read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return re.search(rf"^\s*(import|from)\s+{re.escape(package)}\b", source, re.M) is not None
+
+
+def _flat_items(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    items: list[tuple[str, Any]] = []
+    for k, v in data.items():
+        items += _flat_items(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+    return items
 
 
 def resolve_model_path(spec: str, cache_dir: str | None = None, key: str = "model.path",

@@ -46,3 +46,34 @@ def test_config_loads():
     cfg = load_config("configs/arith_tools.yaml", [])
     assert cfg.rollout.workflow == "agent" and cfg.model.path == "builtin:arith_tools"
     assert cfg.rollout.agent.endswith(":arith_calculator_agent")
+
+
+def test_a_missing_extra_is_named_before_anything_starts(tmp_path):
+    """issue 39 item 3: without openai (the agent extra) the demo started its servers, then
+    every agent failed with ModuleNotFoundError and the run stopped (exit 3). A package
+    that is not installed is simulated by one that cannot be imported, first on the path."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    shim = tmp_path / "shim" / "openai"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'openai'\", name='openai')\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(tmp_path / "shim"), str(repo)]))
+    env.pop("XLA_FLAGS", None)
+    run_dir = tmp_path / "run"
+    res = subprocess.run([sys.executable, str(repo / "scripts" / "train.py"), "--config",
+                          str(repo / "configs" / "arith_tools.yaml"), f"run_dir={run_dir}",
+                          "rollout.server_cpu_cores=null", "rollout.learner_cpu_cores=null"],
+                         capture_output=True, text=True, env=env, cwd=repo, timeout=120)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.strip().splitlines()[-1] == (
+        "error: rollout.agent areal_jax.rollout.agent_examples:arith_calculator_agent needs "
+        "the openai package, which is not installed: pip install -e '.[agent]' (or pip "
+        "install 'areal-jax[agent]')"), res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    assert not run_dir.exists()  # nothing was started or written

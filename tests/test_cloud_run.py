@@ -76,6 +76,25 @@ def test_bad_cloud_paths_fail_up_front(gcs, tmp_path):  # noqa: F811
     assert not (tmp_path / "s3:").exists()
 
 
+def test_gs_paths_without_gcsfs_name_the_extra(tmp_path):
+    """issue 39 item 3: a config's optional packages are checked before anything starts;
+    gcsfs missing (simulated by one that cannot be imported, first on the path) names the
+    key and the extra to install."""
+    shim = tmp_path / "shim" / "gcsfs"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'gcsfs'\", name='gcsfs')\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(shim.parent), str(REPO)]))
+    res = subprocess.run(TRAIN + SMALL + ["run_dir=gs://test-bucket/run"], capture_output=True,
+                         text=True, env=env, cwd=tmp_path, timeout=120)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.strip().splitlines()[-1] == (
+        "error: run_dir gs://test-bucket/run needs the gcsfs package, which is not installed: "
+        "pip install -e '.[gcs]' (or pip install 'areal-jax[gcs]')"), res.stderr[-3000:]
+    _no_gs_folder(tmp_path)
+
+
 def _stage_inputs(tmp_path: Path, prefix: str) -> list[str]:
     """The initial policy and the prompt datasets, uploaded to the bucket; the overrides
     that point a run at them."""

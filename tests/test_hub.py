@@ -6,6 +6,8 @@ GSM8K-shaped JSONL datasets; the GSM8K reward on the dataset's own ``#### N`` an
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -27,6 +29,8 @@ def _run_py(code: str, env: dict[str, str], cwd=REPO, timeout: float = 120) -> d
 
 RESOLVE = """
 import json
+import os
+import shutil
 from areal_jax.run_inputs import TrainerError, resolve_model_path
 
 out = {}
@@ -59,9 +63,15 @@ def test_hub_id_resolves_from_the_offline_cache(tmp_path):
         msg = out[case]
         assert msg.startswith("error: model.path areal-test/"), msg
         assert "\n" not in msg and "HF_HUB_OFFLINE=1" in msg, msg
-        assert f"HF_HOME={hf_home}" in msg and "huggingface-cli download areal-test/" in msg, msg
+        assert f"HF_HOME={hf_home}" in msg and "`hf download areal-test/" in msg, msg
     assert "at revision v2" in out["tag"] and "--revision v2" in out["tag"], out["tag"]
     assert "point model.path at a local directory" in out["uncached"]
+    # The command the message names exists and takes --revision (huggingface_hub >= 1.0
+    # ships `hf` only; the message named `huggingface-cli`, issue 39 item 3).
+    hf = shutil.which("hf", path=os.path.dirname(sys.executable)) or shutil.which("hf")
+    assert hf, "the `hf` command of huggingface_hub is not installed"
+    res = subprocess.run([hf, "download", "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "--revision" in res.stdout, res.stdout + res.stderr
 
 
 def test_snapshot_fetches_only_model_files(tmp_path):
