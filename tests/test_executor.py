@@ -124,7 +124,17 @@ def test_staleness_bound_with_heavy_tailed_runs(eta):
         assert max(m["staleness_hist"]) >= 1  # overlap actually happened
 
 
+def _wait_until(condition, timeout: float = 30.0) -> None:
+    """Polls ``condition()`` until it holds (a failure after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.002)
+
+
 def test_gate_capacity_counts_running_and_accepted():
+    """Once the gate reports no capacity the executor cannot start another run, so the
+    counts read then are final: no fixed wait for the loop to settle."""
     release = threading.Event()
 
     async def blocking(client, item, ctx):
@@ -136,31 +146,27 @@ def test_gate_capacity_counts_running_and_accepted():
     ex = RolloutExecutor(None, blocking, prompt_items_from_list(items(100)), batch_size=B,
                          max_concurrent=100, max_staleness=eta)
     with ex:
-        deadline = time.monotonic() + 10
-        while ex.metrics()["running"] < (eta + 1) * B and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.1)
+        _wait_until(lambda: ex.metrics()["submitted"] > 0 and ex.metrics()["capacity"] == 0)
         m = ex.metrics()
-        assert m["running"] == (eta + 1) * B and m["capacity"] == 0  # (eta + v + 1) * B
+        assert m["running"] == m["submitted"] == (eta + 1) * B  # (eta + v + 1) * B
         release.set()
         ex.prepare_batch(B, timeout=10)
-        time.sleep(0.1)
+        _wait_until(lambda: ex.metrics()["running"] == 0)
         m = ex.metrics()
-        assert m["accepted"] == (eta + 1) * B and m["running"] == 0 and m["capacity"] == 0
-        ex.set_version(1)
-        deadline = time.monotonic() + 10
-        while ex.metrics()["accepted"] < (eta + 2) * B and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.1)
-        assert ex.metrics()["submitted"] == (eta + 2) * B
+        assert m["accepted"] == m["submitted"] == (eta + 1) * B and m["capacity"] == 0
+        ex.set_version(1)  # one more batch's worth
+        _wait_until(lambda: ex.metrics()["submitted"] > (eta + 1) * B
+                    and ex.metrics()["running"] == 0 and ex.metrics()["capacity"] == 0)
+        m = ex.metrics()
+        assert m["submitted"] == m["accepted"] == (eta + 2) * B
 
     release.clear()
     ex = RolloutExecutor(None, blocking, prompt_items_from_list(items(100)), batch_size=B,
                          max_concurrent=5, max_staleness=None)
     with ex:
-        time.sleep(0.3)
+        _wait_until(lambda: ex.metrics()["submitted"] > 0 and ex.metrics()["capacity"] == 0)
         m = ex.metrics()
-        assert m["running"] == 5 and m["capacity"] == 0
+        assert m["running"] == m["submitted"] == 5
         release.set()
 
 
@@ -373,5 +379,29 @@ def test_a_batch_taken_while_the_servers_update_is_judged_at_the_learners_versio
         workflow.released.update(f"p{i}" for i in range(40))
         batch(3)
         assert ex.metrics()["stale_requeued"] == 0
+    finally:
+        ex.stop()
+
+
+def test_a_group_one_version_older_than_eta_is_regenerated_and_one_at_eta_is_trained():
+    """The staleness bound at its edge: at version v a batch may hold a group started at
+    v - eta, never one started at v - eta - 1; that one goes back to be generated again."""
+    eta = 1
+    workflow = ReleasedWorkflow()
+    ex = RolloutExecutor(None, workflow, iter(items(40)), batch_size=1, max_concurrent=64,
+                         max_staleness=eta).start()
+    try:
+        workflow.released.update({"p0", "p1"})  # (eta + 1) * B = 2 runs start at version 0
+        _wait_until(lambda: ex.metrics()["accepted"] == 2)
+        assert [g[0].prompt_id for g in ex.prepare_batch(1, timeout=30)] == ["p0"]
+        ex.set_version(1)  # p2 starts at version 1
+        workflow.released.add("p2")
+        _wait_until(lambda: ex.metrics()["accepted"] == 3)
+        ex.set_version(2)  # p1 (version 0) is now eta + 1 old, p2 (version 1) eta old
+        batch = ex.prepare_batch(1, timeout=30)
+        assert [(g[0].prompt_id, g[0].start_version) for g in batch] == [("p2", 1)]
+        assert ex.metrics()["stale_requeued"] == 1
+        batch = ex.prepare_batch(1, timeout=30)  # p1 again, generated at version 2
+        assert [(g[0].prompt_id, g[0].start_version) for g in batch] == [("p1", 2)]
     finally:
         ex.stop()
