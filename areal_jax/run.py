@@ -182,9 +182,14 @@ def run_training(cfg: TrainConfig, resume: bool | None = None, *,
 
 def _summary(cfg: TrainConfig, trainer: Trainer) -> str:
     """The end-of-run summary (metrics.run_summary) with this run's paths."""
-    version, run_dir = trainer.learner.version, cfg.run_dir
+    version = trainer.learner.version
+
+    def where(path: str) -> str:  # absolute: the commands work from any directory
+        return path if storage.is_url(path) else os.path.abspath(path)
+
+    run_dir = where(cfg.run_dir)
     published: str | None = storage.join(
-        cfg.checkpoint.publish_dir or storage.join(run_dir, "weights"), f"v{version}")
+        where(cfg.checkpoint.publish_dir or storage.join(run_dir, "weights")), f"v{version}")
     with contextlib.suppress(storage.StorageError, OSError):  # LoRA adapters: no model there
         if not storage.exists(storage.join(published, "config.json")):
             published = None
@@ -193,7 +198,7 @@ def _summary(cfg: TrainConfig, trainer: Trainer) -> str:
     return run_summary(read_rows(trainer.rollout.writer.path),
                        wall_s=time.time() - process_start_time(), run_dir=run_dir,
                        version=version, weights=weights,
-                       ckpt_dir=cfg.checkpoint.dir or storage.join(run_dir, "checkpoints"),
+                       ckpt_dir=where(cfg.checkpoint.dir or storage.join(run_dir, "checkpoints")),
                        eval_data=cfg.data.eval or cfg.data.train,
                        serve_model=published or cfg.model.path)
 

@@ -4,7 +4,7 @@
 
 import sys
 
-from areal_jax.bench import main
+from areal_jax.bench import build_parser, main  # noqa: F401 - build_parser: the docs test
 
 if __name__ == "__main__":
     sys.exit(main())
