@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import os
 import re
 import shlex
 import tomllib
@@ -112,7 +113,12 @@ def _parser(name: str):
     assert path.exists(), f"scripts/{name}.py does not exist"
     spec = importlib.util.spec_from_file_location(f"_doc_script_{name}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    environ = dict(os.environ)
+    try:
+        spec.loader.exec_module(module)
+    finally:  # plan.py sets JAX_PLATFORMS for itself on import: not for the tests after this
+        os.environ.clear()
+        os.environ.update(environ)
     assert hasattr(module, "build_parser"), f"scripts/{name}.py has no build_parser()"
     parser = module.build_parser()
     return parser[0] if isinstance(parser, tuple) else parser
