@@ -12,9 +12,13 @@ Two masks, both built per block and never as a [T, S] array in memory:
 
 * **Self-attention over packed rows** (``kv_limit_bt`` None, S == T): token i reads tokens
   j <= i of the same segment (``segment_ids_bt``, 0 marks padding). Rows longer than
-  ``BLOCK`` tokens run as flash attention (FlashAttention-2's loop order, in plain JAX
-  with a ``jax.custom_vjp``): query blocks in a ``lax.scan``, each reading only the key
-  blocks at or before it (a loop of i + 1 steps) with an online softmax. The backward
+  1.5 ``BLOCK`` tokens run as flash attention (FlashAttention-2's loop order, in plain JAX
+  with a ``jax.custom_vjp``): query blocks in a ``lax.scan``, each reading with an online
+  softmax only the key blocks its segments can reach: from the block holding the first
+  token of its earliest query's segment up to its own (a loop of that many steps; the
+  backward pass visits the same pairs, key blocks outer). A pair of blocks whose
+  segments cannot meet costs nothing, so a row packed with short trajectories costs
+  about the sum of their squared lengths, not the row's (:func:`_key_block_ranges`). The backward
   pass keeps only q, k, v, the output and each query's log-sum-exp (all O(T)) and
   recomputes each block's probabilities, so memory grows linearly with T. Against the
   earlier autodiff of the same loops (a rematerialised scan with a ``lax.cond`` per
@@ -57,9 +61,12 @@ from model_defs.fused_attention import (
 
 Array = jax.Array
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-# Query (and key) rows per block of the blockwise path. Rows of at most BLOCK tokens are
-# computed as a single block. Read at trace time, so tests can shrink it.
-BLOCK = 256
+# Query (and key) rows per block of the blockwise path. Rows of at most 1.5 blocks are
+# computed as a single block (cheaper than padding them to two). Read at trace time, so
+# tests can shrink it. 64 on CPU: forward+backward of a packed [2, 448] row of long-tail
+# segments took 0.95 s of learner CPU time a version at 64 against 1.24 s at 256 (more
+# pairs skipped, and each block's scores stay in cache); 32 was no faster (docs/longtail.md).
+BLOCK = 64
 
 
 def attention(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, *,
@@ -103,7 +110,7 @@ def attention(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, *,
                                     return_lse=return_lse, interpret=interpret)
     seg_bt = (jnp.zeros((b, t), jnp.int32) if segment_ids_bt is None
               else jnp.asarray(segment_ids_bt, jnp.int32))
-    if t <= BLOCK:
+    if t <= BLOCK + BLOCK // 2:
         idx_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         acc, m, l_sum = _block(q_bkgtd, k_bksd, v_bksd, idx_bt, idx_bt, seg_bt, seg_bt, False)
         return _finish(acc, m, l_sum, q_bkgtd.dtype, return_lse)
@@ -297,7 +304,8 @@ def _flash_fwd(q_bkgtd, k_bksd, v_bksd, seg_bt, block):
 
 def _flash_bwd(block, residuals, d_out_bkgtd):
     """Key blocks outer (dK, dV of a block accumulate in the carry), query blocks
-    j <= i < end[j] inner (the blocks whose segments reach back to key block j); dQ accumulates in one fp32 buffer. P = exp(S - lse), dS = P * (dP - delta) with
+    j <= i < end[j] inner (the blocks whose segments reach back to key block j); dQ
+    accumulates in one fp32 buffer. P = exp(S - lse), dS = P * (dP - delta) with
     delta = rowsum(dO * O); products in the inputs' dtype with fp32 accumulation."""
     q_bkgtd, k_bksd, v_bksd, seg_bt, out_bkgtd, lse_bkgt = residuals
     b, kv, g, t, dh = q_bkgtd.shape

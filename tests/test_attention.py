@@ -102,6 +102,81 @@ def test_self_attention_bf16_within_bf16_rounding(monkeypatch, block):
     assert float(jnp.max(jnp.abs(g.astype(jnp.float32) - g_ref))) <= g_tol
 
 
+def _rows(*layouts: list[int], t: int) -> np.ndarray:
+    """Rows of segments of the given lengths, numbered 1.. in order; the rest is padding."""
+    seg = np.zeros((len(layouts), t), np.int32)
+    for r, lengths in enumerate(layouts):
+        starts = np.cumsum([0, *lengths])
+        for i, (a, b) in enumerate(zip(starts[:-1], starts[1:], strict=True), start=1):
+            seg[r, a:b] = i
+    return seg
+
+
+# Rows of many short segments, one segment, ragged tails (a segment crossing block
+# boundaries, padding that starts mid-block), and ids that recur out of order (the bound
+# must still cover every key a query's segment holds).
+SKIP_LAYOUTS = {
+    "many-segments": _rows([3, 5, 2, 7, 4, 6, 1, 9, 3, 5, 8, 2, 6], [11, 13, 9, 12, 10, 8, 6],
+                           t=69),
+    "one-segment": _rows([69], [69], t=69),
+    "ragged-tails": _rows([17, 30, 5], [8, 52], t=69),
+    "recurring-ids": np.array([[1, 2, 3, 1, 2, 3, 0], [2, 2, 1, 1, 4, 4, 2]],
+                              np.int32).repeat(10, axis=1)[:, :69],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(SKIP_LAYOUTS))
+def test_skipping_block_pairs_changes_no_value_or_gradient(monkeypatch, layout):
+    """Blocks of 8 over 69 tokens (9 blocks, a padded tail): the loops that skip block pairs
+    whose segments cannot meet give the reference's values and q/k/v gradients."""
+    monkeypatch.setattr(attention_module, "BLOCK", 8)
+    seg = SKIP_LAYOUTS[layout]
+    q, k, v = _qkv(t=seg.shape[1], seed=5)
+    cot = jnp.asarray(np.random.RandomState(8).randn(*q.shape), jnp.float32)
+    mask = _self_mask(seg)
+    out = jax.jit(lambda q, k, v: attention(q, k, v, segment_ids_bt=seg))(q, k, v)
+    assert float(jnp.max(jnp.abs(out - reference_attention(q, k, v, mask)))) <= _fp32_tol(q, k, v)
+    g_ours = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, segment_ids_bt=seg)
+                                                      * cot), argnums=(0, 1, 2)))(q, k, v)
+    g_ref = jax.grad(lambda q, k, v: jnp.sum(reference_attention(q, k, v, mask) * cot),
+                     argnums=(0, 1, 2))(q, k, v)
+    tol = _fp32_tol(q, k, v) * float(jnp.max(jnp.abs(cot))) * np.sqrt(seg.shape[1])
+    for name, a, b in zip("qkv", g_ours, g_ref, strict=True):
+        assert float(jnp.max(jnp.abs(a - b))) <= tol, name
+
+
+def _pairs_that_meet(seg_bt: np.ndarray, block: int) -> set[tuple[int, int]]:
+    """(query block, key block) pairs holding at least one visible (query, key) pair."""
+    mask = np.asarray(_self_mask(seg_bt)).any(axis=0)
+    n = seg_bt.shape[1] // block
+    return {(i, j) for i in range(n) for j in range(n)
+            if mask[i * block:(i + 1) * block, j * block:(j + 1) * block].any()}
+
+
+def test_block_ranges_cover_every_meeting_pair_and_skip_the_rest():
+    """The loops' bounds: every pair that holds a visible key is visited, and for rows of
+    contiguous segments (what packing makes) no other pair is: 64 tokens in blocks of 8
+    with segments of 8-24 tokens visit 16 of the 36 causal pairs (the 8 diagonal ones and
+    8 that a segment crossing a block boundary joins)."""
+    block = 8
+    seg = _rows([12, 20, 8, 16, 8], [16, 10, 14, 24], t=64)
+    first_n, end_n = (np.asarray(x) for x in
+                      attention_module._key_block_ranges(jnp.asarray(seg), block))
+    visited_fwd = {(i, j) for i in range(8) for j in range(first_n[i], i + 1)}
+    visited_bwd = {(i, j) for j in range(8) for i in range(j, end_n[j])}
+    meet = _pairs_that_meet(seg, block)
+    assert visited_fwd == visited_bwd == meet
+    assert len(meet) == 16
+    # Non-contiguous ids: still a superset of what meets (values stay exact).
+    recurring = SKIP_LAYOUTS["recurring-ids"][:, :64]
+    first_n, end_n = (np.asarray(x) for x in
+                      attention_module._key_block_ranges(jnp.asarray(recurring), block))
+    visited_fwd = {(i, j) for i in range(8) for j in range(first_n[i], i + 1)}
+    visited_bwd = {(i, j) for j in range(8) for i in range(j, end_n[j])}
+    assert _pairs_that_meet(recurring, block) <= visited_fwd
+    assert _pairs_that_meet(recurring, block) <= visited_bwd
+
+
 def test_cache_attention_and_merge_match_one_softmax():
     """Decode: a prefix (keys transposed, limit per row, one row reads nothing) and a
     local buffer, merged, equal one softmax over the union."""
