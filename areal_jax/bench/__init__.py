@@ -14,6 +14,9 @@ measured side by side in the same run.
     python -m areal_jax.bench process-rows [options] # process 0 -> each process's rows of a batch
     python -m areal_jax.bench trl       [options]   # areal-jax vs TRL GRPOTrainer on the demo
     python -m areal_jax.bench longtail  [options]   # async vs sync vs TRL on the long-tail task
+    python -m areal_jax.bench attention [options]   # each attention kernel: error and speed
+    python -m areal_jax.bench engine-compile [opts] # the engine's compile time per layer count
+    python -m areal_jax.bench gpu       [options]   # the one-call GPU check: each step above
 
 (``python scripts/bench.py ...`` is the same command.) Each benchmark is the module
 ``areal_jax.bench.<name>``; the contract it follows and what they share are in
@@ -36,9 +39,12 @@ def benchmarks() -> dict[str, Benchmark]:
     """Subcommand -> the module that implements it (imported here, not at package import)."""
     from areal_jax.bench import (
         async_vs_sync,
+        attention,
+        engine_compile,
         executor,
         forward,
         generate,
+        gpu,
         longtail,
         losses,
         memory,
@@ -54,7 +60,8 @@ def benchmarks() -> dict[str, Benchmark]:
             "async-vs-sync": async_vs_sync, "staleness": staleness, "losses": losses,
             "executor": executor, "memory": memory, "memory-run": memory_run,
             "startup": startup, "trl": trl, "longtail": longtail,
-            "process-rows": process_rows}
+            "process-rows": process_rows, "attention": attention,
+            "engine-compile": engine_compile, "gpu": gpu}
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Benchmark]]:

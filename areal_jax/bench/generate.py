@@ -1,6 +1,9 @@
-"""Engine decode throughput vs transformers generate (torch, CPU), same model, side by side.
+"""Engine decode throughput vs transformers generate (torch), same model, side by side.
 
     python -m areal_jax.bench generate [--batch 32 --new-tokens 128 --hidden 384 --layers 4]
+    python -m areal_jax.bench generate --preset qwen2.5-0.5b --dtype bfloat16 \
+        --compile-cache /tmp/cc --data-parallel 1   # GPU: the peer on CUDA; run twice for
+                                                    # a cold and a warm engine start-up
 
 Both generate greedily with EOS ignored, so every request makes exactly --new-tokens
 tokens. The engine runs in-process, warmed up (all shapes compiled first); the figure
@@ -48,11 +51,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per system (median)")
     parser.add_argument("--model-path", default=None,
                         help="an existing HF checkpoint instead of the random Qwen2 model")
+    parser.add_argument("--preset", default=None,
+                        help="random weights of this model_defs preset (e.g. qwen2.5-0.5b) "
+                             "instead of the small Qwen2 shape")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the engine's and the peer's weights and compute")
+    parser.add_argument("--torch-device", default="auto",
+                        help="the peer's device: cpu, cuda, or auto (cuda when torch sees one)")
+    parser.add_argument("--compile-cache", default=None,
+                        help="JAX's persistent compilation cache directory for the engine: run "
+                             "twice with the same directory for a cold and a warm start-up")
 
 
 def _model_config(args: argparse.Namespace) -> Any:
     from model_defs import ModelConfig
 
+    if args.preset:
+        return ModelConfig.preset(args.preset)
     return ModelConfig(
         architecture="Qwen2ForCausalLM", vocab_size=args.vocab, hidden_size=args.hidden,
         intermediate_size=args.intermediate, num_hidden_layers=args.layers,
@@ -62,13 +77,15 @@ def _model_config(args: argparse.Namespace) -> Any:
 
 
 def _bench_transformers(path: Path, prompts: np.ndarray, new_tokens: int, repeats: int,
-                        threads: int) -> dict[str, float]:
+                        threads: int, device: str = "cpu", dtype: str = "float32"
+                        ) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    input_ids = torch.tensor(prompts, dtype=torch.long)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, dtype), attn_implementation="sdpa").to(device).eval()
+    input_ids = torch.tensor(prompts, dtype=torch.long, device=device)
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0,
                   attention_mask=torch.ones_like(input_ids))
     with torch.inference_mode():
@@ -92,7 +109,8 @@ def _bench_transformers(path: Path, prompts: np.ndarray, new_tokens: int, repeat
 
 
 def _bench_engine(path: Path, prompts: np.ndarray, new_tokens: int, repeats: int,
-                  decode_steps: int | None, data_parallel: int = 1) -> dict[str, Any]:
+                  decode_steps: int | None, data_parallel: int = 1,
+                  dtype: str = "float32") -> dict[str, Any]:
     from areal_jax.engine.config import EngineConfig
     from areal_jax.engine.engine import GenerationEngine
     from areal_jax.engine.request import SamplingParams
@@ -105,7 +123,7 @@ def _bench_engine(path: Path, prompts: np.ndarray, new_tokens: int, repeats: int
     extra["data_parallel"] = data_parallel
     t0 = time.perf_counter()
     engine = GenerationEngine(EngineConfig(
-        str(path), max_slots=batch, max_seq_len=max_seq_len, warmup=True, **extra))
+        str(path), max_slots=batch, max_seq_len=max_seq_len, warmup=True, dtype=dtype, **extra))
     startup_s = time.perf_counter() - t0
     compiles_after_warmup = engine.num_compilations
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -169,10 +187,16 @@ def _data_parallel_values(spec: str, batch: int) -> list[int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(0)
+    if args.preset and args.model_path:
+        raise SystemExit("bench generate: give --preset or --model-path, not both")
     dps = _data_parallel_values(args.data_parallel, args.batch)
     from areal_jax.engine.config import request_cpu_devices
 
     request_cpu_devices(max(dps))  # one XLA CPU device per slot shard, before JAX starts
+    if args.compile_cache:
+        from areal_jax.compile_cache import enable_compilation_cache
+
+        enable_compilation_cache(args.compile_cache)
     with tempfile.TemporaryDirectory() as tmp:
         path = (Path(args.model_path) if args.model_path else
                 save_random_hf(_model_config(args), Path(tmp), "bench-qwen2"))
@@ -182,14 +206,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         vocab = model_cfg.vocab_size
         prompts = rng.integers(3, vocab, size=(args.batch, args.prompt_len)).astype(np.int32)
         engines = [_bench_engine(path, prompts, args.new_tokens, args.repeats,
-                                 args.decode_steps, dp) for dp in dps]
+                                 args.decode_steps, dp, args.dtype) for dp in dps]
         import torch
 
+        device = args.torch_device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         if args.torch_threads == "auto":
-            thread_counts = sorted({1, torch.get_num_threads()})
+            thread_counts = sorted({1, torch.get_num_threads()}) if device == "cpu" else [
+                torch.get_num_threads()]
         else:
             thread_counts = [int(t) for t in args.torch_threads.split(",")]
-        peers = [_bench_transformers(path, prompts, args.new_tokens, args.repeats, t)
+        peers = [_bench_transformers(path, prompts, args.new_tokens, args.repeats, t, device,
+                                     args.dtype)
                  for t in thread_counts]
         # The roofline: decode FLOP/s against matmuls measured here, at the decode step's
         # own shape (batch rows x hidden @ hidden x intermediate) and at a large square one.
@@ -206,7 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              round(r["total_s"], 3), round(r["cpu_ms_per_token"], 3), round(r["ttft_s"] * 1000, 1),
              r["compiles_at_end"], round(r["tokens_per_s"] / theirs["tokens_per_s"], 2)]
             for r in engines]
-    rows += [[f"transformers generate, torch {r['threads']} thread(s)",
+    rows += [[f"transformers generate ({device}), torch {r['threads']} thread(s)",
               round(r["tokens_per_s"], 1), round(r["total_s"], 3),
               round(r["cpu_ms_per_token"], 3), round(r["ttft_s"] * 1000, 1), "-",
               round(r["tokens_per_s"] / theirs["tokens_per_s"], 2)]
@@ -235,6 +264,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "engine_compilations_after_warmup": ours["compiles_after_warmup"],
             "engine_compilations_at_end": ours["compiles_at_end"],
             "engine_startup_s": ours["startup_s"],
+            "compile_cache": args.compile_cache,
+            "dtype": args.dtype,
+            "torch_device": device,
             "engine_decode_steps": ours["decode_steps"],
             "engine_data_parallel": ours["data_parallel"],
             "speedup_data_parallel_1": next(

@@ -7,6 +7,15 @@
     taskset -c 1 python -m areal_jax.bench train --model-path areal_jax/data/assets/arith_sft \\
         --tokens 384 --rows 4 --threads 1               # the demo's model and micro-batch, 1 core
 
+    python -m areal_jax.bench train --preset qwen2.5-1.5b --dtype bfloat16 --tokens 8192 \
+        --rows 2 --torch-compile --independent-init  # GPU: against eager and compiled torch
+
+The peer is what a PyTorch user runs: transformers with fp32 master weights, bf16 autocast
+when ``--dtype bfloat16``, SDPA attention, AdamW (``fused=True`` on a GPU), on the GPU when
+torch sees one (``--torch-device``); ``--torch-compile`` adds a row with the model under
+``torch.compile``. Peak device memory and each system's first call (compilation) are
+columns too.
+
 Default model: Qwen2-shaped (hidden 512, 8/2 heads, mlp 2048, vocab 32000, tied), 4 layers;
 batch 4 x 512 tokens, fp32. Both systems start from the same random weights (ours loads the
 transformers checkpoint) and compute the same decoupled-PPO loss over every token that has a
@@ -60,6 +69,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-torch", action="store_true", help="skip the transformers peer")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
+    parser.add_argument("--torch-device", default="auto",
+                        help="the peer's device: cpu, cuda, or auto (cuda when torch sees a "
+                             "GPU)")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="also time the peer under torch.compile (a second row)")
+    parser.add_argument("--independent-init", action="store_true",
+                        help="each system makes its own random weights on its device (no "
+                             "shared checkpoint written and read: fast for 1B+ models); the "
+                             "first-step loss check is then skipped")
 
 
 def _model_config(args: argparse.Namespace) -> Any:
@@ -82,19 +100,32 @@ def _model_config(args: argparse.Namespace) -> Any:
 
 
 def _random_model(cfg: Any, mesh: Any) -> Any:
-    """Random init on device (for --no-torch): no checkpoint round trip for big models."""
+    """Random weights made on device, leaf by leaf (normal(0, 0.02); norm scales 1), each
+    shape's small program compiled once: jitting the whole model's init instead compiled
+    for over 50 s at 1.5B on an H200."""
     import jax
+    import jax.numpy as jnp
     from flax import nnx
 
     from model_defs import CausalLM, param_shardings
 
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
-    shardings = jax.tree.unflatten(jax.tree.structure(abstract_state),
-                                   jax.tree.leaves(param_shardings(abstract_state, mesh)))
-    state = jax.jit(lambda: nnx.state(CausalLM(cfg, rngs=nnx.Rngs(0))),
-                    out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+    shardings = jax.tree.leaves(param_shardings(abstract_state, mesh))
+    makers: dict[tuple, Any] = {}
+    leaves = []
+    for i, ((path, leaf), sharding) in enumerate(zip(flat, shardings, strict=True)):
+        ones = "norm" in jax.tree_util.keystr(path).lower()
+        key = (leaf.shape, jnp.dtype(leaf.dtype).name, ones, sharding)
+        if key not in makers:
+            shape, dtype = leaf.shape, leaf.dtype
+            makers[key] = jax.jit(
+                (lambda k, s=shape, d=dtype: jnp.ones(s, d)) if ones else
+                (lambda k, s=shape, d=dtype: 0.02 * jax.random.normal(k, s, d)),
+                out_shardings=sharding)
+        leaves.append(makers[key](jax.random.key(i)))
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 
 def matmul_params(cfg: Any) -> int:
@@ -136,20 +167,62 @@ def _batch(cfg: Any, rows: int, seq_len: int) -> dict[str, np.ndarray]:
     }
 
 
-def _torch_step_fn(model: Any, batch: dict[str, np.ndarray], eps_clip: float,
-                   temperature: float, lr: float, max_grad_norm: float) -> tuple[Any, Any]:
+def _torch_device(args: argparse.Namespace) -> str:
     import torch
 
-    ids = torch.as_tensor(batch["input_ids"], dtype=torch.long)
-    mask = torch.as_tensor(batch["loss_mask"][:, 1:], dtype=torch.float32)
-    adv = torch.as_tensor(batch["advantages"][:, 1:])
-    prox = torch.as_tensor(batch["prox_logp"][:, 1:])
-    behav = torch.as_tensor(batch["behav_logp"][:, 1:])
+    if args.torch_device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if args.torch_device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench train: --torch-device cuda, but torch sees no GPU")
+    return args.torch_device
+
+
+def _torch_model(path: Path | None, cfg: Any, device: str, remat: bool) -> Any:
+    """The peer as a GPU user runs it: fp32 master weights (bf16 comes from autocast),
+    PyTorch's SDPA attention, on ``device``; from the shared checkpoint ``path``, else
+    random weights made on the device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if path is not None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     attn_implementation="sdpa")
+        model = model.to(device)
+    else:
+        hf_dict = cfg.to_hf_dict()
+        hf_config = AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                     attn_implementation="sdpa")
+    model.train()
+    if remat:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def _torch_step_fn(model: Any, batch: dict[str, np.ndarray], eps_clip: float,
+                   temperature: float, lr: float, max_grad_norm: float, *, device: str = "cpu",
+                   autocast_bf16: bool = False, compile_model: bool = False) -> tuple[Any, Any]:
+    """One PPO step of the peer: forward (bf16 autocast if asked), the same decoupled loss,
+    backward, global-norm clipping, AdamW (fused on a GPU). Returns (step, optimizer)."""
+    import torch
+
+    def put(x: np.ndarray, dtype: Any = None) -> Any:
+        return torch.as_tensor(x, dtype=dtype).to(device)
+
+    ids = put(batch["input_ids"], torch.long)
+    mask = put(batch["loss_mask"][:, 1:], torch.float32)
+    adv = put(batch["advantages"][:, 1:])
+    prox = put(batch["prox_logp"][:, 1:])
+    behav = put(batch["behav_logp"][:, 1:])
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
-                            weight_decay=0.0)
+                            weight_decay=0.0, fused=device == "cuda")
+    forward = torch.compile(model) if compile_model else model
 
     def step() -> float:
-        logits = model(ids).logits[:, :-1].float()
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast_bf16):
+            logits = forward(ids).logits[:, :-1].float()
         logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
         behav_w = torch.exp(prox - behav)
         ratio = torch.exp(logp - prox)
@@ -159,9 +232,24 @@ def _torch_step_fn(model: Any, batch: dict[str, np.ndarray], eps_clip: float,
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return float(loss.detach())  # waits for the device
 
     return step, opt
+
+
+def _peak_memory_gib(system: str) -> float | None:
+    """Peak device memory of a system so far (GPU/TPU; None on a CPU)."""
+    if system == "ours":
+        import jax
+
+        stats = jax.devices()[0].memory_stats() or {}
+        peak = stats.get("peak_bytes_in_use")
+        return None if peak is None else peak / 2**30
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.max_memory_allocated() / 2**30
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -179,25 +267,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     algo = AlgoConfig(ppo_n_minibatches=1, eps_clip=0.2)
     batch = _batch(cfg, args.rows, seq_len)
 
+    torch_models: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        theirs = None
-        if args.no_torch:
+        path = None
+        if args.no_torch or args.independent_init:
             learner = Learner(_random_model(cfg, mesh), cfg, optim, algo, mesh=mesh,
                               compute_dtype=args.dtype, remat=args.remat,
                               logp_chunk_size=args.chunk)
         else:
-            import torch
-            from transformers import AutoModelForCausalLM
-
-            if args.threads:
-                torch.set_num_threads(args.threads)
             path = save_random_hf(cfg, Path(tmp), "bench-train")
             learner = Learner.from_hf(str(path), optim, algo, mesh=mesh, compute_dtype=args.dtype,
                                       remat=args.remat, logp_chunk_size=args.chunk)
-            torch_dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-            theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).train()
-            if args.remat:
-                theirs.gradient_checkpointing_enable()
+        if not args.no_torch:
+            import torch
+
+            if args.threads:
+                torch.set_num_threads(args.threads)
+            device = _torch_device(args)
+            torch_models["transformers"] = _torch_model(path, cfg, device, args.remat)
+            if args.torch_compile:
+                torch_models["transformers+compile"] = _torch_model(path, cfg, device,
+                                                                    args.remat)
 
     logp = learner.compute_logp([batch])[0]
     batch["prox_logp"] = logp
@@ -209,13 +299,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     first = learner.train_step([batch])
     compile_s = time.perf_counter() - t0
     systems: dict[str, Any] = {"ours": lambda: learner.train_step([batch])}
+    first_call_s = {"ours": compile_s}
     loss_diff = None
-    if theirs is not None:
-        torch_step, _ = _torch_step_fn(theirs, batch, algo.eps_clip, learner.temperature, optim.lr,
-                                       optim.max_grad_norm)
-        # Same weights and batch before any update: the losses agree.
-        loss_diff = abs(torch_step() - first["loss"])
-        systems["transformers"] = torch_step
+    for name, model in torch_models.items():
+        step, _ = _torch_step_fn(model, batch, algo.eps_clip, learner.temperature, optim.lr,
+                                 optim.max_grad_norm, device=_torch_device(args),
+                                 autocast_bf16=args.dtype == "bfloat16",
+                                 compile_model=name.endswith("+compile"))
+        t0 = time.perf_counter()
+        loss = step()  # the first call (torch.compile compiles here)
+        first_call_s[name] = time.perf_counter() - t0
+        if name == "transformers" and path is not None:
+            # Same weights and batch before any update: the losses agree.
+            loss_diff = abs(loss - first["loss"])
+        systems[name] = step
 
     times = interleaved_times(systems, args.repeats)
 
@@ -227,9 +324,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, ts in times.items():
         tps = tokens / statistics.median(ts)
         tflops = flops / statistics.median(ts) / 1e12
-        mfu = tflops / peak if (peak and name == "ours") else None
+        mfu = tflops / peak if peak else None
+        memory = _peak_memory_gib(name)
         rows.append([name, round(tps, 1), round(statistics.median(ts), 4), round(min(ts), 4),
-                     round(tflops, 3), "-" if mfu is None else f"{100 * mfu:.1f}%"])
+                     round(tflops, 3), "-" if mfu is None else f"{100 * mfu:.1f}%",
+                     "-" if memory is None else round(memory, 2),
+                     round(first_call_s[name], 2)])
+        if memory is not None:
+            summary[f"{name}_peak_gib"] = memory
     summary["ours_tokens_per_s"] = ours_tps
     if "transformers" in times:
         summary["ratio"] = ours_tps / (tokens / statistics.median(times["transformers"]))
@@ -237,6 +339,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         import torch
 
         summary["torch_threads"] = torch.get_num_threads()
+        summary["torch_device"] = _torch_device(args)
+        summary["torch_version"] = torch.__version__
+    if "transformers+compile" in times:
+        summary["ratio_vs_compile"] = ours_tps / (
+            tokens / statistics.median(times["transformers+compile"]))
     if peak:
         summary["mfu"] = flops / statistics.median(times["ours"]) / (peak * 1e12)
         summary["peak_tflops"] = peak
@@ -248,7 +355,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "title": f"train step (fwd+bwd+AdamW) tokens/s: ours vs transformers+torch AdamW, "
                  f"{shape}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}, "
                  f"{args.rows}x{seq_len} tokens, {args.dtype}",
-        "columns": ["system", "tokens/s", "median s", "min s", "TFLOP/s", "MFU"],
+        "columns": ["system", "tokens/s", "median s", "min s", "TFLOP/s", "MFU", "peak GiB",
+                    "first call s"],
         "rows": rows,
         "summary": summary,
     }

@@ -30,6 +30,7 @@ across threads); on a multi-GPU host they are GPUs.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -140,6 +141,9 @@ class ModelRunner:
         self._prefill = jax.jit(self._counted("prefill", prefill_impl), donate_argnums=(1, 2))
         self._decode = jax.jit(self._counted("decode", decode_impl), donate_argnums=(1, 2),
                                static_argnums=(5,))
+        # ("prefill", bucket) / ("decode", kv_len) -> the program warmup() compiled ahead of
+        # time; a shape without one goes through the jitted function (and compiles there).
+        self._executables: dict[tuple[str, int], Any] = {}
         _install_compile_listener()
         self.reset()
 
@@ -313,10 +317,12 @@ class ModelRunner:
             top_p_p[i] = row["top_p"]
             top_k_p[i] = row["top_k"]
             seed_p[i] = row["seed"]
-        self.cache, self.slots, token_p, logprob_p = self._watched(
-            self._prefill, self.state, self.cache, self.slots, prompt_pt, prompt_len_p, slot_p,
-            temperature_p, top_p_p, top_k_p, seed_p, np.bool_(any_truncation),
-            np.bool_(any_random))
+        args = (self.state, self.cache, self.slots, prompt_pt, prompt_len_p, slot_p,
+                temperature_p, top_p_p, top_k_p, seed_p, np.bool_(any_truncation),
+                np.bool_(any_random))
+        executable = self._executables.get(("prefill", bucket))
+        self.cache, self.slots, token_p, logprob_p = (
+            executable(*args) if executable is not None else self._watched(self._prefill, *args))
         token_p, logprob_p = jax.device_get((token_p, logprob_p))
         return token_p[: len(rows)], logprob_p[: len(rows)]
 
@@ -330,15 +336,48 @@ class ModelRunner:
                ) -> tuple[jax.Array, jax.Array]:
         """Dispatches ``decode_steps`` steps over all slots, attending to the first
         ``kv_len`` cache positions; returns device arrays [k, B] (tokens, logprobs)."""
-        self.cache, self.slots, token_kb, logprob_kb = self._watched(
-            self._decode, self.state, self.cache, self.slots, np.bool_(any_truncation),
-            np.bool_(any_random), kv_len)
+        args = (self.state, self.cache, self.slots, np.bool_(any_truncation),
+                np.bool_(any_random))
+        executable = self._executables.get(("decode", kv_len))
+        self.cache, self.slots, token_kb, logprob_kb = (
+            executable(*args) if executable is not None
+            else self._watched(self._decode, *args, kv_len))
         return token_kb, logprob_kb
 
-    def warmup(self) -> None:
-        """Compiles every prefill and decode bucket, then clears the cache."""
+    def warmup(self, workers: int | None = None) -> int:
+        """Compiles every prefill and decode bucket ahead of time, ``workers`` programs at
+        once (default: one per CPU core this process may use, at most one per program), and
+        keeps the executables for the step calls. Returns how many it compiled.
+
+        The programs are traced one after another here, then compiled side by side: XLA's
+        compile releases the GIL, so on a GPU host's many cores the warm-up takes about as
+        long as its slowest program instead of the sum of them all (a prefill and a decode
+        per bucket). With the persistent compilation cache on, each is loaded from it."""
+        import concurrent.futures
+
+        p = self.prefill_rows
+        flag = np.bool_(False)
+        lowered: dict[tuple[str, int], Any] = {}
         for bucket in self.buckets:
-            self.prefill(bucket, [{"input_ids": [0], "slot": 0, "temperature": 0.0,
-                                   "top_p": 1.0, "top_k": -1, "seed": 0}], False, False)
-            jax.block_until_ready(self.decode(bucket, False, False))
-        self.reset()
+            if ("prefill", bucket) not in self._executables:
+                lowered[("prefill", bucket)] = self._prefill.lower(
+                    self.state, self.cache, self.slots, np.zeros((p, bucket), np.int32),
+                    np.ones((p,), np.int32), np.full((p,), self.max_slots, np.int32),
+                    np.zeros((p,), np.float32), np.ones((p,), np.float32),
+                    np.full((p,), -1, np.int32), np.zeros((p,), np.uint32), flag, flag)
+            if ("decode", bucket) not in self._executables:
+                lowered[("decode", bucket)] = self._decode.lower(
+                    self.state, self.cache, self.slots, flag, flag, bucket)
+        if workers is None:
+            cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                     else os.cpu_count() or 1)
+            workers = max(1, min(cores, len(lowered)))
+        if workers == 1:
+            compiled = {key: low.compile() for key, low in lowered.items()}
+        else:
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                futures = {key: pool.submit(low.compile) for key, low in lowered.items()}
+                compiled = {key: f.result() for key, f in futures.items()}
+        self._executables.update(compiled)
+        self.num_compilations += len(compiled)
+        return len(compiled)
