@@ -69,3 +69,13 @@ def logprob_tolerance(n_vocab: int, logit_tol: float, dtype: str = "float32") ->
     log-softmax is 1-Lipschitz per logit in the max norm up to a factor 2 (the logit itself and
     the logsumexp), plus the rounding of a logsumexp over ``n_vocab`` terms of magnitude ≤ 1."""
     return 2.0 * logit_tol + float(sum_tolerance(1.0, n_vocab, dtype))
+
+
+def reference_tolerance(abs_terms, n: int = 1, ops: int = 4, dtype: str = "float32"):
+    """|computed - exact| bound for one evaluation, in ``dtype``, of a result that sums ``n``
+    terms with Σ|term_i| = ``abs_terms`` (a scalar or an array, elementwise), each term made
+    by at most ``ops`` rounded operations (+, -, *, /, sqrt, exp, log: each within u
+    relative, a few u for exp and log, counted as such): ops·u per term plus the sum's
+    λ·√n·u, relative to Σ|term_i|. For comparing an fp32 computation with a float64
+    reference of the same formula; two fp32 evaluations differ by at most twice it."""
+    return (ops + LAMBDA * math.sqrt(max(n, 1))) * unit_roundoff(dtype) * np.asarray(abs_terms)
