@@ -173,6 +173,10 @@ class RolloutConfig:
     # the fp32 master weights while the learner computes in bf16 (the two then differ by
     # the learner's bf16 rounding alone: mismatch/lag0_* measures it).
     engine_dtype: Literal["float32", "bfloat16"] | None = None
+    # Embedded engine: its loop over the layers. "scan": one layer per program (compile time
+    # independent of depth); "unrolled": every layer inlined; "auto": scan on TPU, unrolled on
+    # GPU and CPU (docs/accelerators.md, "Engine start-up": what each costs on an H100).
+    engine_layer_loop: Literal["auto", "scan", "unrolled"] = "auto"
     n_samples: int = 8  # samples per prompt (the group)
     max_new_tokens: int = 64
     temperature: float = 1.0

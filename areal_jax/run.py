@@ -606,6 +606,8 @@ def engine_tuning_args(ro: RolloutConfig) -> list[str]:
         args += ["--prefill-rows", str(ro.prefill_rows)]
     if ro.decode_steps is not None:
         args += ["--decode-steps", str(ro.decode_steps)]
+    if ro.engine_layer_loop != "auto":
+        args += ["--layer-loop", ro.engine_layer_loop]
     return args
 
 

@@ -336,3 +336,22 @@ def test_data_parallel_errors(ckpt_a):
         GenerationEngine(EngineConfig(str(ckpt_a), max_slots=8, data_parallel=3))
     with pytest.raises(ValueError, match="needs that many local devices"):
         GenerationEngine(EngineConfig(str(ckpt_a), max_slots=64, data_parallel=64))
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_layer_loop_setting_serves_transformers_greedy_tokens(ckpt_a, layer_loop):
+    """EngineConfig.layer_loop (serve.py --layer-loop, rollout.engine_layer_loop) picks the
+    runner's layer loop and cache layout; both serve transformers' greedy tokens, and the
+    warm-up's ahead-of-time programs cover every request (no compile after it)."""
+    engine = GenerationEngine(EngineConfig(str(ckpt_a), max_slots=2, max_seq_len=32,
+                                           warmup=True, layer_loop=layer_loop))
+    try:
+        assert engine.runner.stacked_cache == (layer_loop == "scan")
+        count = engine.num_compilations
+        prompt = [5, 9, 17, 3, 44]
+        assert engine.generate(prompt, greedy(10)).output_ids == hf_greedy(ckpt_a, prompt, 10)
+        assert engine.num_compilations == count
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="layer_loop must be one of"):
+        EngineConfig(str(ckpt_a), layer_loop="fused")

@@ -128,12 +128,13 @@ def test_rollout_engine_tuning_keys_reach_the_launched_server():
     from areal_jax.run import engine_tuning_args
 
     assert engine_tuning_args(RolloutConfig()) == []
-    args = engine_tuning_args(RolloutConfig(prefill_rows=2, decode_steps=3))
-    assert args == ["--prefill-rows", "2", "--decode-steps", "3"]
+    args = engine_tuning_args(RolloutConfig(prefill_rows=2, decode_steps=3,
+                                            engine_layer_loop="scan"))
+    assert args == ["--prefill-rows", "2", "--decode-steps", "3", "--layer-loop", "scan"]
     with launch_server("areal_jax/data/assets/arith_sft", max_slots=4, max_seq_len=64,
                        extra_args=args) as server:
         info = httpx.get(f"{server.url}/get_server_info", timeout=30).json()
-    assert (info["prefill_rows"], info["decode_steps"]) == (2, 3)
+    assert (info["prefill_rows"], info["decode_steps"], info["layer_loop"]) == (2, 3, "scan")
     for key in ("prefill_rows", "decode_steps"):
         with pytest.raises(ValueError, match=f"rollout.{key} must be > 0"):
             RolloutConfig(**{key: 0})

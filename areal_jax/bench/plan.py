@@ -239,7 +239,8 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any, scan: bool | None = None
                  ) -> tuple[Any, Any, dict[str, int]]:
     """(prefill, decode) of ``ModelRunner`` lowered for one chip: its own step functions and
     jit options, on abstract params, cache and slot state committed to ``device``. ``scan``:
-    the layer loop (None: the engine's own choice for the chip)."""
+    the layer loop (None: ``rollout.engine_layer_loop``, whose ``auto`` is the engine's
+    own choice for the chip)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -262,6 +263,9 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any, scan: bool | None = None
     b, dtype = shapes["max_slots"], jnp.dtype(dtype_name)
     chip_mesh = make_mesh("data=1", [device])
     with use_mesh(chip_mesh):  # the engine's cache layout for the chip's platform
+        loop = cfg.rollout.engine_layer_loop
+        if scan is None and loop != "auto":
+            scan = loop == "scan"
         stacked = scan_layers_by_default() if scan is None else scan
     cache = _on(jax.eval_shape(lambda: init_slot_cache(model_cfg, b, runner.max_seq_len, dtype,
                                                        stacked)), on_chip)

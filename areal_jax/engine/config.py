@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
+LAYER_LOOPS = ("auto", "scan", "unrolled")
 CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -41,6 +42,9 @@ class EngineConfig:
       warmup: compile every prefill bucket and the decode step at start-up.
       check_weights: before swapping in a weight update, check the stored dtypes and that
         every value is finite (one pass over the params); False skips it on huge models.
+      layer_loop: ``scan`` (one layer in each program: compile time independent of depth),
+        ``unrolled`` (every layer in the program), or ``auto``: scan on TPU, unrolled on GPU
+        and CPU (see ``areal_jax.engine.forward`` and docs/accelerators.md for the costs).
     """
 
     model_path: str
@@ -55,8 +59,12 @@ class EngineConfig:
     weight_version: str = "0"
     warmup: bool = False
     check_weights: bool = True
+    layer_loop: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"EngineConfig.layer_loop must be one of {LAYER_LOOPS}, got "
+                             f"{self.layer_loop!r}")
         for key in ("max_slots", "prefill_rows", "decode_steps", "data_parallel"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

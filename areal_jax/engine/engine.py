@@ -102,6 +102,7 @@ class GenerationEngine:
             cache_dtype=config.cache_dtype or config.dtype,
             prefill_rows=min(config.prefill_rows, config.max_slots),
             decode_steps=config.decode_steps,
+            scan_layers={"auto": None, "scan": True, "unrolled": False}[config.layer_loop],
             data_parallel=config.data_parallel,
         )
         del model
@@ -399,6 +400,7 @@ class GenerationEngine:
             "dtype": self.config.dtype,
             "prefill_rows": self.runner.prefill_rows,
             "decode_steps": self.config.decode_steps,
+            "layer_loop": "scan" if self.runner.stacked_cache else "unrolled",
             "data_parallel": self.config.data_parallel,
             "prefill_buckets": list(self.runner.buckets),
             "num_compilations": self.num_compilations,

@@ -40,7 +40,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import areal_jax
 from areal_jax.compile_cache import enable_compilation_cache
 from areal_jax.cpu_affinity import pin_process_to_cpus
-from areal_jax.engine.config import SUPPORTED_DTYPES, EngineConfig, request_cpu_devices
+from areal_jax.engine.config import (
+    LAYER_LOOPS,
+    SUPPORTED_DTYPES,
+    EngineConfig,
+    request_cpu_devices,
+)
 from areal_jax.engine.engine import (
     EngineRequestError,
     EngineStoppedError,
@@ -418,6 +423,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dtype", choices=SUPPORTED_DTYPES, default=None)
     p.add_argument("--prefill-rows", type=int, default=4, help="prompts per prefill call")
     p.add_argument("--decode-steps", type=int, default=8, help="tokens per slot per device call")
+    p.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
+                   help="the engine's loop over the layers: scan (compile time independent "
+                        "of depth), unrolled, or auto (scan on TPU, unrolled elsewhere)")
     p.add_argument("--data-parallel", type=int, default=1,
                    help="split the slots over this many devices (on CPU: this many XLA CPU "
                         "devices, one core each); max-slots must be a multiple")
@@ -520,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype, cache_dtype=args.cache_dtype, prefill_rows=args.prefill_rows,
             decode_steps=args.decode_steps, data_parallel=args.data_parallel, seed=args.seed,
             weight_version=args.weight_version, warmup=args.warmup,
+            layer_loop=args.layer_loop,
             check_weights=not args.skip_weight_check)
         engine = GenerationEngine(config)
     except (ModelPathError, ValueError, FileNotFoundError) as e:
