@@ -46,13 +46,15 @@ def reference_group_advantages(rewards, group_size, leave_one_out, std_normalize
 def group_advantage_tolerance(rewards, group_size, std_normalize, eps=1e-5):
     """fp32 bound per advantage: (r_i - mean) / (std + eps), the mean and the variance each
     a sum over the group; terms |r_i| + mean|r| over the divisor, ~10 operations a term."""
-    groups = np.abs(np.asarray(rewards, np.float64)).reshape(-1, group_size)
-    terms = groups + groups.mean(1, keepdims=True)
+    values = np.asarray(rewards, np.float64).reshape(-1, group_size)
+    terms = np.abs(values) + np.abs(values).mean(1, keepdims=True)
+    # A group of equal rewards: the fp32 mean of equal values is that value, so r - mean is
+    # exactly 0 (the caller checks it): no rounding to allow for.
+    spread = values.max(1, keepdims=True) > values.min(1, keepdims=True)
     if std_normalize:
-        values = np.asarray(rewards, np.float64).reshape(-1, group_size)
         std = values.std(1, ddof=1, keepdims=True) if group_size > 1 else np.zeros((len(values), 1))
         terms = terms / (std + eps)
-    return reference_tolerance(terms.ravel(), group_size, ops=10)
+    return reference_tolerance(np.where(spread, terms, 0.0).ravel(), group_size, ops=10)
 
 
 GROUP_CASES = [(mode, loo, std, g)

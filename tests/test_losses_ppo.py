@@ -253,7 +253,8 @@ def test_eps_clip_higher_changes_only_the_upper_side():
     hi, _ = call(inp, dict(eps_clip=0.2, eps_clip_higher=0.5))
     ref_hi, _ = reference_ppo(inp["logp"], inp["prox"], inp["behav"], inp["adv"], inp["mask"],
                               eps_clip=0.2, eps_clip_higher=0.5)
-    assert abs(float(hi) - ref_hi) <= loss_tolerance(inp), (float(hi), ref_hi)
+    # Tighter than loss_tolerance (8e-6 here, 13x): kept as it has always passed.
+    np.testing.assert_allclose(float(hi), ref_hi, rtol=1e-5)
     assert float(hi) != pytest.approx(float(lo))
 
 
@@ -269,12 +270,12 @@ def standard_clipped_ppo(logp, old_logp, adv, mask, eps):
 
 def test_prox_equal_behav_is_standard_clipped_ppo():
     inp = make_inputs(seed=11)
-    expected, scale = standard_clipped_ppo(inp["logp"], inp["behav"], inp["adv"], inp["mask"],
-                                           0.2)
+    expected, _ = standard_clipped_ppo(inp["logp"], inp["behav"], inp["adv"], inp["mask"], 0.2)
     for prox in (inp["behav"], None):
         loss, stats = decoupled_ppo_loss(inp["logp"], prox, inp["behav"], inp["adv"], inp["mask"],
                                          eps_clip=0.2, behav_imp_weight_cap=1.5)
-        assert abs(float(loss) - expected) <= loss_tolerance(inp, scale), (float(loss), expected)
+        # Tighter than loss_tolerance(inp, scale) (4.6e-6 here, 18x): kept.
+        np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
         assert float(stats["behav_imp_weight_max"]) == 1.0
         assert float(stats["cap_drop_frac"]) == 0.0
 
