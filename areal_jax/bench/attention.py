@@ -47,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-t", type=int, default=2048,
                         help="the longest T compared with the (quadratic-memory) reference")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--pallas-blocks", default=None,
+                        help="GPU only: extra rows timing jax's Triton kernel with other "
+                             "block sizes, as FWD/BWD pairs (e.g. 128/64,64/64; the model "
+                             "runs 128/32, jax's default); default on a GPU: 128/64,64/64,"
+                             "128/128; elsewhere none (Pallas' interpreter times nothing "
+                             "useful, but runs them)")
 
 
 def _segment_ids(rows: int, t: int, segments: int) -> np.ndarray:
@@ -154,6 +160,39 @@ def _time(impl: str, args: argparse.Namespace, t: int, dtype: Any, segments: int
     return statistics.median(times), compile_s
 
 
+def _time_pallas_blocks(args: argparse.Namespace, t: int, dtype: Any, fwd: int, bwd: int,
+                        interpret: bool = False) -> float:
+    """Forward + backward of jax's Triton flash kernel on packed rows with block sizes
+    ``fwd`` (forward tiles) and ``bwd`` (backward tiles): the block-size sweep a GPU check
+    runs before the model's defaults change."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+    q, k, v, cot, seg = _inputs(args, t, dtype, args.segments)
+    b, kv, g, _, dh = q.shape
+    q_bthd = q.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, dh)
+    k_bthd = jnp.repeat(k.transpose(0, 2, 1, 3), g, axis=2)
+    v_bthd = jnp.repeat(v.transpose(0, 2, 1, 3), g, axis=2)
+    cot_bthd = cot.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, dh)
+    sizes = gpu_attention.BlockSizes(block_q=fwd, block_k=fwd, block_q_dkv=bwd,
+                                     block_kv_dkv=bwd, block_q_dq=bwd, block_kv_dq=bwd)
+
+    def loss(q_, k_, v_):
+        out = gpu_attention.mha(q_, k_, v_, seg, sm_scale=1.0, causal=True, block_sizes=sizes,
+                                interpret=interpret)
+        return jnp.sum(out.astype(jnp.float32) * cot_bthd)
+
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    jax.block_until_ready(fn(q_bthd, k_bthd, v_bthd))
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(q_bthd, k_bthd, v_bthd))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
@@ -193,6 +232,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              f"out {check['out_err']:.1e} (<= {check['out_bound']:.1e}), "
                              f"dq {check['dq_err']:.1e} (<= {check['dq_bound']:.1e})"
                              + ("" if ok else " EXCEEDS")])
+    blocks = args.pallas_blocks or ("128/64,64/64,128/128" if platform == "gpu" else "")
+    for pair in filter(None, blocks.split(",")):
+        fwd, bwd = (int(x) for x in pair.split("/"))
+        for t in lengths:
+            median_s = _time_pallas_blocks(args, t, jnp.bfloat16, fwd, bwd,
+                                           interpret=platform != "gpu")
+            flops = attention_flops(_segment_ids(args.rows, t, args.segments), args.heads,
+                                    args.head_dim)
+            results.append({"kernel": f"pallas_gpu[{pair}]", "dtype": "bfloat16", "t": t,
+                            "segments": args.segments, "median_s": median_s,
+                            "tflops": flops / median_s / 1e12, "within_bound": True})
+            rows.append([f"pallas_gpu blocks {pair}", "bfloat16", t, args.segments,
+                         round(median_s * 1000, 3), round(flops / median_s / 1e12, 2), "-",
+                         "(timing only)"])
     return {
         "title": f"attention forward+backward on {platform} ({jax.devices()[0].device_kind}): "
                  f"{args.rows} rows, {args.heads}/{args.kv_heads} heads, head dim "

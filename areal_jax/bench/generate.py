@@ -58,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the engine's and the peer's weights and compute")
     parser.add_argument("--torch-device", default="auto",
                         help="the peer's device: cpu, cuda, or auto (cuda when torch sees one)")
+    parser.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unrolled"],
+                        help="the engine's loop over the layers (EngineConfig.layer_loop)")
     parser.add_argument("--compile-cache", default=None,
                         help="JAX's persistent compilation cache directory for the engine: run "
                              "twice with the same directory for a cold and a warm start-up")
@@ -110,7 +112,7 @@ def _bench_transformers(path: Path, prompts: np.ndarray, new_tokens: int, repeat
 
 def _bench_engine(path: Path, prompts: np.ndarray, new_tokens: int, repeats: int,
                   decode_steps: int | None, data_parallel: int = 1,
-                  dtype: str = "float32") -> dict[str, Any]:
+                  dtype: str = "float32", layer_loop: str = "auto") -> dict[str, Any]:
     from areal_jax.engine.config import EngineConfig
     from areal_jax.engine.engine import GenerationEngine
     from areal_jax.engine.request import SamplingParams
@@ -123,7 +125,8 @@ def _bench_engine(path: Path, prompts: np.ndarray, new_tokens: int, repeats: int
     extra["data_parallel"] = data_parallel
     t0 = time.perf_counter()
     engine = GenerationEngine(EngineConfig(
-        str(path), max_slots=batch, max_seq_len=max_seq_len, warmup=True, dtype=dtype, **extra))
+        str(path), max_slots=batch, max_seq_len=max_seq_len, warmup=True, dtype=dtype,
+        layer_loop=layer_loop, **extra))
     startup_s = time.perf_counter() - t0
     compiles_after_warmup = engine.num_compilations
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -206,7 +209,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         vocab = model_cfg.vocab_size
         prompts = rng.integers(3, vocab, size=(args.batch, args.prompt_len)).astype(np.int32)
         engines = [_bench_engine(path, prompts, args.new_tokens, args.repeats,
-                                 args.decode_steps, dp, args.dtype) for dp in dps]
+                                 args.decode_steps, dp, args.dtype, args.layer_loop)
+                   for dp in dps]
         import torch
 
         device = args.torch_device
@@ -265,6 +269,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "engine_compilations_at_end": ours["compiles_at_end"],
             "engine_startup_s": ours["startup_s"],
             "compile_cache": args.compile_cache,
+            "layer_loop": args.layer_loop,
             "dtype": args.dtype,
             "torch_device": device,
             "engine_decode_steps": ours["decode_steps"],

@@ -14,7 +14,9 @@ is left of ``--budget-s``. In order of importance:
    ``torch.compile``), 2 x 4,096 tokens, bf16 (``bench train``).
 3. ``generate-cold``, ``generate-warm``: the engine against transformers ``generate`` on
    the same GPU, with the engine's start-up (warm-up compiles included) on a cold and then
-   a warm persistent compilation cache (``bench generate``).
+   a warm persistent compilation cache (``bench generate``); ``generate-scan``: the same,
+   cold, with the layers scanned (``--layer-loop scan``), whose compile time does not grow
+   with depth but whose decode reads each step's weight slice through a copy on a GPU.
 4. ``attention``: each attention kernel against the fp32 reference, and its speed
    (``bench attention``).
 
@@ -37,8 +39,8 @@ from typing import Any
 from areal_jax.bench.common import REPO, read_metrics, script_env
 
 # name -> (seconds on a GPU, the step's purpose)
-STEP_LIMITS = {"demo": 150, "train-0.5b": 120, "train-1.5b": 120, "generate-cold": 90,
-               "generate-warm": 45, "attention": 60}
+STEP_LIMITS = {"demo": 120, "train-0.5b": 110, "train-1.5b": 110, "generate-cold": 90,
+               "generate-warm": 45, "generate-scan": 60, "attention": 60}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,9 +97,8 @@ def steps(out_dir: Path, small: bool, hardware: str) -> dict[str, tuple[list[str
         generate = ["--batch", "2", "--new-tokens", "4", "--prompt-len", "8", "--repeats", "1",
                     "--data-parallel", "1", "--torch-threads", "1"]
         attention = ["--t", "64", "--repeats", "1", "--check-t", "64", "--heads", "4",
-                     "--dtypes", "float32"]
-        limits = {"demo": 420, "train-0.5b": 240, "train-1.5b": 240, "generate-cold": 240,
-                  "generate-warm": 240, "attention": 240}
+                     "--dtypes", "float32", "--pallas-blocks", "32/16"]
+        limits = dict.fromkeys(STEP_LIMITS, 240.0) | {"demo": 420.0}
     else:
         big = ["--dtype", "bfloat16", "--tokens", "8192", "--rows", "2", "--repeats", "5",
                "--torch-compile", "--independent-init"]
@@ -113,7 +114,9 @@ def steps(out_dir: Path, small: bool, hardware: str) -> dict[str, tuple[list[str
         argv[name] = [*bench, "train", *args, "--out", str(out_dir / f"{name}.json")]
     for name in ("generate-cold", "generate-warm"):
         argv[name] = [*bench, "generate", *generate, "--compile-cache", cache,
-                      "--out", str(out_dir / f"{name}.json")]
+                      "--layer-loop", "unrolled", "--out", str(out_dir / f"{name}.json")]
+    argv["generate-scan"] = [*bench, "generate", *generate, "--compile-cache", cache,
+                             "--layer-loop", "scan", "--out", str(out_dir / "generate-scan.json")]
     argv["attention"] = [*bench, "attention", *attention, "--out",
                          str(out_dir / "attention.json")]
     return {name: (argv[name], limits[name]) for name in STEP_LIMITS}
