@@ -278,6 +278,9 @@ def test_requests_whose_client_went_away_are_aborted(server, stream):
                                    "stream": stream}),
               ("/v1/chat/completions", {"model": "arith", "max_tokens": 40, "stream": stream,
                                         "messages": [{"role": "user", "content": "Q:2+2="}]})]
+    if not stream:  # SGLang's route too (it waits for the client going away, not polls)
+        bodies.append(("/generate", {"input_ids": [5, 6, 7], "sampling_params": {
+            "max_new_tokens": 40}}))
     headers = {"Authorization": f"Bearer {API_KEY}"}
 
     def give_up(route: str, body: dict) -> str:
@@ -293,7 +296,7 @@ def test_requests_whose_client_went_away_are_aborted(server, stream):
     _control(server, "/pause_generation", {"mode": "abort"})
     try:
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            outcomes = list(pool.map(lambda i: give_up(*bodies[i % 2]), range(6)))
+            outcomes = list(pool.map(lambda i: give_up(*bodies[i % len(bodies)]), range(6)))
         assert outcomes == ["gave up"] * 6  # paused: nothing could answer
         import time
 
@@ -304,3 +307,32 @@ def test_requests_whose_client_went_away_are_aborted(server, stream):
         assert info["num_waiting_reqs"] == 0, info
     finally:
         _control(server, "/continue_generation")
+
+
+def test_a_burst_of_concurrent_requests_all_complete_correctly(server, client):
+    """Issue 39 item 15: many requests at once (far more than the server's 4 slots) all
+    complete, each with the text it gets alone (greedy)."""
+    import asyncio
+
+    import aiohttp
+
+    prompts = [f"Q:{a}+{b}=" for a in range(5) for b in range(4)]
+    alone = {p: client.completions.create(model="arith", prompt=p, max_tokens=4,
+                                          temperature=0).choices[0].text for p in prompts}
+
+    async def burst(n):
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(server.url, connector=connector, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=600)) as s:
+            async def one(i):
+                body = {"model": "arith", "prompt": prompts[i % len(prompts)], "max_tokens": 4,
+                        "temperature": 0}
+                async with s.post("/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    return (await r.json())["choices"][0]["text"]
+
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+    texts = asyncio.run(burst(300))
+    assert texts == [alone[prompts[i % len(prompts)]] for i in range(300)]

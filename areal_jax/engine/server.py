@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hmac
 import logging
 import os
@@ -53,7 +54,7 @@ from areal_jax.engine.engine import (
     ModelPathError,
 )
 from areal_jax.engine.launch import API_KEY_ENV
-from areal_jax.engine.openai_api import register_engine_routes
+from areal_jax.engine.openai_api import first_or_disconnect, register_engine_routes
 from areal_jax.engine.protocol import (
     ProtocolError,
     generate_reply,
@@ -72,7 +73,6 @@ from areal_jax.engine.request import EngineRequest
 from areal_jax.hub import HubError, local_model_dir
 
 logger = logging.getLogger("areal_jax.engine.server")
-DISCONNECT_POLL_S = 1.0
 PARENT_POLL_S = 0.5
 MAX_ERROR_CHARS = 2000  # error messages echo parts of the request; keep replies small
 # Default body limit: 16 bytes per token of the longest prompt (an id, a comma, spaces)
@@ -289,13 +289,10 @@ def create_app(engine: GenerationEngine, *, api_key: str | None = None,
             for req in reqs:  # a batch runs whole or not at all
                 await asyncio.to_thread(engine.abort, req.rid)
             return _error(str(e), 400 if isinstance(e, EngineRequestError) else 503)
-        pending = set(futures)
-        while pending:
-            _, pending = await asyncio.wait(pending, timeout=DISCONNECT_POLL_S)
-            if pending and await request.is_disconnected():
-                for req in reqs:
-                    await asyncio.to_thread(engine.abort, req.rid)
-                return Response(status_code=499)
+        if await first_or_disconnect(request, set(futures)):
+            for req in reqs:
+                await asyncio.to_thread(engine.abort, req.rid)
+            return Response(status_code=499)
         failed = [req for req in reqs if req.error is not None]
         if failed:  # 4xx: the request could not run as asked; 500: the engine failed
             return _error(failed[0].error or "", failed[0].error_status)
@@ -538,6 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     allowed = [args.model_path, engine.model_path, *(args.allowed_weight_dir or [])]
     app = create_app(engine, api_key=api_key, allowed_weight_dirs=allowed,
                      max_body_bytes=args.max_body_bytes)
+    # The model, JAX and the libraries are long-lived: moved out of the collector's view,
+    # a full collection under load walks only what the requests allocate.
+    gc.collect()
+    gc.freeze()
     logger.info("serving %s on http://%s:%d (weight_version %s, %d compilations so far)",
                 args.model_path, args.host, args.port, engine.weight_version,
                 engine.num_compilations)
