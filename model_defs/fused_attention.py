@@ -23,9 +23,11 @@ fp32 log-sum-exp of each query's scores (the engine's prefill). Shapes as in
   repeated G times (their gradient sums back through the repeat). Its lse is base 2 and is
   converted.
 * ``cudnn`` (GPU): ``jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)``.
-  It takes no segment ids (a [T, T] mask would be quadratic again), so packed rows
-  (``segment_ids_bt`` given) run on ``pallas_gpu`` instead; rows without segments (the
-  engine's prefill) use cuDNN, in bf16/fp16 only. Needs the cuDNN library (the
+  It takes no segment ids (a [T, T] mask would be quadratic again). Rows without segments
+  (the engine's prefill) use cuDNN, in bf16/fp16 only; packed rows (``segment_ids_bt``
+  given) use it when every row of the micro-batch holds one segment followed by padding
+  (``rows_hold_one_segment``: long trajectories), and ``pallas_gpu`` otherwise: both
+  programs are compiled and a ``lax.cond`` picks one per call. Needs the cuDNN library (the
   ``nvidia-cudnn`` wheel, which ``jax[cuda13]`` installs).
 
 A Pallas/Mosaic custom call cannot be partitioned automatically ("Mosaic kernels cannot be
@@ -135,9 +137,9 @@ def fused_self_attention(impl: str, q_bkgtd: Array, k_bktd: Array, v_bktd: Array
     """Causal (packed, if ``segment_ids_bt``) self-attention with kernel ``impl`` (a
     resolved name other than ``xla``). Returns out [B, K, G, T, Dh] in the queries' dtype,
     or with ``return_lse`` (forward only) also the fp32 lse [B, K, G, T]."""
-    if impl == "cudnn" and segment_ids_bt is not None:
-        impl = "pallas_gpu"  # cuDNN's public API has no segment ids (module docstring)
     kernels = {"splash": _splash, "pallas_gpu": _pallas_gpu, "cudnn": _cudnn}
+    if impl == "cudnn" and segment_ids_bt is not None:
+        kernels["cudnn"] = _cudnn_or_pallas_gpu  # cuDNN's public API has no segment ids
     if impl not in kernels:
         raise ValueError(f"fused_self_attention: impl must be one of {sorted(kernels)}; "
                          f"got {impl!r}")
@@ -153,6 +155,31 @@ def fused_self_attention(impl: str, q_bkgtd: Array, k_bktd: Array, v_bktd: Array
     out_specs = (q_spec, lse_spec) if return_lse else q_spec
     return jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)(q_bkgtd, k_bktd, v_bktd, segment_ids_bt)
+
+
+def rows_hold_one_segment(segment_ids_bt: Array) -> Array:
+    """True (a scalar) when every row holds at most one segment, starting at its first
+    token, with only padding (ids <= 0) after it: then plain causal attention, with no
+    segment mask, gives every real token exactly its packed attention (a real token's
+    earlier keys are all of its own segment; padding queries read real keys, but nothing
+    real reads them and their outputs carry no loss)."""
+    seg_bt = segment_ids_bt
+    real_bt = seg_bt > 0
+    one_id = jnp.all((seg_bt == seg_bt[:, :1]) | ~real_bt)
+    padding_last = jnp.all(real_bt[:, 1:].astype(jnp.int32) <= real_bt[:, :-1].astype(jnp.int32))
+    return one_id & padding_last
+
+
+def _cudnn_or_pallas_gpu(q_bkgtd, k_bktd, v_bktd, seg_bt, *, return_lse, interpret):
+    """Packed rows on cuDNN when they need no segment mask (``rows_hold_one_segment``: a
+    long trajectory per row), else on the Triton kernel: both are compiled, one runs (a
+    ``lax.cond`` on the micro-batch, per shard under ``shard_map``)."""
+    return jax.lax.cond(
+        rows_hold_one_segment(seg_bt),
+        lambda: _cudnn(q_bkgtd, k_bktd, v_bktd, None, return_lse=return_lse,
+                       interpret=interpret),
+        lambda: _pallas_gpu(q_bkgtd, k_bktd, v_bktd, seg_bt, return_lse=return_lse,
+                            interpret=interpret))
 
 
 def _pad_time(t: int, multiple: int, *arrays_axes: tuple[Array | None, int]) -> list:

@@ -214,3 +214,58 @@ def test_h100_program_runs_the_kernel_the_runtime_resolves(dtype):
     compiled = "cudnn" if result["cudnn_custom_call"] else (
         "pallas_gpu" if result["triton_custom_call"] else "xla")
     assert compiled == runtime == ("cudnn" if dtype == "bfloat16" else "pallas_gpu"), result
+
+
+def test_rows_hold_one_segment_only_when_no_mask_is_needed():
+    from model_defs.fused_attention import rows_hold_one_segment
+
+    def check(rows):
+        return bool(rows_hold_one_segment(jnp.asarray(rows, jnp.int32)))
+
+    assert check([[1, 1, 1, 0, 0], [4, 4, 4, 4, 4]])  # one trajectory each, padding last
+    assert check([[0, 0, 0], [2, 2, 0]])  # an all-padding row
+    assert check([[1, 1, -1, -1]])  # the kernels' own -1 padding
+    assert not check([[1, 1, 2, 2, 0]])  # two segments: needs the mask
+    assert not check([[0, 0, 1, 1]])  # padding first: real tokens would read it
+    assert not check([[1, 0, 1, 0]])  # a hole
+
+
+def test_one_segment_rows_need_no_segment_mask():
+    """The fact cuDNN's use for packed rows rests on: when rows_hold_one_segment, causal
+    attention without segments gives every real token its packed attention, values and
+    the gradients that reach real tokens (padding queries' outputs carry no loss)."""
+    from model_defs.fused_attention import rows_hold_one_segment
+
+    q, k, v = _qkv(b=2, kv=2, g=2, t=T)
+    seg = np.zeros((2, T), np.int32)
+    seg[0, :31], seg[1, :] = 1, 3
+    assert bool(rows_hold_one_segment(jnp.asarray(seg)))
+    real = jnp.asarray(seg > 0)[:, None, None, :, None]
+    cot = jnp.where(real, jax.random.normal(jax.random.key(1), q.shape), 0.0)
+
+    def loss(q, k, v, segments):
+        out = attention(q, k, v, segment_ids_bt=segments, impl="xla")
+        return jnp.sum(out * cot), out
+
+    (packed, out_p), g_p = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+        q, k, v, jnp.asarray(seg))
+    (plain, out_c), g_c = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+        q, k, v, None)
+    tol = _fp32_tol(q, k, v)
+    assert float(jnp.max(jnp.abs(jnp.where(real, out_p - out_c, 0.0)))) <= tol
+    assert abs(float(packed - plain)) <= tol * float(jnp.sum(jnp.abs(cot)))
+    for name, a, b in zip("qkv", g_p, g_c, strict=True):
+        bound = tol * float(jnp.max(jnp.abs(cot))) * np.sqrt(T)
+        assert float(jnp.max(jnp.abs(a - b))) <= bound, name
+
+
+@pytest.mark.skipif(not _has("jax_plugins.xla_cuda13"),
+                    reason="needs the CUDA plugin: pip install jax-cuda13-plugin jax-cuda13-pjrt")
+@pytest.mark.skipif(not cudnn_available(),
+                    reason="needs the cuDNN wheel to compile cuDNN attention: pip install "
+                           "nvidia-cudnn-cu13 (aot extra)")
+def test_h100_packed_bf16_program_holds_cudnn_and_triton():
+    """Packed bf16 rows with attention auto on H100: cuDNN for micro-batches of one segment
+    per row, the Triton kernel otherwise, both compiled into the one program."""
+    result = _compile("h100:2", "auto", 256, "bfloat16", segments=True)
+    assert result["cudnn_custom_call"] > 0 and result["triton_custom_call"] > 0, result

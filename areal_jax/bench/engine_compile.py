@@ -16,6 +16,7 @@ bytes column). Timings are this host's CPU: compare rows of one run.
 from __future__ import annotations
 
 import argparse
+import statistics
 from typing import Any
 
 LAYOUTS = ("scan", "unrolled")
@@ -30,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--slots", type=int, default=32, help="rollout.max_slots")
     parser.add_argument("--max-seq-len", type=int, default=1024, help="rollout.max_seq_len")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds over every (layers, layout), interleaved so a change in "
+                             "the machine's load hits each alike; the median is reported")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -55,27 +59,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(str(e)) from None
     chip, platform = target_chip(args.target), target_platform(args.target)
     device = compile_only_devices(args.target)[0]
+    runs: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
+    depths = [int(x) for x in args.layers.split(",")]
+    for round_ in range(args.repeats):
+        for layers in depths:
+            model_cfg = base.replace(num_hidden_layers=layers)
+            for layout in layouts:
+                # Lowered anew each round: a fresh module, compiled from scratch.
+                prefill, decode, _ = lower_engine(cfg, model_cfg, device, scan=layout == "scan")
+                for name, lowered in (("prefill", prefill), ("decode", decode)):
+                    print(f"  [{round_ + 1}/{args.repeats}] compiling {name} for {args.target}, "
+                          f"{layers} layers, {layout} ...", flush=True)
+                    runs.setdefault((layers, layout, name), []).append(
+                        measure(lowered, platform, chip, chip.hbm_bytes))
     rows, results = [], []
-    for layers in (int(x) for x in args.layers.split(",")):
-        model_cfg = base.replace(num_hidden_layers=layers)
-        for layout in layouts:
-            prefill, decode, _ = lower_engine(cfg, model_cfg, device, scan=layout == "scan")
-            for name, lowered in (("prefill", prefill), ("decode", decode)):
-                print(f"  compiling {name} for {args.target}, {layers} layers, {layout} ...",
-                      flush=True)
-                out = measure(lowered, platform, chip, chip.hbm_bytes)
-                result = {"layers": layers, "layout": layout, "program": name,
-                          "compile_s": out["compile_s"],
-                          "bytes_gb": out["bytes_accessed"] / 1e9,
-                          "floor_ms": out["step_time_floor_s"] * 1000,
-                          "peak_gib": out["peak_bytes"] / 2**30}
-                results.append(result)
-                rows.append([layers, layout, name, result["compile_s"],
-                             round(result["bytes_gb"], 2), round(result["floor_ms"], 3),
-                             round(result["peak_gib"], 2)])
+    for (layers, layout, name), outs in runs.items():
+        out = outs[0]
+        result = {"layers": layers, "layout": layout, "program": name,
+                  "compile_s": statistics.median(o["compile_s"] for o in outs),
+                  "compile_s_runs": [o["compile_s"] for o in outs],
+                  "bytes_gb": out["bytes_accessed"] / 1e9,
+                  "floor_ms": out["step_time_floor_s"] * 1000,
+                  "peak_gib": out["peak_bytes"] / 2**30}
+        results.append(result)
+        rows.append([layers, layout, name, result["compile_s"],
+                     " ".join(f"{s:g}" for s in result["compile_s_runs"]),
+                     round(result["bytes_gb"], 2), round(result["floor_ms"], 3),
+                     round(result["peak_gib"], 2)])
     summary: dict[str, Any] = {"target": args.target, "model": source, "dtype": args.dtype,
                                "slots": args.slots, "max_seq_len": args.max_seq_len}
-    depths = sorted({r["layers"] for r in results})
+    depths = sorted(depths)
     if len(depths) > 1:
         for layout in layouts:
             def total(n: int, layout: str = layout) -> float:
@@ -87,8 +100,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "title": f"engine compile time vs depth for {args.target} ({source}, {args.dtype}, "
                  f"{args.slots} slots, max_seq_len {args.max_seq_len}), compiled on this CPU",
-        "columns": ["layers", "layer loop", "program", "compile s", "GB moved", "floor ms",
-                    "peak GiB"],
+        "columns": ["layers", "layer loop", "program", "compile s (median)", "each run s",
+                    "GB moved", "floor ms", "peak GiB"],
         "rows": rows,
         "results": results,
         "summary": summary,
