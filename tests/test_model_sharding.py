@@ -125,3 +125,32 @@ def test_shard_is_a_no_op_without_mesh_and_constrains_with_one():
     with jax.set_mesh(mesh):
         out2 = jax.jit(lambda v: shard(v * 2, ("batch", "seq", "act_embed")))(x)
     assert out2.sharding.is_equivalent_to(batch_sharded, 3)
+
+
+def test_learner_warns_about_large_params_left_replicated_on_fsdp(monkeypatch, caplog):
+    """A dimension that does not divide its mesh axis is replicated silently; the learner
+    names every parameter of REPLICATED_PARAM_WARN_ELEMENTS or more left whole on each
+    device of an fsdp mesh (lowered here so that a tiny model crosses it)."""
+    import logging
+
+    import areal_jax.parallel.mesh as mesh_module
+    from areal_jax.learner import AlgoConfig, Learner, OptimConfig
+
+    cfg = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=100, hidden_size=30,
+                      intermediate_size=48, num_hidden_layers=1, num_attention_heads=3,
+                      num_key_value_heads=1, head_dim=10, attention_bias=False, qk_norm=True)
+    monkeypatch.setattr(mesh_module, "REPLICATED_PARAM_WARN_ELEMENTS", 500)
+    abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+    params = nnx.state(abstract, nnx.Param)
+    # hidden 30 over fsdp=4 does not divide: the q kernel (30 x 3 x 10 = 900) stays whole,
+    # the gate kernel (30 x 48, mlp over tensor) is sharded, the norms are under 500.
+    names = mesh_module.replicated_params(params, param_shardings(params, _mesh(1, 4, 2)),
+                                          _mesh(1, 4, 2))
+    assert any("q_kernel" in n for n in names) and not any("gate" in n for n in names), names
+    assert mesh_module.replicated_params(
+        params, param_shardings(params, _mesh(4, 1, 2)), _mesh(4, 1, 2)) == []  # no fsdp
+    with caplog.at_level(logging.WARNING, logger="areal_jax.learner.trainable"):
+        Learner(CausalLM(cfg, rngs=nnx.Rngs(0)), cfg, OptimConfig(), AlgoConfig(),
+                mesh=_mesh(1, 4, 2))
+    warned = [r.getMessage() for r in caplog.records if "replicated on every device" in r.message]
+    assert len(warned) == 1 and "q_kernel" in warned[0] and "fsdp=4" in warned[0], warned

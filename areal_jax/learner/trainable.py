@@ -11,6 +11,7 @@ of the other.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict
@@ -34,6 +35,7 @@ from areal_jax.parallel.mesh import (
     n_batch_shards,
     put_batch,
     replicated,
+    replicated_params,
 )
 from model_defs import (
     CausalLM,
@@ -46,6 +48,8 @@ from model_defs import (
     use_mesh,
 )
 from model_defs.fused_attention import ATTENTION_IMPLS
+
+logger = logging.getLogger(__name__)
 
 MicroBatch = PackedBatch | Mapping[str, np.ndarray]  # Mapping: of [R, L] arrays by field
 
@@ -144,6 +148,7 @@ class TrainableModel(ABC):
         self.trainable_filter = nnx.LoRAParam if self.lora is not None else nnx.Param
         self._graphdef, params, rest = nnx.split(model, self.trainable_filter, ...)
         self.param_shardings = self._shardings(params)
+        self._warn_replicated(params)
         self.params = self._place(params, self.param_shardings)
         if self.lora is not None:  # the frozen base: no master copy, keep the compute dtype
             rest = jax.tree.map(lambda x: x.astype(self.compute_dtype)
@@ -166,6 +171,17 @@ class TrainableModel(ABC):
         self.version = 0  # train_step calls (learner weight version)
         self._compile()
 
+
+    def _warn_replicated(self, params: PyTree) -> None:
+        names = replicated_params(params, self.param_shardings, self.mesh)
+        if names:
+            fsdp = dict(self.mesh.shape)["fsdp"]
+            logger.warning(
+                "%d parameter(s) of 1M+ elements are replicated on every device of the "
+                "fsdp=%d mesh, because none of their dimensions divides it: %s%s. Each device "
+                "holds them whole; choose an fsdp size that divides the model's hidden size "
+                "(or its vocabulary / MLP size for tensor)", len(names), fsdp,
+                ", ".join(names[:5]), " ..." if len(names) > 5 else "")
 
     def _shardings(self, state: PyTree) -> PyTree:
         """NamedShardings from the variables' logical axes (replicated where they have none),

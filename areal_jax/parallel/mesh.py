@@ -183,3 +183,26 @@ def put_batch(array: np.ndarray, mesh: Mesh, *, process_local: bool = False) -> 
         raise ValueError(f"batch of {global_rows} rows cannot be split over data x fsdp = "
                          f"{n_shards} shards; make rows a multiple of {n_shards}")
     return jax.make_array_from_process_local_data(sharding, local, (global_rows, *array.shape[1:]))
+
+
+# Parameters at least this large left whole on every device of an fsdp mesh are reported:
+# a dimension that does not divide its mesh axis is replicated silently (model_defs.sharding),
+# and at this size that costs real memory on every device.
+REPLICATED_PARAM_WARN_ELEMENTS = 1 << 20
+
+
+def replicated_params(params: object, shardings: object, mesh: Mesh,
+                      min_elements: int | None = None) -> list[str]:
+    """The paths of the parameters of at least ``min_elements`` (default
+    ``REPLICATED_PARAM_WARN_ELEMENTS``) that ``shardings`` leaves fully replicated although
+    the mesh's ``fsdp`` axis has more than one device; [] on any other mesh. MaxText checks
+    the same: that the parameters are sharded as intended, not only as asked."""
+    if dict(mesh.shape).get("fsdp", 1) <= 1:
+        return []
+    floor = REPLICATED_PARAM_WARN_ELEMENTS if min_elements is None else min_elements
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    found = []
+    for (path, leaf), sharding in zip(leaves, jax.tree.leaves(shardings), strict=True):
+        if int(np.prod(leaf.shape)) >= floor and sharding.is_fully_replicated:
+            found.append(jax.tree_util.keystr(path))
+    return found
