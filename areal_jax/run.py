@@ -363,7 +363,8 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
                    else stream)
     rollout = RolloutSide(executor=executor, weights=weights, writer=writer, run_files=run_files,
                           tokenizer=tokenizer, reward_fn=reward_fn, reward_pool=reward_pool,
-                          eval_items=eval_items)
+                          eval_items=eval_items,
+                          eval_workflow=_eval_workflow(cfg, workflow, stack))
     startup.update(setup_s=time.time() - t_process, process_start=t_process)
     return Trainer(cfg, batches=batches, rollout=rollout, startup=startup, **learner_side)
 
@@ -412,6 +413,19 @@ def _workflow(cfg: TrainConfig, tokenizer: Any, reward_fn: str, stack: contextli
         raise TrainerError(f"rollout.agent: {e}") from None
     stack.callback(workflow.close)
     return workflow
+
+
+def _eval_workflow(cfg: TrainConfig, workflow: Any, stack: contextlib.ExitStack) -> Any:
+    """An agent run evaluates with its own agent and tools (eval sampling); None: the
+    single-turn evaluation only."""
+    if cfg.rollout.workflow != "agent":
+        return None
+    e = cfg.eval
+    sampling = SamplingParams(max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
+                              temperature=e.temperature, top_p=1.0)
+    evaluation = workflow.for_eval(sampling, e.n_samples)
+    stack.callback(evaluation.close)
+    return evaluation
 
 
 def _executor(cfg: TrainConfig, workflow: Any, tokenizer: Any, reward_pool: RewardPool,

@@ -51,7 +51,7 @@ from areal_jax.data.trajectories import save_batch
 from areal_jax.interrupt import raise_if_interrupted
 from areal_jax.metrics import MismatchWarner
 from areal_jax.process import is_peer_gone
-from areal_jax.rollout.evaluate import evaluate_prompts
+from areal_jax.rollout.evaluate import evaluate_prompts, evaluate_workflow
 from areal_jax.rollout.executor import NoProgressError
 from areal_jax.rollout.weight_sync import WeightSyncError
 from areal_jax.run_inputs import RunStopped
@@ -110,6 +110,8 @@ class RolloutSide:
     reward_fn: str
     reward_pool: RewardPool
     eval_items: list[PromptItem]
+    # An agent run's workflow for eval (its agent and tools); None: single-turn eval only.
+    eval_workflow: Any = None
 
 
 class Trainer:
@@ -327,7 +329,15 @@ class Trainer:
             ro.executor.client, ro.eval_items, tokenizer=ro.tokenizer, reward_fn=ro.reward_fn,
             sampling=sampling, n_samples=e.n_samples, reward_pool=ro.reward_pool,
             answer_key="answer", seed=self.cfg.seed))
-        return {f"{prefix}{k}": v for k, v in out.items()}
+        if ro.eval_workflow is None:
+            return {f"{prefix}{k}": v for k, v in out.items()}
+        # An agent run: eval_* is the run's own workflow (the agent with its tools, what it
+        # trains on); eval_single_turn_* the prompt answered in one turn without tools.
+        agent = ro.executor.run_coroutine(evaluate_workflow(
+            ro.executor.client, ro.eval_items, ro.eval_workflow, tokenizer=ro.tokenizer,
+            reward_pool=ro.reward_pool, seed=self.cfg.seed))
+        return {**{f"{prefix}{k}": v for k, v in agent.items()},
+                **{f"{prefix}single_turn_{k}": v for k, v in out.items()}}
 
     def mark_startup(self, name: str) -> None:
         """Records the seconds from process start to now as start-up milestone ``name``."""

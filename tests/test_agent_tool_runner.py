@@ -195,3 +195,47 @@ def test_an_agent_that_raises_at_the_context_limit_still_ends_its_episode(server
         workflow.close()
     assert traj.finish_reason == FINISH_CONTEXT and traj.reward == 0.0
     assert counts["agent_context_exceeded"] == 1 and counts["agent_failed_groups"] == 0
+
+
+def test_eval_with_the_runs_own_workflow_and_single_turn_side_by_side(server, tok):
+    """Issue 39 item 6b: an agent run's eval runs its own agent and tools (what it trains
+    on); the single-turn figure (no tools) is a second, separately named number."""
+    from areal_jax.rewards.pool import RewardPool
+    from areal_jax.rollout.evaluate import evaluate_prompts, evaluate_workflow
+
+    items = [{"prompt_id": f"e{i}", "prompt": p, "answer": a} for i, (p, a) in
+             enumerate([("Q:17+5-8=", "14"), ("Q:3+4=", "7"), ("Q:9-2=", "7")])]
+    train = AgenticWorkflow(arith_calculator_agent, n_samples=8, tokenizer=tok, max_turns=3,
+                            max_total_tokens=128,
+                            gconfig=SamplingParams(max_new_tokens=24, temperature=1.0))
+    evaluation = train.for_eval(GREEDY, 2)
+    assert evaluation.n_samples == 2 and evaluation.gconfig.temperature == 0.0
+    assert evaluation.gconfig.stop_token_ids == train.gconfig.stop_token_ids
+    broken = train.for_eval(GREEDY, 1)
+    broken.agent_kwargs = {"max_calls": "not a number"}  # the agent raises: a failed group
+    pool = RewardPool(num_workers=1)
+
+    async def go():
+        async with RolloutClient([server.url]) as client:
+            agent = await evaluate_workflow(client, items, evaluation, tokenizer=tok,
+                                            reward_pool=pool, seed=0)
+            failed = await evaluate_workflow(client, items[:1], broken, tokenizer=tok,
+                                             reward_pool=pool, seed=0)
+            single = await evaluate_prompts(client, items, tokenizer=tok, reward_fn="builtin",
+                                            reward_pool=pool, sampling=GREEDY, n_samples=2)
+            return agent, failed, single
+
+    try:
+        agent, failed, single = asyncio.run(go())
+    finally:
+        evaluation.close()
+        broken.close()
+        pool.close()
+    # Greedy, the policy calls the calculator and copies its result: right with the tool.
+    assert agent["accuracy"] == 1.0 and agent["pass_at_k"] == 1.0
+    assert agent["tool_calls"] == 6 and agent["tool_errors"] == 0 and agent["failed_groups"] == 0
+    assert agent["n_prompts"] == 3 and agent["n_samples"] == 2
+    # Single-turn, the same policy writes a call that nobody runs: the figure the run used
+    # to report fell as the policy learned to use the tool.
+    assert single["accuracy"] < agent["accuracy"]
+    assert failed["failed_groups"] == 1 and failed["accuracy"] == 0.0

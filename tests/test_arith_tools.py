@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from areal_jax.config import load_config
 from areal_jax.data import builtin_task as bt
 from areal_jax.data.tokenizer import load_tokenizer
@@ -77,3 +79,33 @@ def test_a_missing_extra_is_named_before_anything_starts(tmp_path):
         "install 'areal-jax[agent]')"), res.stderr[-3000:]
     assert "Traceback" not in res.stderr
     assert not run_dir.exists()  # nothing was started or written
+
+
+@pytest.mark.slow
+def test_an_agent_run_evaluates_with_its_agent_and_reports_single_turn_apart(tmp_path):
+    """Issue 39 item 6b: configs/arith_tools.yaml through scripts/train.py; its eval rows
+    hold the agent's figure (eval_accuracy, with tool calls) and the single-turn one
+    (eval_single_turn_accuracy), each named."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(repo / "scripts" / "train.py"), "--config",
+         str(repo / "configs" / "arith_tools.yaml"), f"run_dir={run_dir}",
+         "train.total_versions=1", "train.batch_size=4", "rollout.n_samples=4",
+         "rollout.max_slots=16", "data.max_eval_prompts=8", "eval.at_start=false",
+         "progress_bar=false", "rollout.server_cpu_cores=null",
+         "rollout.learner_cpu_cores=null", "checkpoint.every_versions=0"],
+        capture_output=True, text=True, timeout=900, env=env, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (last,) = [r for r in rows if "eval_accuracy" in r]
+    assert 0.0 <= last["eval_accuracy"] <= 1.0 and 0.0 <= last["eval_single_turn_accuracy"] <= 1.0
+    assert last["eval_n_prompts"] == 8 and last["eval_single_turn_n_prompts"] == 8
+    assert last["eval_tool_calls"] > 0 and last["eval_failed_groups"] == 0

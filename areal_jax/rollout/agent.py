@@ -391,6 +391,17 @@ class AgenticWorkflow:
         self._proxy: AgentProxy | None = None
         self._proxy_lock = threading.Lock()
 
+    def for_eval(self, gconfig: SamplingParams, n_samples: int) -> AgenticWorkflow:
+        """The same agent, tools and budgets with the evaluation's sampling (no group
+        filter): what the run's eval runs (its own recording endpoint; close it too)."""
+        if not gconfig.stop_token_ids and self.gconfig.stop_token_ids:
+            gconfig = replace(gconfig, stop_token_ids=self.gconfig.stop_token_ids)
+        return AgenticWorkflow(self.agent, n_samples=n_samples, gconfig=gconfig,
+                               tokenizer=self.tokenizer, max_turns=self.max_turns,
+                               max_total_tokens=self.max_total_tokens,
+                               vocab_size=self.vocab_size, reward_max_abs=self.reward_max_abs,
+                               agent_kwargs=self.agent_kwargs)
+
     def proxy(self, tokenizer: Any) -> AgentProxy:
         """The recording server, started on first use."""
         with self._proxy_lock:

@@ -9,6 +9,9 @@ training: each call runs in a worker process under the pool's timeout, so a hang
 verifier cannot hang an eval. A sample whose reward function fails or times out counts
 as 0 and is reported in ``reward_failures``.
 
+:func:`evaluate_workflow` evaluates with a run's own workflow instead (an agent with its
+tools): the mean reward of the trajectories it returns, what the run trains on.
+
 :data:`BENCHMARKS` names the standard sets (``gsm8k``, ``math500``): their hub dataset,
 columns, reward and prompt.
 """
@@ -17,9 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,6 +31,7 @@ from areal_jax.rewards.pool import RewardFn, RewardPool, resolve_reward_fn
 from areal_jax.rollout.workflows import (
     GenerateClient,
     PromptItem,
+    WorkflowContext,
     generate_all,
     prompt_token_ids,
     sample_request,
@@ -160,4 +165,44 @@ async def evaluate_prompts(client: GenerateClient, items: Sequence[PromptItem], 
         "n_samples": float(n_samples),
         "mean_completion_tokens": float(lengths.mean()),
         "reward_failures": float(failures),
+    }
+
+
+async def evaluate_workflow(client: GenerateClient, items: Sequence[PromptItem], workflow: Any,
+                            *, tokenizer: ChatTokenizer | None, reward_pool: RewardPool | None,
+                            seed: int = 0, max_concurrency: int = 256) -> dict[str, float]:
+    """The run's own workflow (e.g. ``AgenticWorkflow.for_eval``: the agent with its tools)
+    on ``items``: ``accuracy`` is the mean reward of its trajectories, ``pass_at_k`` the
+    share of prompts with a positive reward in any of its ``workflow.n_samples``. A group the
+    workflow rejects or that raises (an agent failed) counts as reward 0 for each sample and
+    in ``failed_groups``. Tool and turn counts of the episodes are summed in the result."""
+    if not items:
+        raise ValueError("evaluate_workflow got no prompts")
+    n_samples = int(workflow.n_samples)
+    counts: Counter[str] = Counter()
+    sem = asyncio.Semaphore(max(1, max_concurrency // n_samples))
+
+    async def one(i: int, item: PromptItem) -> list[Any] | None:
+        ctx = WorkflowContext(start_version=0, seed=seed + 1000 * i, group_id=f"eval-{seed}-{i}",
+                              reward_pool=reward_pool, tokenizer=tokenizer,
+                              _count=lambda name, n: counts.update({name: n}))
+        async with sem:
+            try:
+                return await workflow.arun(client, item, ctx)
+            except Exception:  # noqa: BLE001 - one failed episode is a 0, not a failed eval
+                return None
+
+    groups = await asyncio.gather(*(one(i, item) for i, item in enumerate(items)))
+    rewards = np.array([[t.reward for t in g] if g else [0.0] * n_samples for g in groups],
+                       np.float64)
+    generated = [t.num_generated for g in groups if g for t in g]
+    return {
+        "accuracy": float(rewards.mean()),
+        "pass_at_k": float((rewards > 0).any(1).mean()),
+        "n_prompts": float(len(items)),
+        "n_samples": float(n_samples),
+        "mean_completion_tokens": float(np.mean(generated)) if generated else 0.0,
+        "failed_groups": float(sum(g is None for g in groups)),
+        **{name: float(counts[name]) for name in ("agent_turns", "tool_calls", "tool_errors",
+                                                  "agent_context_exceeded")},
     }
