@@ -202,3 +202,30 @@ def test_programs_and_extras_the_pages_name_exist():
             near = text[max(0, m.start() - 300):m.start()]
             assert "[tensorboard]" in near, f"{page.name}: tensorboard without its extra"
     assert any(r.startswith("tensorboard") for r in extras["tensorboard"])
+
+
+def test_servers_md_generate_sample_is_what_the_shipped_model_answers(tmp_path_factory):
+    """docs/servers.md's ``/generate`` example, sent to a server of the model it names
+    (greedy, fp32): the reply's text, tokens, finish reason and counts are the page's.
+    (The sample once showed a reply the shipped model does not give, issue 39.)"""
+    import json
+
+    import httpx
+    from server_fixtures import start_server
+
+    text = (REPO / "docs" / "servers.md").read_text()
+    block = next(b for b in _blocks(REPO / "docs" / "servers.md") if "/generate" in b
+                 and "curl" in b)
+    body = json.loads(re.search(r"-d '(\{.*?\})'", block, re.S).group(1))
+    model = re.search(r"python scripts/serve.py --model-path (\S+)", text).group(1)
+    reply = "\n".join(line.lstrip("# ") for line in block.splitlines() if line.startswith("#"))
+    want_text = json.loads(re.search(r'"text": ("[^"]*")', reply).group(1))
+    want_ids = json.loads(re.search(r'"output_ids": (\[[^\]]*\])', reply).group(1))
+    want_finish = json.loads(re.search(r'"finish_reason": (\{[^}]*\})', reply).group(1))
+    with start_server(REPO / model, tmp_path_factory, max_slots=2) as server:
+        got = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()
+    assert got["text"] == want_text and got["output_ids"] == want_ids, got
+    meta = got["meta_info"]
+    assert meta["finish_reason"] == want_finish, meta
+    for key in ("prompt_tokens", "completion_tokens", "weight_version"):
+        assert f'"{key}": {json.dumps(meta[key])}' in reply, (key, meta[key])
