@@ -32,7 +32,7 @@ SCRIPT = re.compile(r"(?:^|/)scripts/(\w+)\.py$")
 # A path the pages name: under one of the repository's own folders.
 REPO_PATH = re.compile(r"(?<![\w/.$-])((?:configs|tests|docs|scripts)/[\w.\-/]*\w)")
 # Placeholders for the user's own files.
-PLACEHOLDER = re.compile(r"(^|/)(my_|your_)|[A-Z]{3,}")
+PLACEHOLDER = re.compile(r"(^|/)(my_|your_|[A-Z]\b)|[A-Z]{3,}")  # my_run.yaml, X.py, RUN
 
 
 def _blocks(page: Path) -> list[str]:
