@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -463,3 +464,26 @@ def test_hlo_cost_charges_a_loop_step_its_slice_not_the_buffer():
     # XLA:CPU copies each block out (read + write) and the dot reads the copy: 3 passes
     # over the buffer, where charging each step the whole buffer would be 64.
     assert 3 * buffer_bytes <= cost["bytes_accessed"] < 4 * buffer_bytes, cost
+
+
+def test_attention_flops_count_the_sum_of_squared_segment_lengths():
+    """Packed attention FLOPs are (sum len^2 + sum len) / 2 visible pairs per query head,
+    whatever rows the segments share: the count equals the visible (query, key) pairs of
+    the packed causal segment mask, and one 448-token row of 16 28-token segments costs
+    1/16 of a 448-token trajectory (plus the diagonal's share)."""
+    from areal_jax.bench.plan import attention_flops
+    from model_defs import ModelConfig
+
+    cfg = ModelConfig.preset("tiny")
+    per_pair = 2 * 2 * cfg.head_dim * cfg.num_attention_heads  # forward: scores + values
+    lengths = [3, 5, 10, 1, 37]
+    seg = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+    t = np.arange(len(seg))
+    visible = (t[None, :] <= t[:, None]) & (seg[None, :] == seg[:, None])
+    assert attention_flops(cfg, lengths, training=False) == per_pair * visible.sum()
+    assert attention_flops(cfg, lengths) == 3.5 * per_pair * visible.sum()
+    short = attention_flops(cfg, [28] * 16)
+    long = attention_flops(cfg, [448])
+    assert short / long == (16 * 28 * 29) / (448 * 449)
+    with pytest.raises(ValueError, match="segment_lengths"):
+        attention_flops(cfg, [[3, 4]])

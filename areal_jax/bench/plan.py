@@ -474,6 +474,26 @@ def plan_run(cfg: Any, target: str, *, mesh_spec: str | None = None, preset: str
     return result
 
 
+def attention_flops(model_cfg: Any, segment_lengths: Any, *, training: bool = True) -> float:
+    """Self-attention FLOPs of packed rows holding segments of ``segment_lengths`` tokens,
+    counted analytically (a fused kernel is one custom call to XLA's cost analysis, so the
+    compiled program's count does not see inside it).
+
+    A segment of n tokens has n (n + 1) / 2 visible (query, key) pairs, whatever row it is
+    packed into, so the cost is (sum of len^2 + sum of len) / 2 pairs: the skipping paths
+    (model_defs.attention) pay this, not row_len^2 per row. Each pair costs 2 matmul FLOPs
+    per head dimension for the scores and 2 for the weighted values, per query head; the
+    backward pass of flash attention adds 5 such products (the scores again, dV, dP, dQ,
+    dK), so ``training`` counts 7 x 2 x head_dim per pair and head, forward only 2 x 2."""
+    lengths = np.asarray(segment_lengths, np.float64)
+    if lengths.ndim != 1 or (lengths < 0).any():
+        raise ValueError("segment_lengths must be a 1-D sequence of token counts >= 0")
+    pairs = float(np.sum(lengths * (lengths + 1) / 2))
+    head_dim = model_cfg.head_dim or model_cfg.hidden_size // model_cfg.num_attention_heads
+    products = 7 if training else 2
+    return products * 2.0 * head_dim * model_cfg.num_attention_heads * pairs
+
+
 def _check_kernel_libraries(cfg: Any, target: str, platform: str) -> None:
     """The kernels resolve for the target exactly as on the chip (never by what this host
     has installed), so a GPU plan whose attention is cuDNN needs cuDNN here to compile it."""
