@@ -166,6 +166,9 @@ def test_bf16_compute_keeps_fp32_master_weights_and_remat_is_exact():
     logp_bf16 = bf16.compute_logp(batches)
     logp_fp32 = plain.compute_logp(batches)
     assert logp_bf16[0].dtype == np.float32
+    # Not derived: tests/tolerance.py's bound at bf16 (lambda = 8 over this model's 496-term
+    # path, head terms sum |g||W| <= 0.73) is 2.0 nats, which no broken bf16 path would
+    # exceed; the difference measured on one machine is 1.6e-3. 0.1 is kept as it was.
     np.testing.assert_allclose(np.concatenate(logp_bf16), np.concatenate(logp_fp32), atol=0.1)
     before = [np.asarray(x) for x in jax.tree.leaves(bf16.params)]
     bf16.train_step(batches)
