@@ -186,6 +186,21 @@ def test_finish_reasons(engine):
     assert len(ctx.output_ids) == MAX_SEQ_LEN - 30
 
 
+def test_on_tokens_reports_each_device_call_until_the_finish(engine):
+    """The streaming routes wait on ``on_tokens`` instead of polling: it is called after
+    the prefill and after each decode call that gave the request tokens, never after the
+    finish, and each call sees more tokens than the last."""
+    seen = []
+    done = engine.submit([30, 31, 32], greedy(20), on_tokens=lambda r: seen.append(
+        len(r.output_ids)))
+    assert done.done.wait(120)
+    steps = engine.config.decode_steps
+    assert len(done.output_ids) == 20
+    assert seen[0] == 1 and seen == sorted(set(seen)) and seen[-1] < 20
+    assert all(b - a <= steps for a, b in zip(seen, seen[1:], strict=False))
+    assert len(seen) >= (20 - 1) // steps  # one per decode call that left it running
+
+
 def test_abort_pause_and_continue(engine):
     # A request can end by length (max_seq_len) before the abort lands: retry until the
     # abort catches it running.

@@ -14,7 +14,8 @@ N times the requests a server that only queues them should take about N times as
 The client is aiohttp (one session, no connection limit), as the rollout client is; with
 ``--client httpx`` one ``httpx.AsyncClient`` sends the burst instead, whose connection
 pool scans every connection for every request (quadratic in the burst: at 1,000 that
-client, not the server, takes most of the time). ``--peer-repo DIR`` serves the same
+client, not the server, takes most of the time). ``--stream`` sends streamed completions
+(server-sent events, read to the final ``[DONE]``). ``--peer-repo DIR`` serves the same
 model from another checkout (e.g. the commit before a change) side by side.
 """
 
@@ -44,6 +45,8 @@ def add_arguments(p) -> None:
     p.add_argument("--route", choices=["completions", "generate"], default="completions",
                    help="/v1/completions (OpenAI) or /generate (SGLang's)")
     p.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp")
+    p.add_argument("--stream", action="store_true",
+                   help="completions as server-sent events (read to the final [DONE])")
     p.add_argument("--peer-repo", default=None, help="another checkout to serve side by side")
     p.add_argument("--serve-args", default="", help="more scripts/serve.py flags, one string")
 
@@ -77,16 +80,18 @@ def _start(repo: Path, model: Path, port: int, extra: list[str], log: Path
     raise RuntimeError(f"the server did not become healthy in 600 s; log {log}")
 
 
-def _request(route: str, i: int, max_tokens: int) -> tuple[str, dict[str, Any]]:
+def _request(route: str, i: int, max_tokens: int, stream: bool = False
+             ) -> tuple[str, dict[str, Any]]:
     prompt = f"Q:{i % 50}+{i % 7}="
     if route == "completions":
         return "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": max_tokens,
-                                   "temperature": 0}
+                                   "temperature": 0, "stream": stream}
     return "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": max_tokens,
                                                              "temperature": 0}}
 
 
-async def _burst_aiohttp(url: str, n: int, route: str, max_tokens: int) -> list[float]:
+async def _burst_aiohttp(url: str, n: int, route: str, max_tokens: int, stream: bool
+                         ) -> list[float]:
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
@@ -95,17 +100,20 @@ async def _burst_aiohttp(url: str, n: int, route: str, max_tokens: int) -> list[
         t0 = time.perf_counter()
 
         async def one(i: int) -> float:
-            path, body = _request(route, i, max_tokens)
+            path, body = _request(route, i, max_tokens, stream)
             async with session.post(path, json=body) as r:
                 if r.status != 200:
                     raise RuntimeError(f"{path} answered {r.status}: {await r.text()}")
-                await r.json()
+                text = await r.text()
+                if stream and not text.rstrip().endswith("data: [DONE]"):
+                    raise RuntimeError(f"{path}: the stream ended without [DONE]: {text[-300:]}")
             return time.perf_counter() - t0
 
         return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-async def _burst_httpx(url: str, n: int, route: str, max_tokens: int) -> list[float]:
+async def _burst_httpx(url: str, n: int, route: str, max_tokens: int, stream: bool
+                       ) -> list[float]:
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -113,7 +121,7 @@ async def _burst_httpx(url: str, n: int, route: str, max_tokens: int) -> list[fl
         t0 = time.perf_counter()
 
         async def one(i: int) -> float:
-            path, body = _request(route, i, max_tokens)
+            path, body = _request(route, i, max_tokens, stream)
             r = await client.post(path, json=body)
             r.raise_for_status()
             return time.perf_counter() - t0
@@ -122,11 +130,11 @@ async def _burst_httpx(url: str, n: int, route: str, max_tokens: int) -> list[fl
 
 
 def burst(url: str, n: int, *, route: str = "completions", max_tokens: int = 8,
-          client: str = "aiohttp") -> dict[str, float]:
+          client: str = "aiohttp", stream: bool = False) -> dict[str, float]:
     """Sends ``n`` requests at once; the burst's wall time and completion quantiles."""
     fn = _burst_aiohttp if client == "aiohttp" else _burst_httpx
     t0 = time.perf_counter()
-    done = sorted(asyncio.run(fn(url, n, route, max_tokens)))
+    done = sorted(asyncio.run(fn(url, n, route, max_tokens, stream)))
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "first_s": done[0], "p50_s": done[len(done) // 2],
             "last_s": done[-1]}
@@ -136,6 +144,8 @@ def run(args) -> dict:
     from areal_jax.engine.launch import free_port
 
     sizes = sorted({int(s) for s in args.bursts.split(",") if s.strip()})
+    if args.stream and args.route != "completions":
+        raise SystemExit("--stream needs --route completions (/generate does not stream here)")
     if not sizes or sizes[0] < 1:
         raise SystemExit(f"--bursts needs positive sizes, got {args.bursts!r}")
     model = _model_dir(args.model_path)
@@ -151,13 +161,13 @@ def run(args) -> dict:
                                 logs / f"{name}.log"))
             urls[name] = f"http://127.0.0.1:{port}"
             burst(urls[name], WARMUP_BURST, route=args.route, max_tokens=args.max_tokens,
-                  client=args.client)
+                  client=args.client, stream=args.stream)
         results: dict[tuple[str, int], list[dict[str, float]]] = {}
         for rep in range(args.repeats):
             for n in sizes:
                 for name, url in urls.items():  # interleaved: this, peer, this, ...
                     m = burst(url, n, route=args.route, max_tokens=args.max_tokens,
-                              client=args.client)
+                              client=args.client, stream=args.stream)
                     results.setdefault((name, n), []).append(m)
                     print(f"{name} burst {n} #{rep}: " +
                           " ".join(f"{k}={v:.2f}" for k, v in m.items()), flush=True)
@@ -177,7 +187,8 @@ def run(args) -> dict:
             summary[f"{name}_wall_s_{n}"] = wall
             if n != sizes[0]:
                 summary[f"{name}_ratio_{n}_vs_{sizes[0]}"] = wall / base
-    return {"title": f"serve-load: bursts of {args.route} on scripts/serve.py "
+    kind = f"streamed {args.route}" if args.stream else args.route
+    return {"title": f"serve-load: bursts of {kind} on scripts/serve.py "
                      f"({args.client} client, {model.name})",
             "columns": columns, "rows": rows, "summary": summary,
             "bursts": {f"{name}/{n}": v for (name, n), v in results.items()}}

@@ -33,7 +33,7 @@ import time
 import traceback
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -169,8 +169,10 @@ class GenerationEngine:
         rid: str | None = None,
         on_finish: Callable[[EngineRequest], None] | None = None,
         lora_name: str | None = None,
+        on_tokens: Callable[[EngineRequest], None] | None = None,
     ) -> EngineRequest:
         """Queues a request; it runs as soon as a slot is free (and the engine not paused).
+        ``on_tokens`` is called (engine thread) after each device call that gave it tokens.
 
         ``lora_name`` (SGLang's ``lora_path``) must name the loaded LoRA adapter; without it
         the request runs on the served weights too (the adapter if one is loaded)."""
@@ -193,7 +195,7 @@ class GenerationEngine:
         rid = rid if rid is not None else uuid.uuid4().hex
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
         req = EngineRequest(rid=rid, input_ids=ids, params=params, on_finish=on_finish,
-                            seed=seed % 2**32)
+                            on_tokens=on_tokens, seed=seed % 2**32)
         with self._lock:
             if self._dead:
                 raise EngineStoppedError(
@@ -540,6 +542,7 @@ class GenerationEngine:
                     self._slots[slot] = req
                     req.first_token_time = now
                     self._append_token(slot, int(token), float(logprob))
+                self._notify_tokens(req for _, req in chunk)
 
     def _adapter_still_served(self, req: EngineRequest) -> bool:
         """False (and the request failed with a 400 naming the adapter) if it named a LoRA
@@ -585,6 +588,18 @@ class GenerationEngine:
                 if owner is not None and self._slots[slot] is owner:
                     self._append_token(slot, int(token_kb[step, slot]),
                                        float(logprob_kb[step, slot]))
+        self._notify_tokens(owner for owner in owners if owner is not None)
+
+    @staticmethod
+    def _notify_tokens(reqs: Iterable[EngineRequest]) -> None:
+        """``on_tokens`` of each request that got tokens and goes on (a finished one is told
+        by ``on_finish``)."""
+        for req in reqs:
+            if req.on_tokens is not None and not req.finished:
+                try:
+                    req.on_tokens(req)
+                except Exception:  # noqa: BLE001 - a caller's callback must not kill the loop
+                    logger.exception("on_tokens callback of request %s failed", req.rid)
 
     def _append_token(self, slot: int, token: int, logprob: float) -> None:
         req = self._slots[slot]

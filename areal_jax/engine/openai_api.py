@@ -77,7 +77,6 @@ CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "t
 logger = logging.getLogger(__name__)
 NO_TOKENIZER = ("this model has no tokenizer, so chat requests cannot be rendered; use "
                 "/v1/completions with token ids")
-POLL_S = 0.02  # how often a streaming request looks for new tokens
 # A receive that returns something other than a disconnect (a server that does not block
 # once the body is read) is retried this often, so the watch never spins.
 DISCONNECT_RETRY_S = 0.5
@@ -665,21 +664,31 @@ def engine_backend(engine: Any) -> Backend:
             # Each resumed piece samples with the next seed, wrapping within the seed range.
             seed = None if params.seed is None else (params.seed + len(versions)) % (SEED_MAX + 1)
             sub = SamplingParams(**{**params.__dict__, "max_new_tokens": remaining, "seed": seed})
+            progressed = asyncio.Event()  # streaming: set when the engine appended tokens
+
+            def on_progress(req: EngineRequest, event: asyncio.Event = progressed) -> None:
+                loop.call_soon_threadsafe(event.set)
+
             try:
-                req = engine.submit(input_ids + out_ids, sub, on_finish=on_finish)
+                req = engine.submit(input_ids + out_ids, sub, on_finish=on_finish,
+                                    on_tokens=on_progress if on_tokens else None)
             except ValueError as e:  # EngineRequestError: a bad prompt
                 raise OpenAIError(str(e), "prompt") from None
             except RuntimeError as e:  # the engine stopped
                 raise OpenAIError(str(e), status=503, kind="server_error") from None
             sent = 0
             try:
-                while not finished.done():
-                    await asyncio.wait({finished}, timeout=POLL_S if on_tokens else None)
-                    if on_tokens is not None:
-                        n = len(req.output_ids)
-                        if n > sent:
-                            on_tokens(req.output_ids[sent:n], req.output_logprobs[sent:n])
-                            sent = n
+                if on_tokens is None:
+                    await asyncio.wait({finished})
+                while not finished.done():  # streaming: woken by the engine, never polling
+                    waiter = asyncio.ensure_future(progressed.wait())
+                    await asyncio.wait({finished, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                    progressed.clear()
+                    n = len(req.output_ids)
+                    if n > sent:
+                        on_tokens(req.output_ids[sent:n], req.output_logprobs[sent:n])
+                        sent = n
             except asyncio.CancelledError:
                 await asyncio.to_thread(engine.abort, req.rid)
                 raise

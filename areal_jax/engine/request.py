@@ -19,6 +19,9 @@ class EngineRequest:
     input_ids: list[int]
     params: SamplingParams
     on_finish: Callable[[EngineRequest], None] | None = None
+    # Called by the engine thread after a device call appended tokens to a request that goes
+    # on (once per call, not per token): streaming readers wait for it instead of polling.
+    on_tokens: Callable[[EngineRequest], None] | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: JsonDict | None = None
