@@ -256,6 +256,11 @@ class TrainLoopConfig:
     total_versions: int = 100  # learner versions (= optimizer batches) to train
     seq_len: int = 256  # tokens per packed row
     rows_per_micro_batch: int = 8  # rows per micro-batch (a multiple of data * fsdp)
+    # Shorter row lengths a packed row may take (seq_len is always one): each row is as long
+    # as the smallest that holds it, micro-batches of L-token rows hold about
+    # rows_per_micro_batch * seq_len / L rows; one compiled program per length
+    # (learner/packing.py). None: every row is seq_len long.
+    row_lengths: list[int] | None = None
     logp_chunk_size: int = 4096  # vocabulary chunk for logprobs
     # Process 0 writes each version's packed global batch to RUN_DIR/batches/v{N}.npz (the
     # batch that trained version N; read back with data.trajectories.load_batch).
@@ -265,6 +270,12 @@ class TrainLoopConfig:
         check_positive("train", batch_size=self.batch_size, total_versions=self.total_versions,
                   seq_len=self.seq_len, rows_per_micro_batch=self.rows_per_micro_batch,
                   logp_chunk_size=self.logp_chunk_size)
+        if self.row_lengths is not None:
+            bad = [n for n in self.row_lengths
+                   if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= self.seq_len]
+            if bad or not self.row_lengths:
+                raise ValueError(f"train.row_lengths must be a list of ints in [1, train.seq_len="
+                                 f"{self.seq_len}], got {self.row_lengths}")
 
 
 @dataclass(frozen=True)

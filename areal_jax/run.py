@@ -47,6 +47,7 @@ from areal_jax.interrupt import Interrupted, raise_if_interrupted
 from areal_jax.learner import Learner
 from areal_jax.learner.config import AlgoConfig, OptimConfig
 from areal_jax.learner.critic import Critic
+from areal_jax.learner.packing import micro_batch_shapes
 from areal_jax.metrics import MetricsWriter, read_rows, run_summary
 from areal_jax.parallel import (
     detected_cluster,
@@ -309,10 +310,12 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     # The learner compiles its train step while the servers compile their shapes.
     startup["learner_loaded_s"] = time.time() - t_process
     if not multi:  # (process-local micro-batches have another shape per process)
-        rows, seq_len = cfg.train.rows_per_micro_batch, cfg.train.seq_len
-        learner.precompile(rows, seq_len)
-        if learner_side["ref_learner"] is not None:
-            learner_side["ref_learner"].precompile(rows, seq_len)
+        t = cfg.train
+        for rows, seq_len in micro_batch_shapes(t.seq_len, t.rows_per_micro_batch,
+                                                n_batch_shards(mesh), t.row_lengths):
+            learner.precompile(rows, seq_len)
+            if learner_side["ref_learner"] is not None:
+                learner_side["ref_learner"].precompile(rows, seq_len)
     startup["learner_compiled_s"] = time.time() - t_process
     raise_if_interrupted()  # a safe point for SIGINT/SIGTERM
 
@@ -356,6 +359,7 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     stream = TrajectoryBatchDataset(
         executor, seq_len=cfg.train.seq_len, rows_per_micro_batch=cfg.train.rows_per_micro_batch,
         batch_size=cfg.train.batch_size, n_shards=n_batch_shards(mesh),
+        row_lengths=cfg.train.row_lengths,
         n_minibatches=cfg.algo.ppo_n_minibatches,
         advantages_fn=(None if learner_side["critic"] is not None  # PPO: GAE after packing
                        else lambda groups: group_advantages_for(cfg, groups)))

@@ -16,7 +16,7 @@ from _learner_data import (
     train_version,
 )
 from hf_fixtures import logit_tolerance, make_hf_model, make_tiny_hf_checkpoint
-from tolerance import logprob_tolerance
+from tolerance import decoder_path_length, logprob_tolerance, network_tolerance
 
 from areal_jax.learner import (
     AlgoConfig,
@@ -109,6 +109,43 @@ def test_packed_and_padded_batches_give_same_loss_and_grads(agg_mode):
     np.testing.assert_allclose(loss_packed, loss_padded, rtol=1e-5)
     for g1, g2 in zip(jax.tree.leaves(grads_packed), jax.tree.leaves(grads_padded), strict=True):
         np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-4, atol=1e-7)
+
+
+def test_row_lengths_train_alike_and_compile_once_per_length():
+    """Rows packed into 16/32/64-token lengths give the loss and gradients of plain 64-token
+    rows, and several batches compile the gradient program once per row length only."""
+    from areal_jax.learner.packing import micro_batch_shapes
+
+    learner = make_learner(one_device(), algo=AlgoConfig(ppo_n_minibatches=1, c_clip=3.0))
+    trajs = random_trajectories(12, 24, 40)
+    advs = random_advantages(12, trajs)
+    lengths = [16, 32]
+    bucketed = pack_trajectories(trajs, advs, seq_len=64, rows_per_micro_batch=2,
+                                 row_lengths=lengths)
+    plain = pack_trajectories(trajs, advs, seq_len=64, rows_per_micro_batch=2)
+    assert len({b.shape for b in bucketed}) > 1
+    loss_b, grads_b = learner.compute_gradients(bucketed)
+    loss_p, grads_p = learner.compute_gradients(plain)
+    # Forward and backward through the model, then a sum over every token of the batch.
+    path = 2 * decoder_path_length(TINY.hidden_size, TINY.intermediate_size,
+                                   TINY.hidden_size // TINY.num_attention_heads,
+                                   TINY.num_hidden_layers, 64) + sum(t.num_tokens for t in trajs)
+    assert abs(loss_b - loss_p) <= network_tolerance(abs(loss_p), path)
+    for g1, g2 in zip(jax.tree.leaves(grads_b), jax.tree.leaves(grads_p), strict=True):
+        g2 = np.asarray(g2)
+        assert np.max(np.abs(np.asarray(g1) - g2)) <= network_tolerance(np.abs(g2).max(), path)
+
+    shapes = set(micro_batch_shapes(64, 2, 1, lengths))
+    seen = set()
+    for seed in range(4):
+        batch_trajs = random_trajectories(100 + seed, 16, 60)
+        batches = pack_trajectories(batch_trajs, random_advantages(seed, batch_trajs),
+                                    seq_len=64, rows_per_micro_batch=2, row_lengths=lengths)
+        seen |= {b.shape for b in batches}
+        learner.train_step(batches)
+    assert seen <= shapes
+    # One executable per micro-batch shape (compute_gradients above ran the same program).
+    assert learner._grads[True]._jitted._cache_size() == len(seen | {b.shape for b in bucketed})
 
 
 def test_ppo_moves_logp_of_advantaged_tokens_the_right_way():

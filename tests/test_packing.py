@@ -131,3 +131,66 @@ def test_packing_errors_name_the_problem():
         pack_trajectories([bad], None, seq_len=64, rows_per_micro_batch=1)
     with pytest.raises(ValueError, match="cannot split 1 trajectories into n_minibatches=2"):
         pack_trajectories([long], None, seq_len=64, rows_per_micro_batch=1, n_minibatches=2)
+
+
+def _long_tail_batch(seed: int, n: int = 64) -> list[Trajectory]:
+    """Mostly short trajectories and a few long ones (8 to ~200 tokens)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(8 + rng.pareto(1.3, n) * 12, 200).astype(int)
+    return [make_traj(rng, max(1, n_tok // 4), n_tok - max(1, n_tok // 4)) for n_tok in lengths]
+
+
+@pytest.mark.parametrize("n_shards", [1, 2])
+def test_row_lengths_put_each_row_in_the_smallest_length_that_holds_it(n_shards):
+    trajs = _long_tail_batch(3)
+    advs = [float(i) for i in range(len(trajs))]
+    lengths = (32, 64, 128)
+    batches = pack_trajectories(trajs, advs, seq_len=256, rows_per_micro_batch=2 * n_shards,
+                                n_shards=n_shards, row_lengths=lengths)
+    allowed = (32, 64, 128, 256)
+    shapes = {b.shape for b in batches}
+    assert {length for _, length in shapes} > {256}  # short rows were made
+    for rows, length in shapes:
+        assert length in allowed
+        assert rows == max(n_shards, 2 * n_shards * 256 // length // n_shards * n_shards)
+    for b in batches:
+        used = (b.segment_ids > 0).sum(axis=1)
+        smaller = max([n for n in allowed if n < b.shape[1]], default=0)
+        assert (used[used > 0] > smaller).all()  # no row fits a shorter length
+    # Every trajectory once, intact; one loss-token total over the minibatch.
+    back = unpack_per_token(batches, [b.input_ids for b in batches], len(trajs))
+    for t, ids in zip(trajs, back, strict=True):
+        np.testing.assert_array_equal(ids, t.input_ids)
+    assert {b.minibatch_loss_tokens for b in batches} == {sum(int(t.loss_mask.sum())
+                                                             for t in trajs)}
+    plain = pack_trajectories(trajs, advs, seq_len=256, rows_per_micro_batch=2 * n_shards,
+                              n_shards=n_shards)
+    # What a kernel that computes whole rows pays, empty rows included: rows x length^2.
+    def row_pairs(bs):
+        return sum(b.shape[0] * b.shape[1] ** 2 for b in bs)
+
+    assert row_pairs(batches) < row_pairs(plain)
+
+
+def test_row_lengths_bad_values_are_errors():
+    trajs = _long_tail_batch(4, n=4)
+    with pytest.raises(ValueError, match=r"row_lengths \[64, 512\]: each must be in \[1, "
+                                         r"seq_len=256\]; got 512"):
+        pack_trajectories(trajs, seq_len=256, rows_per_micro_batch=2, row_lengths=[64, 512])
+    with pytest.raises(ValueError, match="got 0"):
+        pack_trajectories(trajs, seq_len=256, rows_per_micro_batch=2, row_lengths=[0])
+
+
+def test_train_row_lengths_key_is_validated_and_parsed():
+    from areal_jax.config import TrainConfig
+    from areal_jax.config_io import from_dict
+
+    def config(train):
+        return from_dict(TrainConfig, {"model": {"path": "builtin:longtail_sft"},
+                                       "train": train})
+
+    cfg = config({"seq_len": 448, "row_lengths": [64, 128, 256]})
+    assert cfg.train.row_lengths == [64, 128, 256]
+    with pytest.raises(ValueError, match=r"train.row_lengths must be a list of ints in "
+                                         r"\[1, train.seq_len=448\], got \[64, 512\]"):
+        config({"seq_len": 448, "row_lengths": [64, 512]})

@@ -107,7 +107,7 @@ class TrajectoryBatchDataset(grain.IterDataset):
         executor: the (started or not) executor; ``prepare_batch`` starts it.
         batch_size: groups per step (default: the executor's B).
         seq_len, rows_per_micro_batch, n_shards, n_minibatches, max_segments_per_row,
-        min_micro_batches: passed to ``pack_trajectories``.
+        min_micro_batches, row_lengths: passed to ``pack_trajectories``.
         advantages_fn: groups -> one advantage (scalar or [T] array) per trajectory, in
             flattened order; None packs zeros (the learner fills them in later).
         timeout: seconds ``prepare_batch`` may wait (None: forever).
@@ -116,6 +116,7 @@ class TrajectoryBatchDataset(grain.IterDataset):
     def __init__(self, executor: RolloutExecutor, *, seq_len: int, rows_per_micro_batch: int,
                  batch_size: int | None = None, n_shards: int = 1, n_minibatches: int = 1,
                  max_segments_per_row: int | None = None, min_micro_batches: int = 1,
+                 row_lengths: Sequence[int] | None = None,
                  advantages_fn: AdvantagesFn | None = None, timeout: float | None = None) -> None:
         super().__init__()
         self.executor = executor
@@ -125,7 +126,7 @@ class TrajectoryBatchDataset(grain.IterDataset):
         self.pack_kwargs = dict(seq_len=seq_len, rows_per_micro_batch=rows_per_micro_batch,
                                 n_shards=n_shards, n_minibatches=n_minibatches,
                                 max_segments_per_row=max_segments_per_row,
-                                min_micro_batches=min_micro_batches)
+                                min_micro_batches=min_micro_batches, row_lengths=row_lengths)
 
     def __iter__(self) -> TrajectoryBatchIterator:
         return TrajectoryBatchIterator(self)

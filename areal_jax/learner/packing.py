@@ -7,6 +7,15 @@ same number of tokens. Shard ``s`` of a micro-batch is the contiguous block of r
 ``[s * R / n_shards, (s + 1) * R / n_shards)``, which is how a batch dimension sharded over
 the ("data", "fsdp") mesh axes is laid out.
 
+**Row lengths** (``row_lengths``, e.g. 64, 128, 256 and ``seq_len``): each row is as long as
+the smallest of these lengths that holds it, so short trajectories are not padded into long
+rows, and micro-batches hold rows of one length each. First-fit-decreasing then opens a new
+row at the smallest length that holds its first (longest) trajectory, and shorter ones fill
+the room left in open rows first. A micro-batch of length L holds
+``rows_per_micro_batch * seq_len // L`` rows (rounded down to a multiple of ``n_shards``), so
+every micro-batch carries about as many token slots as before and the learner makes about
+as many calls. The shapes stay static: at most one per length, each compiled once.
+
 Alignment inside a packed row: ``positions`` restart at 0 for every segment, ``segment_ids``
 number the segments of a row 1..k (0 = padding), and every per-token array keeps the
 trajectory's own alignment (``behav_logp[t]`` is the logprob of ``input_ids[t]``). The learner
@@ -148,9 +157,14 @@ def _check_trajectories(trajs: Sequence[Trajectory], seq_len: int) -> np.ndarray
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int,
-                         max_items_per_bin: int | None = None) -> list[list[int]]:
-    """Bins (lists of item indices) of total length <= capacity, by first-fit-decreasing."""
+                         max_items_per_bin: int | None = None,
+                         capacities: Sequence[int] | None = None) -> list[list[int]]:
+    """Bins (lists of item indices) of total length <= capacity, by first-fit-decreasing.
+
+    With ``capacities`` (ascending, the last one ``capacity``), a new bin gets the smallest
+    capacity that holds the item opening it."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    sizes = [capacity] if capacities is None else list(capacities)
     bins: list[list[int]] = []
     free: list[int] = []
     for i in order:
@@ -162,8 +176,42 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int,
                 break
         else:
             bins.append([i])
-            free.append(capacity - lengths[i])
+            free.append(next(c for c in sizes if c >= lengths[i]) - lengths[i])
     return bins
+
+
+def row_length_for(tokens: int, row_lengths: Sequence[int]) -> int:
+    """The smallest of ``row_lengths`` (ascending) that holds ``tokens``."""
+    return next(n for n in row_lengths if n >= tokens)
+
+
+def rows_for_length(length: int, *, seq_len: int, rows_per_micro_batch: int,
+                    n_shards: int) -> int:
+    """Rows of a micro-batch of ``length``-token rows: about the token slots of
+    ``rows_per_micro_batch`` rows of ``seq_len``, a multiple of ``n_shards``."""
+    rows = rows_per_micro_batch * seq_len // length
+    return max(n_shards, rows // n_shards * n_shards)
+
+
+def micro_batch_shapes(seq_len: int, rows_per_micro_batch: int, n_shards: int = 1,
+                       row_lengths: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """Every [rows, length] shape :func:`pack_trajectories` may make with these arguments
+    (the learner compiles one program set per shape), longest rows first."""
+    return [(rows_for_length(n, seq_len=seq_len, rows_per_micro_batch=rows_per_micro_batch,
+                             n_shards=n_shards), n)
+            for n in reversed(check_row_lengths(row_lengths, seq_len))]
+
+
+def check_row_lengths(row_lengths: Sequence[int] | None, seq_len: int) -> tuple[int, ...]:
+    """The allowed row lengths, ascending, ending with ``seq_len``; an error names a bad one."""
+    if row_lengths is None:
+        return (seq_len,)
+    lengths = sorted({int(n) for n in row_lengths} | {seq_len})
+    bad = [n for n in lengths if n <= 0 or n > seq_len]
+    if bad:
+        raise ValueError(f"row_lengths {list(row_lengths)}: each must be in [1, seq_len={seq_len}]"
+                         f"; got {bad[0]}")
+    return tuple(lengths)
 
 
 def balanced_partition(weights: Sequence[int], n_groups: int, group_capacity: int | None = None
@@ -186,16 +234,45 @@ def balanced_partition(weights: Sequence[int], n_groups: int, group_capacity: in
 
 def _pack_group(trajs: Sequence[Trajectory], advs: list[np.ndarray], indices: list[int],
                 lengths: np.ndarray, *, seq_len: int, rows_per_micro_batch: int, n_shards: int,
-                max_segments_per_row: int | None, min_micro_batches: int, minibatch_id: int
-                ) -> list[PackedBatch]:
-    rows = [[indices[j] for j in b] for b in
-            first_fit_decreasing([int(lengths[i]) for i in indices], seq_len, max_segments_per_row)]
+                max_segments_per_row: int | None, min_micro_batches: int, minibatch_id: int,
+                row_lengths: tuple[int, ...]) -> list[PackedBatch]:
+    all_rows = [[indices[j] for j in b] for b in
+                first_fit_decreasing([int(lengths[i]) for i in indices], seq_len,
+                                     max_segments_per_row, capacities=row_lengths)]
+    by_length: dict[int, list[list[int]]] = {}
+    for r in all_rows:
+        length = row_length_for(int(sum(lengths[i] for i in r)), row_lengths)
+        by_length.setdefault(length, []).append(r)
+    # min_micro_batches pads with micro-batches of the longest shape (seq_len rows).
+    shorter = sum(math.ceil(len(by_length[n]) / rows_for_length(
+        n, seq_len=seq_len, rows_per_micro_batch=rows_per_micro_batch, n_shards=n_shards))
+        for n in by_length if n != seq_len)
+    by_length.setdefault(seq_len, [])
+    batches: list[PackedBatch] = []
+    for length in sorted(by_length, reverse=True):
+        rows = rows_for_length(length, seq_len=seq_len, rows_per_micro_batch=rows_per_micro_batch,
+                               n_shards=n_shards)
+        at_least = max(min_micro_batches - shorter, 0) if length == seq_len else 0
+        batches += _micro_batches(trajs, advs, by_length[length], lengths, length=length,
+                                  rows_per_micro_batch=rows, n_shards=n_shards,
+                                  min_micro_batches=at_least, minibatch_id=minibatch_id)
+    total = sum(b.n_loss_tokens for b in batches)
+    for b in batches:
+        b.minibatch_loss_tokens = total
+    return batches
+
+
+def _micro_batches(trajs: Sequence[Trajectory], advs: list[np.ndarray], rows: list[list[int]],
+                   lengths: np.ndarray, *, length: int, rows_per_micro_batch: int, n_shards: int,
+                   min_micro_batches: int, minibatch_id: int) -> list[PackedBatch]:
+    """``rows`` (trajectory indices each) as micro-batches of [rows_per_micro_batch, length],
+    token-balanced over micro-batches and data shards."""
     rows_per_shard = rows_per_micro_batch // n_shards
     n_micro = max(math.ceil(len(rows) / rows_per_micro_batch), min_micro_batches)
     row_tokens = [int(sum(lengths[i] for i in r)) for r in rows]
     slots = balanced_partition(row_tokens, n_micro * n_shards, group_capacity=rows_per_shard)
 
-    shape = (rows_per_micro_batch, seq_len)
+    shape = (rows_per_micro_batch, length)
     batches = []
     for m in range(n_micro):
         arrays = {k: np.zeros(shape, dtype) for k, dtype in PACKED_FIELDS.items()}
@@ -220,9 +297,6 @@ def _pack_group(trajs: Sequence[Trajectory], advs: list[np.ndarray], indices: li
                     start += n
         batches.append(PackedBatch(**arrays, placements=placements, minibatch_id=minibatch_id,
                                    n_shards=n_shards))
-    total = sum(b.n_loss_tokens for b in batches)
-    for b in batches:
-        b.minibatch_loss_tokens = total
     return batches
 
 
@@ -236,8 +310,10 @@ def pack_trajectories(
     n_minibatches: int = 1,
     max_segments_per_row: int | None = None,
     min_micro_batches: int = 1,
+    row_lengths: Sequence[int] | None = None,
 ) -> list[PackedBatch]:
-    """Pack trajectories into micro-batches of shape [rows_per_micro_batch, seq_len].
+    """Pack trajectories into micro-batches of shape [rows_per_micro_batch, seq_len] (with
+    ``row_lengths``, of [rows_for_length(L), L] for each row length L used).
 
     Args:
       trajs: the batch. A trajectory longer than ``seq_len`` is an error.
@@ -251,6 +327,8 @@ def pack_trajectories(
         micro-batches of minibatch k carry ``minibatch_id == k``.
       max_segments_per_row: cap on sequences per row (1 = plain padding, no packing).
       min_micro_batches: pad each minibatch with empty micro-batches up to this count.
+      row_lengths: allowed row lengths (``seq_len`` is always one): each row takes the
+        smallest that holds it (see the module doc). None: every row is ``seq_len`` long.
 
     Returns:
       The micro-batches, minibatch by minibatch. ``placements`` map rows back to trajectories
@@ -272,6 +350,7 @@ def pack_trajectories(
                          f"n_minibatches={n_minibatches}")
     if advantages is not None and len(advantages) != len(trajs):
         raise ValueError(f"got {len(advantages)} advantages for {len(trajs)} trajectories")
+    allowed = check_row_lengths(row_lengths, seq_len)
     lengths = _check_trajectories(trajs, seq_len)
     advs = [_per_token_advantages(t, None if advantages is None else advantages[i], i)
             for i, t in enumerate(trajs)]
@@ -282,7 +361,8 @@ def pack_trajectories(
         batches += _pack_group(trajs, advs, sorted(group), lengths, seq_len=seq_len,
                                rows_per_micro_batch=rows_per_micro_batch, n_shards=n_shards,
                                max_segments_per_row=max_segments_per_row,
-                               min_micro_batches=min_micro_batches, minibatch_id=mb_id)
+                               min_micro_batches=min_micro_batches, minibatch_id=mb_id,
+                               row_lengths=allowed)
     return batches
 
 
