@@ -27,6 +27,9 @@ Each run reports, measured from process start:
   the last step minus the evals), start-up included, as ``bench.py trl``; and in steady
   state (after ``--warmup-versions``), as ``bench.py async-vs-sync``;
 - **time to accuracy**: wall time until an eval first reaches ``--target``;
+- **learner s/version** and **wait s/version**: medians after ``--warmup-versions`` of the
+  learner's step and of its wait for a batch (in sync mode, the generation itself); the
+  1-minute load average before and after each run is in ``load``;
 - **time shares** of that training time: areal-jax from its metrics rows (the learner's
   wait for a batch, ``rollout_wait_s``, which is generation in sync mode; training,
   ``train/step_time_s``; publishing, ``publish_s``; the rest of each version; start-up);
@@ -41,6 +44,7 @@ histogram, and the accuracy-vs-wall-time plot to ``STEM.png``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -124,6 +128,7 @@ def run_areal_system(config: str, overrides: list[str], work: Path, versions: in
                      eval_every: int, warmup: int) -> dict:
     args = [f"train.total_versions={versions}", f"eval.every_versions={eval_every}",
             "progress_bar=false", "checkpoint.every_versions=0", *overrides]
+    load_before = os.getloadavg()[0]
     done = run_train(config, args, work / "run", log_path=work / "train.log",
                      JAX_PLATFORMS="cpu")
     rows, t_launch = done.rows, done.t_launch
@@ -139,7 +144,19 @@ def run_areal_system(config: str, overrides: list[str], work: Path, versions: in
             "steady_tokens_per_s": steady["tokens_per_s"],
             "completion_tokens_mean": float(np.mean([r["completion_tokens_mean"]
                                                      for r in trained])),
-            "time_shares": areal_time_shares(rows, train_end - eval_s)}
+            "time_shares": areal_time_shares(rows, train_end - eval_s),
+            **per_version_seconds(rows, warmup),
+            "load_1min": [load_before, os.getloadavg()[0]]}
+
+
+def per_version_seconds(rows: list[dict], warmup: int) -> dict[str, float]:
+    """Medians over the versions after ``warmup``: the learner's step (``train/step_time_s``)
+    and the wait for a batch (``rollout_wait_s``: generation itself in sync mode)."""
+    steady = [r for r in rows if "step_time_s" in r and r["version"] > warmup]
+    return {"learner_s_per_version": _median([r.get("train/step_time_s", float("nan"))
+                                              for r in steady] or [float("nan")]),
+            "wait_s_per_version": _median([r["rollout_wait_s"] for r in steady]
+                                          or [float("nan")])}
 
 
 def _median_run(ms: list[dict]) -> dict:
@@ -160,6 +177,11 @@ def _median_time_to(ms: list[dict], target: float, after_start: bool = False) ->
     return float(np.median(times)) if times else float("nan")
 
 
+def _load_range(ms: list[dict]) -> str:
+    loads = [v for x in ms for v in x.get("load_1min", [])]
+    return f"{min(loads):.1f}-{max(loads):.1f}" if loads else "?"
+
+
 def shares_text(shares: dict[str, float], total: float) -> str:
     return ", ".join(f"{k} {v / max(total, 1e-9):.0%}" for k, v in shares.items() if v > 0)
 
@@ -167,7 +189,8 @@ def shares_text(shares: dict[str, float], total: float) -> str:
 def summarise_runs(runs: dict[str, list[dict]], target: float) -> tuple[list, list, dict]:
     """The table (one row per system: its median run) and the ratios."""
     columns = ["system", "tokens/s", "range", "steady tokens/s", f"time to {target} s",
-               "after start-up s", "reached", "final acc (step)", "time shares (of training time)"]
+               "after start-up s", "reached", "final acc (step)", "learner s/version",
+               "wait s/version", "load", "time shares (of training time)"]
     rows, med = [], {}
     for name, ms in runs.items():
         m = _median_run(ms)
@@ -182,6 +205,9 @@ def summarise_runs(runs: dict[str, list[dict]], target: float) -> tuple[list, li
                      med[name]["steady"], med[name]["time_to"], med[name]["time_after"],
                      f"{reached}/{len(ms)}",
                      f"{m['evals'][-1]['accuracy']:.3f} ({m['evals'][-1]['step']})",
+                     _median([x.get("learner_s_per_version", float("nan")) for x in ms]),
+                     _median([x.get("wait_s_per_version", float("nan")) for x in ms]),
+                     _load_range(ms),
                      shares_text(m.get("time_shares", {}), m["train_end_s"] - m["eval_s"])])
     summary: dict[str, float | str] = {}
     a = med["async"]

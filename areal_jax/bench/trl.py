@@ -14,6 +14,9 @@ steps. Each run is its own process, started from this script; runs are interleav
   to the end of the last step minus the time spent in evals (compilation and model
   loading included);
 - **time to accuracy**: wall time until an eval first reaches ``--target`` (0.8);
+- **eval time**: seconds each run spent in its evals (areal-jax: each metrics row's
+  ``eval_s``, the trainer's whole ``evaluate`` call; TRL: the callback's batched
+  ``generate`` and scoring), and per eval;
 - the accuracy curve against wall time, drawn into ``<docs>.png``; the table goes to
   ``<docs>.md`` with the command that made it.
 
@@ -270,19 +273,26 @@ def run(args) -> dict:
                              for e in m["evals"]),
                   flush=True)
     columns = ["system", "training tokens/s (best)", f"time to acc {args.target} s (best)",
-               "whole command s (best)", "final accuracy (last run)", "runs"]
+               "whole command s (best)", "eval s per run (each run)", "s per eval (best)",
+               "final accuracy (last run)", "runs"]
     rows, summary = [], {}
     for name, ms in runs.items():
         tps = max(m["tokens_per_s"] for m in ms)
         tta = [t for t in (time_to(m["evals"], args.target) for m in ms) if t is not None]
         best_tta = min(tta) if tta else float("nan")
+        per_eval = min(m["eval_s"] / len(m["evals"]) for m in ms)
         rows.append([name, tps, best_tta, min(m["total_s"] for m in ms),
+                     " ".join(f"{m['eval_s']:.2f}" for m in ms), per_eval,
                      ms[-1]["evals"][-1]["accuracy"], len(ms)])
         summary[f"{name} tokens/s"] = tps
         summary[f"{name} time to {args.target} s"] = best_tta
+        summary[f"{name} eval s per run"] = [round(m["eval_s"], 3) for m in ms]
+        summary[f"{name} s per eval"] = per_eval
     trl = runs["TRL GRPOTrainer"]
     summary["tokens/s ratio areal-jax / TRL"] = (summary["areal-jax tokens/s"]
                                                  / summary["TRL GRPOTrainer tokens/s"])
+    summary["s per eval ratio areal-jax / TRL"] = (summary["areal-jax s per eval"]
+                                                  / summary["TRL GRPOTrainer s per eval"])
     summary[f"time-to-{args.target} ratio areal-jax / TRL"] = (
         summary[f"areal-jax time to {args.target} s"]
         / summary[f"TRL GRPOTrainer time to {args.target} s"])
