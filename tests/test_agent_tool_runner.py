@@ -239,3 +239,43 @@ def test_eval_with_the_runs_own_workflow_and_single_turn_side_by_side(server, to
     # to report fell as the policy learned to use the tool.
     assert single["accuracy"] < agent["accuracy"]
     assert failed["failed_groups"] == 1 and failed["accuracy"] == 0.0
+
+
+def test_a_plain_agent_runs_its_tools_with_run_sync_and_is_counted(server, tok):
+    """A plain (non-async) agent runs in a thread; its runner's counts still reach the
+    episode (the workflow's counting context is copied into that thread)."""
+    import openai
+
+    from areal_jax.rollout.agent_examples import CALCULATOR_TOOL
+
+    runner = ToolRunner({"calculator": raising})
+
+    def plain_agent(base_url, item):
+        with openai.OpenAI(base_url=base_url, api_key="x", max_retries=0) as client:
+            messages = [{"role": "user", "content": item["prompt"]}]
+            reply = client.chat.completions.create(model="policy", messages=messages,
+                                                   tools=[CALCULATOR_TOOL], max_tokens=24)
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            messages += runner.run_sync(message.tool_calls)
+            client.chat.completions.create(model="policy", messages=messages,
+                                           tools=[CALCULATOR_TOOL], max_tokens=24)
+        return 0.5
+
+    counts = Counter()
+    workflow = AgenticWorkflow(plain_agent, n_samples=1, gconfig=GREEDY, tokenizer=tok,
+                               max_turns=3, max_total_tokens=128)
+
+    async def go():
+        async with RolloutClient([server.url]) as client:
+            ctx = WorkflowContext(start_version=0, seed=1, group_id="g2", tokenizer=tok,
+                                  _count=lambda name, n: counts.update({name: n}))
+            return await workflow.arun(client, ITEM, ctx)
+
+    try:
+        (traj,) = asyncio.run(go())
+    finally:
+        workflow.close()
+    assert traj.reward == 0.5 and traj.info["turns"] == 2
+    assert traj.info["tool_calls"] == 1 and traj.info["tool_errors"] == 1
+    assert counts["tool_errors"] == 1
