@@ -65,7 +65,7 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # computed as a single block (cheaper than padding them to two). Read at trace time, so
 # tests can shrink it. 64 on CPU: forward+backward of a packed [2, 448] row of long-tail
 # segments took 0.95 s of learner CPU time a version at 64 against 1.24 s at 256 (more
-# pairs skipped, and each block's scores stay in cache); 32 was no faster (docs/longtail.md).
+# pairs skipped, and each block's scores stay in cache); 32 was no faster (docs/models.md).
 BLOCK = 64
 
 
