@@ -40,6 +40,14 @@ def pin_process_to_cpus(cpus: Iterable[int]) -> set[int]:
     return wanted
 
 
+def usable_cpu_count() -> int:
+    """How many cores this process may run on (its affinity set where the OS has one, else
+    the machine's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def check_cpus_available(cpus: Iterable[int]) -> None:
     """Raises ValueError if any of ``cpus`` is not a core this process may run on (where
     the OS has an affinity call). For cores another process will pin itself to (the

@@ -245,7 +245,9 @@ def _heads_major(x_bthd, kv: int, g: int):
     return x_bthd.reshape(b, t, kv, g, dh).transpose(0, 2, 3, 1, 4)
 
 
-def _pallas_gpu(q_bkgtd, k_bktd, v_bktd, seg_bt, *, return_lse, interpret):
+def _pallas_gpu(q_bkgtd, k_bktd, v_bktd, seg_bt, *, return_lse, interpret, blocks=(128, 32)):
+    """``blocks``: the (forward, backward) tiles, jax's defaults unless a benchmark sweeps
+    them (``scripts/bench.py attention --pallas-blocks``)."""
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
     b, kv, g, t, dh = q_bkgtd.shape
@@ -253,8 +255,7 @@ def _pallas_gpu(q_bkgtd, k_bktd, v_bktd, seg_bt, *, return_lse, interpret):
     q_bkgtd, k_bktd, v_bktd, seg_bt = _pad_time(
         t, multiple, (q_bkgtd, 3), (k_bktd, 2), (v_bktd, 2),
         (None if seg_bt is None else seg_bt.astype(jnp.int32), 1))
-    fwd = min(128, multiple)
-    bwd = min(32, multiple)
+    fwd, bwd = (min(block, multiple) for block in blocks)
     sizes = gpu_attention.BlockSizes(block_q=fwd, block_k=fwd, block_q_dkv=bwd,
                                      block_kv_dkv=bwd, block_q_dq=bwd, block_kv_dq=bwd)
     result = gpu_attention.mha(*_heads_minor(q_bkgtd, k_bktd, v_bktd), seg_bt, sm_scale=1.0,

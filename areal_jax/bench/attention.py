@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from areal_jax.bench.common import time_calls
+
 PLATFORM_KERNELS = {"gpu": ("cudnn", "pallas_gpu", "xla"), "tpu": ("splash", "xla"),
                     "cpu": ("xla",)}
 
@@ -143,54 +145,32 @@ def _check(impl: str, args: argparse.Namespace, t: int, dtype: Any, segments: in
     return {"out_err": out_err, "out_bound": out_bound, "dq_err": dq_err, "dq_bound": dq_bound}
 
 
-def _time(impl: str, args: argparse.Namespace, t: int, dtype: Any, segments: int
-          ) -> tuple[float, float]:
+def _time(fn: Any, inputs: tuple, repeats: int) -> tuple[float, float]:
+    """(median seconds of ``repeats`` calls, seconds of the first, compiling, call)."""
     import jax
 
-    q, k, v, cot, seg = _inputs(args, t, dtype, segments)
-    fn = _grad_fn(impl, segments > 1, dtype)
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(q, k, v, cot, seg))
-    compile_s = time.perf_counter() - t0
-    times = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(q, k, v, cot, seg))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), compile_s
+    jax.block_until_ready(fn(*inputs))
+    first_s = time.perf_counter() - t0
+    times = time_calls(lambda: jax.block_until_ready(fn(*inputs)), repeats)
+    return statistics.median(times), first_s
 
 
-def _time_pallas_blocks(args: argparse.Namespace, t: int, dtype: Any, fwd: int, bwd: int,
-                        interpret: bool = False) -> float:
-    """Forward + backward of jax's Triton flash kernel on packed rows with block sizes
-    ``fwd`` (forward tiles) and ``bwd`` (backward tiles): the block-size sweep a GPU check
-    runs before the model's defaults change."""
+def _pallas_blocks_grad_fn(fwd: int, bwd: int, interpret: bool) -> Any:
+    """Forward + backward of the model's Triton kernel (``fused_attention._pallas_gpu``) on
+    packed rows with (``fwd``, ``bwd``) tiles instead of its defaults: the block-size sweep
+    a GPU check runs before the model's defaults change."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
-    q, k, v, cot, seg = _inputs(args, t, dtype, args.segments)
-    b, kv, g, _, dh = q.shape
-    q_bthd = q.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, dh)
-    k_bthd = jnp.repeat(k.transpose(0, 2, 1, 3), g, axis=2)
-    v_bthd = jnp.repeat(v.transpose(0, 2, 1, 3), g, axis=2)
-    cot_bthd = cot.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, dh)
-    sizes = gpu_attention.BlockSizes(block_q=fwd, block_k=fwd, block_q_dkv=bwd,
-                                     block_kv_dkv=bwd, block_q_dq=bwd, block_kv_dq=bwd)
+    from model_defs.fused_attention import _pallas_gpu
 
-    def loss(q_, k_, v_):
-        out = gpu_attention.mha(q_, k_, v_, seg, sm_scale=1.0, causal=True, block_sizes=sizes,
-                                interpret=interpret)
-        return jnp.sum(out.astype(jnp.float32) * cot_bthd)
+    def loss(q, k, v, cot, seg):
+        out = _pallas_gpu(q, k, v, seg, return_lse=False, interpret=interpret,
+                          blocks=(fwd, bwd))
+        return jnp.sum(out.astype(jnp.float32) * cot)
 
-    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    jax.block_until_ready(fn(q_bthd, k_bthd, v_bthd))
-    times = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(q_bthd, k_bthd, v_bthd))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -220,7 +200,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ok = bool(check["out_err"] <= check["out_bound"]
                       and check["dq_err"] <= check["dq_bound"])
             for t in lengths:
-                median_s, compile_s = _time(impl, args, t, dtype, segments)
+                median_s, compile_s = _time(_grad_fn(impl, segments > 1, dtype),
+                                            _inputs(args, t, dtype, segments), args.repeats)
                 flops = attention_flops(_segment_ids(args.rows, t, segments), args.heads,
                                         args.head_dim)
                 result = {"kernel": impl, "resolved": resolved, "dtype": dtype_name, "t": t,
@@ -235,17 +216,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     blocks = args.pallas_blocks or ("128/64,64/64,128/128" if platform == "gpu" else "")
     for pair in filter(None, blocks.split(",")):
         fwd, bwd = (int(x) for x in pair.split("/"))
+        fn = _pallas_blocks_grad_fn(fwd, bwd, interpret=platform != "gpu")
         for t in lengths:
-            median_s = _time_pallas_blocks(args, t, jnp.bfloat16, fwd, bwd,
-                                           interpret=platform != "gpu")
-            flops = attention_flops(_segment_ids(args.rows, t, args.segments), args.heads,
-                                    args.head_dim)
+            median_s, _ = _time(fn, _inputs(args, t, jnp.bfloat16, args.segments),
+                                args.repeats)
+            tflops = attention_flops(_segment_ids(args.rows, t, args.segments), args.heads,
+                                     args.head_dim) / median_s / 1e12
             results.append({"kernel": f"pallas_gpu[{pair}]", "dtype": "bfloat16", "t": t,
                             "segments": args.segments, "median_s": median_s,
-                            "tflops": flops / median_s / 1e12, "within_bound": True})
+                            "tflops": tflops, "within_bound": True})
             rows.append([f"pallas_gpu blocks {pair}", "bfloat16", t, args.segments,
-                         round(median_s * 1000, 3), round(flops / median_s / 1e12, 2), "-",
-                         "(timing only)"])
+                         round(median_s * 1000, 3), round(tflops, 2), "-", "(timing only)"])
     return {
         "title": f"attention forward+backward on {platform} ({jax.devices()[0].device_kind}): "
                  f"{args.rows} rows, {args.heads}/{args.kv_heads} heads, head dim "

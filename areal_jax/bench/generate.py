@@ -18,7 +18,6 @@ decode step's own shape (batch x hidden @ hidden x intermediate) and at 1024^3.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -178,8 +177,9 @@ def matmul_gflops(m: int, k: int, n: int, repeats: int = 20) -> float:
 
 def _data_parallel_values(spec: str, batch: int) -> list[int]:
     if spec == "auto":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        values = sorted({1, max(1, min(cores or 1, batch))})
+        from areal_jax.cpu_affinity import usable_cpu_count
+
+        values = sorted({1, max(1, min(usable_cpu_count(), batch))})
     else:
         values = [int(v) for v in spec.split(",")]
     bad = [v for v in values if v < 1 or batch % v]

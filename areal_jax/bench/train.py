@@ -268,6 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batch = _batch(cfg, args.rows, seq_len)
 
     torch_models: dict[str, Any] = {}
+    device = None if args.no_torch else _torch_device(args)
     with tempfile.TemporaryDirectory() as tmp:
         path = None
         if args.no_torch or args.independent_init:
@@ -283,7 +284,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             if args.threads:
                 torch.set_num_threads(args.threads)
-            device = _torch_device(args)
             torch_models["transformers"] = _torch_model(path, cfg, device, args.remat)
             if args.torch_compile:
                 torch_models["transformers+compile"] = _torch_model(path, cfg, device,
@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loss_diff = None
     for name, model in torch_models.items():
         step, _ = _torch_step_fn(model, batch, algo.eps_clip, learner.temperature, optim.lr,
-                                 optim.max_grad_norm, device=_torch_device(args),
+                                 optim.max_grad_norm, device=device,
                                  autocast_bf16=args.dtype == "bfloat16",
                                  compile_model=name.endswith("+compile"))
         t0 = time.perf_counter()
@@ -339,7 +339,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         import torch
 
         summary["torch_threads"] = torch.get_num_threads()
-        summary["torch_device"] = _torch_device(args)
+        summary["torch_device"] = device
         summary["torch_version"] = torch.__version__
     if "transformers+compile" in times:
         summary["ratio_vs_compile"] = ours_tps / (

@@ -30,7 +30,6 @@ across threads); on a multi-GPU host they are GPUs.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +41,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from areal_jax.cpu_affinity import usable_cpu_count
 from areal_jax.engine.forward import (
     SlotCache,
     decode_chunk,
@@ -301,13 +301,8 @@ class ModelRunner:
         p = self.prefill_rows
         if not 0 < len(rows) <= p:
             raise ValueError(f"prefill takes 1..{p} rows, got {len(rows)}")
-        prompt_pt = np.zeros((p, bucket), np.int32)
-        prompt_len_p = np.ones((p,), np.int32)
-        slot_p = np.full((p,), self.max_slots, np.int32)  # out of range: dropped
-        temperature_p = np.zeros((p,), np.float32)
-        top_p_p = np.ones((p,), np.float32)
-        top_k_p = np.full((p,), -1, np.int32)
-        seed_p = np.zeros((p,), np.uint32)
+        host_rows = self._dummy_prefill_rows(bucket)  # filled in place, row by row
+        prompt_pt, prompt_len_p, slot_p, temperature_p, top_p_p, top_k_p, seed_p = host_rows
         for i, row in enumerate(rows):
             ids = row["input_ids"]
             prompt_pt[i, : len(ids)] = ids
@@ -317,12 +312,9 @@ class ModelRunner:
             top_p_p[i] = row["top_p"]
             top_k_p[i] = row["top_k"]
             seed_p[i] = row["seed"]
-        args = (self.state, self.cache, self.slots, prompt_pt, prompt_len_p, slot_p,
-                temperature_p, top_p_p, top_k_p, seed_p, np.bool_(any_truncation),
-                np.bool_(any_random))
-        executable = self._executables.get(("prefill", bucket))
-        self.cache, self.slots, token_p, logprob_p = (
-            executable(*args) if executable is not None else self._watched(self._prefill, *args))
+        self.cache, self.slots, token_p, logprob_p = self._step(
+            ("prefill", bucket), self._prefill, self.state, self.cache, self.slots, *host_rows,
+            np.bool_(any_truncation), np.bool_(any_random))
         token_p, logprob_p = jax.device_get((token_p, logprob_p))
         return token_p[: len(rows)], logprob_p[: len(rows)]
 
@@ -336,13 +328,30 @@ class ModelRunner:
                ) -> tuple[jax.Array, jax.Array]:
         """Dispatches ``decode_steps`` steps over all slots, attending to the first
         ``kv_len`` cache positions; returns device arrays [k, B] (tokens, logprobs)."""
-        args = (self.state, self.cache, self.slots, np.bool_(any_truncation),
-                np.bool_(any_random))
-        executable = self._executables.get(("decode", kv_len))
-        self.cache, self.slots, token_kb, logprob_kb = (
-            executable(*args) if executable is not None
-            else self._watched(self._decode, *args, kv_len))
+        self.cache, self.slots, token_kb, logprob_kb = self._step(
+            ("decode", kv_len), self._decode, self.state, self.cache, self.slots,
+            np.bool_(any_truncation), np.bool_(any_random), static=(kv_len,))
         return token_kb, logprob_kb
+
+    def _dummy_prefill_rows(self, bucket: int) -> tuple[np.ndarray, ...]:
+        """The host arrays of a prefill call with every row a dummy (prompt, length, slot,
+        temperature, top_p, top_k, seed): a dummy row's slot is out of range, so it is
+        dropped. ``prefill`` fills in its real rows; ``warmup`` compiles with them as is."""
+        p = self.prefill_rows
+        return (np.zeros((p, bucket), np.int32), np.ones((p,), np.int32),
+                np.full((p,), self.max_slots, np.int32), np.zeros((p,), np.float32),
+                np.ones((p,), np.float32), np.full((p,), -1, np.int32),
+                np.zeros((p,), np.uint32))
+
+    def _step(self, key: tuple[str, int], jitted: Callable, *args: Any,
+              static: tuple = ()) -> Any:
+        """Runs the step program for ``key`` (("prefill", bucket) or ("decode", kv_len)):
+        the executable warmup() compiled for it, else the jitted function (``static``: its
+        static arguments), whose compile, if any, is counted."""
+        executable = self._executables.get(key)
+        if executable is not None:
+            return executable(*args)
+        return self._watched(jitted, *args, *static)
 
     def warmup(self, workers: int | None = None) -> int:
         """Compiles every prefill and decode bucket ahead of time, ``workers`` programs at
@@ -355,23 +364,18 @@ class ModelRunner:
         per bucket). With the persistent compilation cache on, each is loaded from it."""
         import concurrent.futures
 
-        p = self.prefill_rows
         flag = np.bool_(False)
         lowered: dict[tuple[str, int], Any] = {}
         for bucket in self.buckets:
             if ("prefill", bucket) not in self._executables:
                 lowered[("prefill", bucket)] = self._prefill.lower(
-                    self.state, self.cache, self.slots, np.zeros((p, bucket), np.int32),
-                    np.ones((p,), np.int32), np.full((p,), self.max_slots, np.int32),
-                    np.zeros((p,), np.float32), np.ones((p,), np.float32),
-                    np.full((p,), -1, np.int32), np.zeros((p,), np.uint32), flag, flag)
+                    self.state, self.cache, self.slots, *self._dummy_prefill_rows(bucket),
+                    flag, flag)
             if ("decode", bucket) not in self._executables:
                 lowered[("decode", bucket)] = self._decode.lower(
                     self.state, self.cache, self.slots, flag, flag, bucket)
         if workers is None:
-            cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                     else os.cpu_count() or 1)
-            workers = max(1, min(cores, len(lowered)))
+            workers = max(1, min(usable_cpu_count(), len(lowered)))
         if workers == 1:
             compiled = {key: low.compile() for key, low in lowered.items()}
         else:
