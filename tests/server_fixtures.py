@@ -3,6 +3,8 @@ of the same shapes compile once), and an HTTP client that sends the API key."""
 
 from __future__ import annotations
 
+import asyncio
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -31,3 +33,25 @@ def start_servers(model_dir: Any, count: int, tmp_path_factory: Any,
 def http_client(url: str, api_key: str | None, timeout: float = 60.0) -> httpx.Client:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return httpx.Client(base_url=url, timeout=timeout, headers=headers)
+
+
+def run_workflow(workflow: Any, url: str, tok: Any, item: dict, *, seed: int = 5,
+                 group_id: str = "g0", counts: Counter | None = None) -> tuple[Any, Counter]:
+    """One group of ``workflow`` (an ``arun`` workflow, e.g. ``AgenticWorkflow``) on
+    ``item`` against the server at ``url`` through a real ``RolloutClient``, then closes the
+    workflow. Returns (what ``arun`` returned, the counts it reported)."""
+    from areal_jax.rollout.client import RolloutClient
+    from areal_jax.rollout.workflows import WorkflowContext
+
+    counts = Counter() if counts is None else counts
+
+    async def go() -> Any:
+        async with RolloutClient([url]) as client:
+            ctx = WorkflowContext(start_version=0, seed=seed, group_id=group_id, tokenizer=tok,
+                                  _count=lambda name, n: counts.update({name: n}))
+            return await workflow.arun(client, item, ctx)
+
+    try:
+        return asyncio.run(go()), counts
+    finally:
+        workflow.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import Counter
 
 import pytest
 
@@ -19,11 +18,10 @@ from areal_jax.rollout.agent import AgenticWorkflow
 from areal_jax.rollout.agent_examples import arith_calculator_agent, calculator
 from areal_jax.rollout.client import RolloutClient
 from areal_jax.rollout.tools import TRUNCATED, ToolRunner, counting_tools
-from areal_jax.rollout.workflows import WorkflowContext
 from areal_jax.run_inputs import ASSETS_DIR
 from areal_jax.sampling_params import SamplingParams
 from areal_jax.trajectory import FINISH_CONTEXT
-from tests.server_fixtures import start_server
+from tests.server_fixtures import run_workflow, start_server
 
 MODEL = ASSETS_DIR / "arith_tools"
 ITEM = {"prompt_id": "p0", "prompt": "Q:17+5-8=", "answer": "14"}
@@ -52,21 +50,10 @@ def tok():
 
 def run_group(server, tok, n_samples=2, **agent_kwargs):
     """One group of the calculator agent: (trajectories or None, the workflow's counts)."""
-    counts = Counter()
     workflow = AgenticWorkflow(arith_calculator_agent, n_samples=n_samples, gconfig=GREEDY,
                                tokenizer=tok, max_turns=3, max_total_tokens=128,
                                agent_kwargs=agent_kwargs)
-
-    async def go():
-        async with RolloutClient([server.url]) as client:
-            ctx = WorkflowContext(start_version=0, seed=1, group_id="g0", tokenizer=tok,
-                                  _count=lambda name, n: counts.update({name: n}))
-            return await workflow.arun(client, ITEM, ctx)
-
-    try:
-        return asyncio.run(go()), counts
-    finally:
-        workflow.close()
+    return run_workflow(workflow, server.url, tok, ITEM, seed=1)
 
 
 def tool_result(tok, traj):
@@ -179,20 +166,9 @@ def test_an_agent_that_raises_at_the_context_limit_still_ends_its_episode(server
                              {"role": "user", "content": "9" * 200}]
         return 1.0
 
-    counts = Counter()
     workflow = AgenticWorkflow(stubborn, n_samples=1, gconfig=GREEDY, tokenizer=tok,
                                max_turns=3, max_total_tokens=128)
-
-    async def go():
-        async with RolloutClient([server.url]) as client:
-            ctx = WorkflowContext(start_version=0, seed=1, group_id="g1", tokenizer=tok,
-                                  _count=lambda name, n: counts.update({name: n}))
-            return await workflow.arun(client, ITEM, ctx)
-
-    try:
-        (traj,) = asyncio.run(go())
-    finally:
-        workflow.close()
+    (traj,), counts = run_workflow(workflow, server.url, tok, ITEM, seed=1, group_id="g1")
     assert traj.finish_reason == FINISH_CONTEXT and traj.reward == 0.0
     assert counts["agent_context_exceeded"] == 1 and counts["agent_failed_groups"] == 0
 
@@ -262,20 +238,9 @@ def test_a_plain_agent_runs_its_tools_with_run_sync_and_is_counted(server, tok):
                                            tools=[CALCULATOR_TOOL], max_tokens=24)
         return 0.5
 
-    counts = Counter()
     workflow = AgenticWorkflow(plain_agent, n_samples=1, gconfig=GREEDY, tokenizer=tok,
                                max_turns=3, max_total_tokens=128)
-
-    async def go():
-        async with RolloutClient([server.url]) as client:
-            ctx = WorkflowContext(start_version=0, seed=1, group_id="g2", tokenizer=tok,
-                                  _count=lambda name, n: counts.update({name: n}))
-            return await workflow.arun(client, ITEM, ctx)
-
-    try:
-        (traj,) = asyncio.run(go())
-    finally:
-        workflow.close()
+    (traj,), counts = run_workflow(workflow, server.url, tok, ITEM, seed=1, group_id="g2")
     assert traj.reward == 0.5 and traj.info["turns"] == 2
     assert traj.info["tool_calls"] == 1 and traj.info["tool_errors"] == 1
     assert counts["tool_errors"] == 1

@@ -8,9 +8,6 @@ edits the model's turn gets that turn re-tokenized, counted, and not trained on.
 
 from __future__ import annotations
 
-import asyncio
-from collections import Counter
-
 import numpy as np
 import openai
 import pytest
@@ -18,10 +15,8 @@ import pytest
 from areal_jax.data.tokenizer import load_tokenizer
 from areal_jax.engine.openai_api import chat_prompt_ids
 from areal_jax.rollout.agent import AgenticWorkflow
-from areal_jax.rollout.client import RolloutClient
-from areal_jax.rollout.workflows import WorkflowContext
 from areal_jax.sampling_params import SamplingParams
-from tests.server_fixtures import start_server
+from tests.server_fixtures import run_workflow, start_server
 from tests.tool_fixtures import (
     ADDED,
     CALL_A,
@@ -74,21 +69,11 @@ async def weather_agent(base_url, item, *, turns=3, edit=False, seen=None):
 
 def run_episode(server, tok, **kwargs):
     """One sample of ``weather_agent`` through the workflow: (trajectory, replies, counts)."""
-    seen, counts = [], Counter()
+    seen: list = []
     workflow = AgenticWorkflow(weather_agent, n_samples=1, gconfig=GREEDY, tokenizer=tok,
                                max_turns=4, max_total_tokens=1024,
                                agent_kwargs={**kwargs, "seen": seen})
-
-    async def go():
-        async with RolloutClient([server.url]) as client:
-            ctx = WorkflowContext(start_version=0, seed=3, group_id="g0", tokenizer=tok,
-                                  _count=lambda name, n: counts.update({name: n}))
-            return await workflow.arun(client, ITEM, ctx)
-
-    try:
-        (traj,) = asyncio.run(go())
-    finally:
-        workflow.close()
+    (traj,), counts = run_workflow(workflow, server.url, tok, ITEM, seed=3)
     return traj, seen, counts
 
 

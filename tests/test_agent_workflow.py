@@ -6,9 +6,6 @@ updates between turns."""
 
 from __future__ import annotations
 
-import asyncio
-from collections import Counter
-
 import httpx
 import numpy as np
 import openai
@@ -17,11 +14,9 @@ import pytest
 from areal_jax.config import ConfigError, load_config
 from areal_jax.data.tokenizer import load_tokenizer
 from areal_jax.rollout.agent import AgenticWorkflow, RecordedCall, assemble_trajectory
-from areal_jax.rollout.client import RolloutClient
-from areal_jax.rollout.workflows import WorkflowContext
 from areal_jax.sampling_params import SamplingParams
 from tests.hf_fixtures import arith_chat_model_dir
-from tests.server_fixtures import start_server
+from tests.server_fixtures import run_workflow, start_server
 
 EOS = 2
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0)
@@ -43,21 +38,6 @@ def tok(model_dir):
     return load_tokenizer(model_dir)
 
 
-def run(workflow, server, tok, item, counts=None):
-    counts = counts if counts is not None else Counter()
-
-    async def go():
-        async with RolloutClient([server.url]) as client:
-            ctx = WorkflowContext(start_version=0, seed=5, group_id="g0", tokenizer=tok,
-                                  _count=lambda name, n: counts.update({name: n}))
-            return await workflow.arun(client, item, ctx)
-
-    try:
-        return asyncio.run(go()), counts
-    finally:
-        workflow.close()
-
-
 ITEM = {"prompt_id": "p0", "prompt": "Q:17+5-8=", "answer": "14"}
 SEEN: dict[str, list] = {}
 
@@ -76,8 +56,9 @@ async def tool_agent(base_url, item):
 
 
 def test_completions_agent_masks_model_tokens_only(server, tok):
-    group, counts = run(AgenticWorkflow(tool_agent, n_samples=1, gconfig=GREEDY, tokenizer=tok,
-                                        max_turns=2, max_total_tokens=160), server, tok, ITEM)
+    wf = AgenticWorkflow(tool_agent, n_samples=1, gconfig=GREEDY, tokenizer=tok, max_turns=2,
+                         max_total_tokens=160)
+    group, counts = run_workflow(wf, server.url, tok, ITEM)
     (traj,) = group
     r1, r2, tool = SEEN["tool"]
     p = tok.encode(ITEM["prompt"])
@@ -126,7 +107,7 @@ def test_chat_agent_across_a_weight_update(server, tok):
     wf = AgenticWorkflow(chat_agent, n_samples=1, gconfig=GREEDY, tokenizer=tok, max_turns=2,
                          max_total_tokens=160, agent_kwargs={"between": bump_version})
     try:
-        (traj,), _ = run(wf, server, tok, ITEM)
+        (traj,), _ = run_workflow(wf, server.url, tok, ITEM)
     finally:
         httpx.post(f"{server.url}/update_weight_version", json={"new_version": "0"})
     a1, a2 = SEEN["chat"]
@@ -157,7 +138,7 @@ async def greedy_agent(base_url, item, *, calls=3, reward=1.0):
 def test_failed_agents_reject_the_group(server, tok, kwargs, problem, caplog):
     wf = AgenticWorkflow(greedy_agent, n_samples=2, gconfig=GREEDY, tokenizer=tok, max_turns=2,
                          max_total_tokens=160, agent_kwargs=kwargs)
-    group, counts = run(wf, server, tok, ITEM)
+    group, counts = run_workflow(wf, server.url, tok, ITEM)
     assert group is None and counts["agent_failed_groups"] == 1
     assert problem in caplog.text
 
@@ -166,7 +147,7 @@ def test_group_filter_rejects_equal_reward_groups(server, tok):
     wf = AgenticWorkflow(greedy_agent, n_samples=2, gconfig=GREEDY, tokenizer=tok, max_turns=2,
                          max_total_tokens=160, agent_kwargs={"calls": 1},
                          group_filter=lambda g: len({t.reward for t in g}) > 1)
-    group, counts = run(wf, server, tok, ITEM)
+    group, counts = run_workflow(wf, server.url, tok, ITEM)
     assert group is None and counts["filtered_groups"] == 1 and counts["agent_turns"] == 2
 
 
