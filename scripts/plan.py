@@ -46,9 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
-    from areal_jax.bench.plan import PlanError, format_table, plan_run
     from areal_jax.config import ConfigError, load_config
     from areal_jax.parallel.targets import check_target
+    from areal_jax.plan import PlanError, format_table, plan_run
 
     try:
         cfg = load_config(args.config, args.overrides)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import sys
 
-from areal_jax.bench.plan import abstract_learner, lower_engine, lower_learner_grad
 from areal_jax.config import load_config
 from areal_jax.parallel.mesh import make_mesh
 from areal_jax.parallel.targets import compile_only_devices
+from areal_jax.plan.planner import abstract_learner, lower_engine, lower_learner_grad
 from model_defs import ModelConfig
 
 

@@ -213,8 +213,8 @@ def test_local_parquet_and_gsm8k_jsonl_with_the_math_reward(tmp_path):
 def test_config_loading_does_not_touch_the_hub(tmp_path):
     """A hub id and an hf:// dataset are plain strings until a run starts: the shipped GSM8K
     configs load (and plan.py reads them) with no cache and no network."""
-    from areal_jax.bench.plan import model_config
     from areal_jax.config import load_config
+    from areal_jax.plan.planner import model_config
 
     for name, model in (("qwen2.5-1.5b_gsm8k", "Qwen/Qwen2.5-1.5B-Instruct"),
                         ("qwen3-1.7b_gsm8k", "Qwen/Qwen3-1.7B")):

@@ -1,13 +1,13 @@
 """Learner memory from the compiled programs (the memory benchmark's figures,
-areal_jax/bench/memory.py): fsdp=2 halves what each device holds and computes with."""
+areal_jax/plan/memory.py): fsdp=2 halves what each device holds and computes with."""
 
 from __future__ import annotations
 
 import jax
 import pytest
 
-from areal_jax.bench import memory as bench_memory
 from areal_jax.parallel.mesh import make_mesh
+from areal_jax.plan import memory as plan_memory
 from model_defs import ModelConfig
 
 # Six layers: a program that keeps something per layer alive (e.g. XLA:CPU's all-reduce
@@ -17,7 +17,7 @@ CFG = ModelConfig.preset("tiny", vocab_size=4096, hidden_size=128, intermediate_
 
 
 def _per_device_bytes(mesh) -> int:
-    mem, _ = bench_memory.grad_memory(CFG, "float32", "full", 256, rows=4, mesh=mesh)
+    mem, _ = plan_memory.grad_memory(CFG, "float32", "full", 256, rows=4, mesh=mesh)
     return mem.argument_size_in_bytes + mem.temp_size_in_bytes
 
 
@@ -43,7 +43,7 @@ def test_rematerialised_layers_keep_only_their_input():
         cfg = ModelConfig.preset("tiny", vocab_size=4096, hidden_size=d, intermediate_size=4 * d,
                                  num_hidden_layers=n_layers, num_attention_heads=8,
                                  num_key_value_heads=4, head_dim=64)
-        mem, _ = bench_memory.grad_memory(cfg, "float32", "full", t, rows=1)
+        mem, _ = plan_memory.grad_memory(cfg, "float32", "full", t, rows=1)
         return mem.temp_size_in_bytes
 
     per_layer = (temp(6) - temp(2)) / 4
@@ -61,11 +61,11 @@ def test_qwen2_5_0_5b_learner_fits_20_bytes_per_param_at_the_gsm8k_length(dtype)
     prediction of the formula in docs/models.md, "Memory", plus the largest parameter (the
     formula's one-layer working set is an estimate)."""
     cfg = ModelConfig.preset("qwen2.5-0.5b")
-    grad_mem, n_params = bench_memory.grad_memory(cfg, dtype, "full", 4096, rows=1)
-    apply_mem, _ = bench_memory._apply_memory(cfg)
+    grad_mem, n_params = plan_memory.grad_memory(cfg, dtype, "full", 4096, rows=1)
+    apply_mem, _ = plan_memory._apply_memory(cfg)
     held = 16 * n_params
     peak = held + max(grad_mem.temp_size_in_bytes, apply_mem.temp_size_in_bytes)
     assert peak <= 20 * n_params, peak / n_params
-    predicted = bench_memory.predicted_learner_bytes(cfg, n_params, 4096, dtype)
+    predicted = plan_memory.predicted_learner_bytes(cfg, n_params, 4096, dtype)
     largest_param = 4 * cfg.vocab_size * cfg.hidden_size
     assert peak <= predicted["peak"] + largest_param, (peak, predicted)

@@ -115,7 +115,7 @@ MATMULS = {"compute": (8192, 8192, 8192), "memory": (128, 16384, 16384)}
 _MEASURE_MATMULS = """
 import json, sys
 import jax, jax.numpy as jnp
-from areal_jax.bench.plan import measure
+from areal_jax.plan.planner import measure
 from areal_jax.parallel.targets import compile_only_devices, target_chip, target_platform
 target, shapes = sys.argv[1], json.loads(sys.argv[2])
 on = jax.sharding.SingleDeviceSharding(compile_only_devices(target)[0])
@@ -208,7 +208,7 @@ def test_every_shipped_config_names_its_hardware():
 def test_tpu_program_that_does_not_fit_reports_fits_false():
     code = """
 import jax, jax.numpy as jnp
-from areal_jax.bench.plan import measure
+from areal_jax.plan.planner import measure
 from areal_jax.parallel.targets import compile_only_devices, target_chip
 dev = compile_only_devices("v5e:2x2")[0]
 chip = target_chip("v5e:2x2")
@@ -230,7 +230,7 @@ def test_attention_kernel_names_a_mosaic_kernel():
     code = """
 import jax, jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
-from areal_jax.bench.plan import attention_kernel
+from areal_jax.plan.planner import attention_kernel
 from areal_jax.parallel.targets import compile_only_devices
 dev = compile_only_devices("v5e:2x2")[0]
 q = jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16,
@@ -253,7 +253,7 @@ def test_hlo_cost_on_tpu_programs_counts_real_taps_and_slices():
     fusion nested in the matmul's: the counts must still be the work and the bytes."""
     code = """
 import jax, jax.numpy as jnp
-from areal_jax.bench.hlo_cost import hlo_cost
+from areal_jax.plan.hlo_cost import hlo_cost
 from areal_jax.parallel.targets import compile_only_devices
 on = jax.sharding.SingleDeviceSharding(compile_only_devices("v5e:2x2")[0])
 def arg(shape): return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=on)
@@ -286,7 +286,7 @@ def test_hlo_cost_reads_past_a_kernel_config_spanning_lines():
     rest of every layer after splash attention)."""
     code = """
 import jax, jax.numpy as jnp
-from areal_jax.bench.hlo_cost import hlo_cost
+from areal_jax.plan.hlo_cost import hlo_cost
 from areal_jax.parallel.targets import compile_only_devices
 from model_defs.fused_attention import fused_self_attention
 on = jax.sharding.SingleDeviceSharding(compile_only_devices("v5e:2x2")[0])
@@ -316,7 +316,7 @@ def test_hlo_cost_counts_a_windowed_einsum_loop_by_its_counter_step():
     code = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from areal_jax.bench.hlo_cost import hlo_cost
+from areal_jax.plan.hlo_cost import hlo_cost
 from areal_jax.parallel.targets import compile_only_devices
 mesh = jax.sharding.Mesh(np.array(compile_only_devices("v5e:2x4")), ("fsdp",))
 on = NamedSharding(mesh, P("fsdp", None))
@@ -336,7 +336,7 @@ print(int("windowed_dot_general" in text), hlo_cost(text)["flops"])
 
 def test_hlo_cost_trip_count_follows_the_loop_counter():
     """A counter that starts at 1 and steps by 3 while < 10 runs 3 times (1, 4, 7)."""
-    from areal_jax.bench.hlo_cost import hlo_cost
+    from areal_jax.plan.hlo_cost import hlo_cost
 
     hlo = """HloModule m
 
@@ -373,7 +373,7 @@ def test_hlo_cost_charges_an_async_copy_once_and_nothing_for_pass_through():
     collective fusions pass the gathered buffer and their flags through every fusion)
     and an all-gather fused into it cost nothing; the fusion's real output and the
     operand it computes from do."""
-    from areal_jax.bench.hlo_cost import hlo_cost
+    from areal_jax.plan.hlo_cost import hlo_cost
 
     hlo = """HloModule m
 
@@ -426,7 +426,7 @@ def test_hlo_cost_counts_loop_bodies_per_iteration():
     import jax
     import jax.numpy as jnp
 
-    from areal_jax.bench.hlo_cost import hlo_cost
+    from areal_jax.plan.hlo_cost import hlo_cost
 
     x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
 
@@ -450,7 +450,7 @@ def test_hlo_cost_charges_a_loop_step_its_slice_not_the_buffer():
     import jax
     import jax.numpy as jnp
 
-    from areal_jax.bench.hlo_cost import hlo_cost
+    from areal_jax.plan.hlo_cost import hlo_cost
 
     blocks = jax.ShapeDtypeStruct((64, 256, 256), jnp.float32)  # 16 MiB, one block per step
     x = jax.ShapeDtypeStruct((8, 256), jnp.float32)
@@ -471,7 +471,7 @@ def test_attention_flops_count_the_sum_of_squared_segment_lengths():
     whatever rows the segments share: the count equals the visible (query, key) pairs of
     the packed causal segment mask, and one 448-token row of 16 28-token segments costs
     1/16 of a 448-token trajectory (plus the diagonal's share)."""
-    from areal_jax.bench.plan import attention_flops
+    from areal_jax.plan.planner import attention_flops
     from model_defs import ModelConfig
 
     cfg = ModelConfig.preset("tiny")

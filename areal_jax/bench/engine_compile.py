@@ -42,9 +42,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if os.environ.get("JAX_PLATFORMS") != "cpu":
         raise SystemExit("bench engine-compile compiles for compile-only devices: run it "
                          "with JAX_PLATFORMS=cpu")
-    from areal_jax.bench.plan import PlanError, lower_engine, measure, model_config
     from areal_jax.config import load_config
     from areal_jax.parallel.targets import compile_only_devices, target_chip, target_platform
+    from areal_jax.plan.planner import PlanError, lower_engine, measure, model_config
 
     layouts = args.layouts.split(",")
     bad = [x for x in layouts if x not in LAYOUTS]

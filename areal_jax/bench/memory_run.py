@@ -241,12 +241,12 @@ def _run_overrides(args: argparse.Namespace, model_dir: Path) -> list[str]:
 # ----------------------------------------------------------------------------- compiled
 def compiled_figures(cfg: Any, args: argparse.Namespace, mesh_spec: str, n_devices: int
                      ) -> dict[str, Any]:
-    """``bench.memory``'s compiled bytes/param per device (and its formula's prediction) for
+    """``plan.memory``'s compiled bytes/param per device (and its formula's prediction) for
     this shape and micro-batch on ``mesh_spec`` over this process's first devices."""
     import jax
 
-    from areal_jax.bench import memory
     from areal_jax.parallel.mesh import make_mesh
+    from areal_jax.plan import memory
 
     mesh = make_mesh(mesh_spec, devices=jax.devices()[:n_devices])
     shards = mesh.shape["fsdp"] * mesh.shape["tensor"]
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from areal_jax.engine.config import request_cpu_devices
 
         request_cpu_devices(2)
-    from areal_jax.bench.memory import _abstract_model
+    from areal_jax.plan.memory import _abstract_model
 
     cfg = model_config(args.preset, args.layers)
     n_params = _abstract_model(cfg, args.dtype, False)[3]

@@ -17,7 +17,7 @@ of it attention reads.
   elsewhere the layers are unrolled over slices taken once per call, before the step loop.
   (Slicing inside the step loop copied every layer's weights at every step: a 4-layer,
   50 MB model's 8-step decode call moved 1.32 GB instead of 0.71 GB on the CPU by
-  ``bench/hlo_cost``.) The price of unrolling is compile time that grows with depth and,
+  ``plan/hlo_cost``.) The price of unrolling is compile time that grows with depth and,
   in decode, the slices' copy of the weights, live through the call.
 
 * The slot cache is head-major: values ``[B_slots, K, S_max, Dh]`` and keys stored
@@ -40,6 +40,7 @@ Exactness is tested against model_defs' full forward and transformers.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Generic, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -54,16 +55,19 @@ from model_defs.fused_attention import active_platform
 Array = jax.Array
 
 
+Leaf = TypeVar("Leaf")  # an array, or a PartitionSpec where the cache's layout is described
+
+
 @struct.dataclass
-class SlotCache:
+class SlotCache(Generic[Leaf]):
     """Keys/values of every slot: ``k`` [B_slots, K, Dh, S_max] (transposed, see the module
     doc) and ``v`` [B_slots, K, S_max, Dh] per layer, either stacked into one [L, ...] array
     each (for the scanned layer loop) or as a tuple of L arrays (for the unrolled one, where
     each layer's buffer is written in place and read directly, with no slice to copy).
     The forward functions loop over the layers the way the cache is laid out."""
 
-    k: Array | tuple[Array, ...]
-    v: Array | tuple[Array, ...]
+    k: Leaf | tuple[Leaf, ...]
+    v: Leaf | tuple[Leaf, ...]
 
     @property
     def stacked(self) -> bool:
@@ -105,7 +109,9 @@ class _LayerLoop:
     def per_layer(self, cache_part: Array | tuple[Array, ...],
                   fn: Callable[[Array], Array] = lambda a: a) -> Array | list[Array]:
         """``fn`` (a slice, a cast) of a cache part, laid out for the loop."""
-        return fn(cache_part) if self.scan else [fn(c) for c in cache_part]
+        if self.scan:
+            return fn(cast(Array, cache_part))  # one stacked array when scanned
+        return [fn(c) for c in cache_part]
 
     def zeros(self, shape: tuple[int, ...], dtype: DTypeLike) -> Array | list[Array]:
         if self.scan:
@@ -121,6 +127,7 @@ class _LayerLoop:
                 return body(c, self.model.layer(i), xs_l)
             return jax.lax.scan(step, carry, (jnp.arange(self.n), xs))
         outs = []
+        assert self.layers is not None  # unrolled: __init__ unstacked them
         for i, layer in enumerate(self.layers):
             carry, y = body(carry, layer, tuple(x[i] for x in xs))
             outs.append(y)
@@ -132,7 +139,7 @@ class _LayerLoop:
         [B_slots, ...] buffer) applied to every layer: once over the stack, with a leading
         layer axis added to both, or per layer."""
         if self.scan:
-            return jax.vmap(write_one)(cache_part, new)
+            return jax.vmap(write_one)(cast(Array, cache_part), cast(Array, new))
         return tuple(write_one(c, x) for c, x in zip(cache_part, new, strict=True))
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from areal_jax.bench.hlo_cost import hlo_cost
+from areal_jax.plan.hlo_cost import hlo_cost
 
 GPU_MEM_FRACTION = 0.75  # JAX's default share of GPU memory (XLA_PYTHON_CLIENT_MEM_FRACTION)
 PROGRAMS = ("learner_grad", "learner_apply", "engine_prefill", "engine_decode")
