@@ -422,6 +422,27 @@ def test_shipped_gsm8k_config_fits_its_hardware(tmp_path, config):
         assert 0 < result[name]["peak_bytes"] <= result["usable_bytes"], name
 
 
+def test_hlo_cost_of_one_matmul_is_its_arithmetic():
+    """[M, K] @ [K, N] in fp32: 2·M·N·K FLOPs; each operand read once and the output
+    written once, 4·(M·K + K·N + M·N) bytes, whatever fusion XLA:CPU wraps the dot in."""
+    import jax
+    import jax.numpy as jnp
+
+    from areal_jax.plan.hlo_cost import HloModule, hlo_cost
+
+    m, k, n = 64, 128, 32
+    text = jax.jit(lambda a, b: a @ b).lower(
+        jax.ShapeDtypeStruct((m, k), jnp.float32),
+        jax.ShapeDtypeStruct((k, n), jnp.float32)).compile().as_text()
+    assert hlo_cost(text) == {"flops": 2.0 * m * n * k,
+                              "bytes_accessed": 4.0 * (m * k + k * n + m * n)}
+    module = HloModule.parse(text)
+    assert module.entry is not None
+    entry = module.computations[module.entry]
+    assert sorted(entry.parameters.values()) == [0, 1]
+    assert entry.root is not None and entry.root.operands == tuple(entry.parameters)
+
+
 def test_hlo_cost_counts_loop_bodies_per_iteration():
     import jax
     import jax.numpy as jnp
