@@ -127,10 +127,9 @@ def merge_attention(parts: list[tuple[Array, Array]], dtype: Any) -> Array:
     lse = parts[0][1]
     for _, part_lse in parts[1:]:
         lse = jnp.logaddexp(lse, part_lse)
-    total = None
-    for out, part_lse in parts:
-        weighted = out.astype(jnp.float32) * jnp.exp(part_lse - lse)[..., None]
-        total = weighted if total is None else total + weighted
+    total = sum((out.astype(jnp.float32) * jnp.exp(part_lse - lse)[..., None]
+                 for out, part_lse in parts[1:]),
+                start=parts[0][0].astype(jnp.float32) * jnp.exp(parts[0][1] - lse)[..., None])
     return total.astype(dtype)
 
 
@@ -153,7 +152,7 @@ def _block(q_bkgtd: Array, k: Array, v_bksd: Array, q_idx_bt: Array, kv_idx_bs: 
     spec = "bkgtd,bkds->bkgts" if keys_transposed else "bkgtd,bksd->bkgts"
     scores = jnp.einsum(spec, q_bkgtd, k, preferred_element_type=jnp.float32)
     mask_bts = kv_idx_bs[:, None, :] <= q_idx_bt[:, :, None]
-    if q_seg_bt is not None:
+    if q_seg_bt is not None and kv_seg_bs is not None:
         mask_bts = mask_bts & (q_seg_bt[:, :, None] == kv_seg_bs[:, None, :])
     mask = mask_bts[:, None, None]
     scores = jnp.where(mask, scores, MASK_VALUE)

@@ -57,7 +57,9 @@ class ModelConfig:
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    # 0 (or None, as HF configs write it): hidden_size // num_attention_heads, set at init,
+    # so the field is always a positive int afterwards.
+    head_dim: int = 0
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     rms_norm_eps: float = 1e-6
@@ -74,7 +76,7 @@ class ModelConfig:
                 f"architecture {self.architecture!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if self.head_dim is None:
+        if not self.head_dim:
             if self.hidden_size % self.num_attention_heads:
                 raise ConfigError(
                     f"hidden_size={self.hidden_size} is not divisible by "
@@ -127,7 +129,8 @@ class ModelConfig:
             raise ConfigError(f"{source}: mlp_bias=true is not supported")
         # transformers 5 folds rope_theta / rope_scaling into rope_parameters.
         rope_params = dict(d.get("rope_parameters") or {})
-        rope_theta = d.get("rope_theta", rope_params.pop("rope_theta", 10000.0))
+        rope_theta = (d["rope_theta"] if "rope_theta" in d
+                      else rope_params.pop("rope_theta", 10000.0))
         rope_scaling = d.get("rope_scaling")
         if rope_scaling is None and rope_params:
             rope_scaling = rope_params
@@ -157,7 +160,7 @@ class ModelConfig:
                 num_hidden_layers=d["num_hidden_layers"],
                 num_attention_heads=d["num_attention_heads"],
                 num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-                head_dim=d.get("head_dim"),
+                head_dim=d.get("head_dim") or 0,
                 rope_theta=float(rope_theta),
                 rope_scaling=rope_scaling,
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),

@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,7 @@ from model_defs.config import ModelConfig
 from model_defs.model import CausalLM
 from model_defs.sharding import sharding_for_array
 
-Transform = None | str | tuple[str, int]
+Transform = Literal["reshape"] | tuple[str, int] | None
 
 HF_PARAM_TABLE: tuple[tuple[str, str, Transform], ...] = (
     ("model.embed_tokens.weight", "embed_vd", None),

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model_defs.config import ConfigError
-from model_defs.model import CausalLM
+from model_defs.model import MLP, Attention, CausalLM
 
 # PEFT module name -> (owner in a decoder layer, kernel attribute, leading kernel dims that
 # form the input, logical axis of the input, logical axis of the output).
@@ -75,7 +75,7 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
-def _owner(model: CausalLM, name: str) -> tuple[nnx.Module, nnx.Param]:
+def _owner(model: CausalLM, name: str) -> tuple[Attention | MLP, nnx.Param]:
     """The module holding projection ``name`` in the stacked decoder layers, and its
     stacked kernel [L, in..., out...]."""
     owner_attr, kernel_attr = LORA_TARGETS[name][:2]
@@ -106,11 +106,11 @@ def add_lora(model: CausalLM, lora: LoraConfig, *, rngs: nnx.Rngs) -> CausalLM:
                                        logical_axes=("layers", in_axis, None))
         adapter.lora_b = nnx.LoRAParam(jnp.zeros((n_layers, lora.rank, d_out), dtype),
                                        logical_axes=("layers", None, out_axis))
-        adapter.scale = lora.scale
+        setattr(adapter, "scale", lora.scale)  # noqa: B010 (nnx.LoRA declares no scale)
         if owner.lora is None:
             owner.lora = nnx.Dict()
         owner.lora[name] = adapter
-    model.lora_config = lora
+    setattr(model, "lora_config", lora)  # noqa: B010 (a plain model has none: lora_config())
     return model
 
 
@@ -127,6 +127,7 @@ def lora_adapters(model: CausalLM) -> Iterator[tuple[str, nnx.LoRA]]:
         return
     for name in lora.target_modules:
         owner, _ = _owner(model, name)
+        assert owner.lora is not None  # add_lora attached one for every target
         yield name, owner.lora[name]
 
 
@@ -148,7 +149,7 @@ def merge_lora(model: CausalLM) -> CausalLM:
     for name, adapter in lora_adapters(model):
         _, kernel = _owner(model, name)
         merged_values[name] = merged_kernel(kernel.get_value(), adapter.lora_a.get_value(),
-                                            adapter.lora_b.get_value(), adapter.scale)
+                                            adapter.lora_b.get_value(), getattr(adapter, "scale"))  # noqa: B009
     graphdef, state = nnx.split(model)
     plain = nnx.merge(graphdef, state, copy=False)  # a new module tree sharing the arrays
     for owner_attr in HF_OWNER:
@@ -157,7 +158,7 @@ def merge_lora(model: CausalLM) -> CausalLM:
         owner_attr, kernel_attr = LORA_TARGETS[name][:2]
         owner = getattr(plain.layers, owner_attr)
         setattr(owner, kernel_attr, nnx.Param(value, **_metadata(getattr(owner, kernel_attr))))
-    del plain.lora_config
+    delattr(plain, "lora_config")
     return plain
 
 

@@ -108,6 +108,9 @@ class Attention(nnx.Module):
         self.k_kernel_dkh = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), param_dtype)
         self.v_kernel_dkh = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), param_dtype)
         self.o_kernel_hkd = _param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), param_dtype)
+        self.q_bias: nnx.Param | None
+        self.k_bias: nnx.Param | None
+        self.v_bias: nnx.Param | None
         if cfg.attention_bias:
             self.q_bias = nnx.Param(jnp.zeros((h, dh), param_dtype),
                                     logical_axes=("heads", "head_dim"))
@@ -117,6 +120,8 @@ class Attention(nnx.Module):
                                     logical_axes=("kv_heads", "head_dim"))
         else:
             self.q_bias = self.k_bias = self.v_bias = None
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
             self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
@@ -142,7 +147,7 @@ class Attention(nnx.Module):
         q_bthd = self._project(x_btd, self.q_kernel_dhk, self.q_bias, "q_proj")
         k_btkd = self._project(x_btd, self.k_kernel_dkh, self.k_bias, "k_proj")
         v_btkd = self._project(x_btd, self.v_kernel_dkh, self.v_bias, "v_proj")
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # qk_norm: both or neither
             q_bthd = self.q_norm(q_bthd)
             k_btkd = self.k_norm(k_btkd)
         cos, sin = cos_sin

@@ -39,7 +39,8 @@ def load_adapter_update(adapter_path: str, base_state: nnx.State, runner: ModelR
     path = check_model_dir(adapter_path, required_file=ADAPTER_CONFIG, field="lora_path")
     if check:
         check_file_dtypes(path)
-    model = nnx.merge(runner.graphdef, base_state, copy=False)  # the base arrays, not copies
+    # the base arrays, not copies
+    model = nnx.merge(runner.graphdef, base_state, copy=False)
     try:
         load_peft_adapter(model, path)
     except (ValueError, KeyError) as e:  # ConfigError, CheckpointError

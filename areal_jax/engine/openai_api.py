@@ -34,7 +34,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +58,8 @@ from areal_jax.sampling_params import SEED_MAX, SamplingParams
 TokenCallback = Callable[[list[int], list[float]], None]
 # backend(key, input_ids, params, on_tokens) -> Generated. ``key`` is the route's {key} path
 # parameter ("" without one); ``on_tokens`` (streaming only) gets new tokens as they come.
-Backend = Callable[[str, list[int], SamplingParams, TokenCallback | None], Awaitable["Generated"]]
+Backend = Callable[[str, list[int], SamplingParams, TokenCallback | None],
+                   Coroutine[Any, Any, "Generated"]]
 # renderer(key, messages, tool_spec, prefix) -> prompt ids of a chat request (messages as the
 # chat template takes them; ``prefix`` is text the reply is started with).
 ChatRenderer = Callable[[str, list[dict[str, Any]], "ToolSpec", str], list[int]]
@@ -387,7 +388,8 @@ class _TextDecoder:
     """Incremental detokenisation: text deltas that never split a multi-byte character."""
 
     def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode, self.ids, self.sent = decode, [], ""
+        self.decode, self.sent = decode, ""
+        self.ids: list[int] = []
 
     def add(self, ids: list[int], final: bool = False) -> str:
         self.ids += ids
@@ -476,10 +478,13 @@ class OpenAIRoutes:
 
     async def handle(self, request: Request, *, chat: bool):
         key = str(request.path_params.get("key", ""))
-        renderer = None
+        renderer: Callable[..., list[int]] | None = None
         if self.renderer is not None:
-            def renderer(msgs: list[dict[str, Any]], spec: ToolSpec, prefix: str) -> list[int]:
-                return self.renderer(key, msgs, spec, prefix)
+            render = self.renderer
+
+            def keyed(msgs: list[dict[str, Any]], spec: ToolSpec, prefix: str) -> list[int]:
+                return render(key, msgs, spec, prefix)
+            renderer = keyed
         try:
             body = parse_body(await request.body())
             parsed = parse_request(body, chat=chat, tokenizer=self.tokenizer,
@@ -582,8 +587,9 @@ class OpenAIRoutes:
                 choice.update(delta=delta, logprobs=logprobs)
             else:
                 choice.update(text=delta_text or "", logprobs=logprobs)
-            out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                   "created": created, "model": parsed.model, "choices": [choice]}
+            out: dict[str, Any] = {
+                "id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": parsed.model, "choices": [choice]}
             if parsed.include_usage:
                 out["usage"] = None
             return f"data: {json.dumps(out)}\n\n"
@@ -632,7 +638,7 @@ class OpenAIRoutes:
                 tail = held.finish()[0] if calls else held.text[held.sent:]
             yield chunk(tail, [], [], offset, finish, tool_calls=calls)
             if parsed.include_usage:
-                usage = {"id": rid,
+                usage: dict[str, Any] = {"id": rid,
                          "object": "chat.completion.chunk" if chat else "text_completion",
                          "created": created, "model": parsed.model, "choices": [],
                          "usage": _usage(len(parsed.input_ids), len(gen.output_ids))}
@@ -658,7 +664,10 @@ def engine_backend(engine: Any) -> Backend:
             finished: asyncio.Future[EngineRequest] = loop.create_future()
 
             def on_finish(req: EngineRequest, fut: asyncio.Future = finished) -> None:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
+                def settle() -> None:
+                    if not fut.done():
+                        fut.set_result(req)
+                loop.call_soon_threadsafe(settle)
 
             remaining = params.max_new_tokens - len(out_ids)
             # Each resumed piece samples with the next seed, wrapping within the seed range.
@@ -680,9 +689,11 @@ def engine_backend(engine: Any) -> Backend:
             try:
                 if on_tokens is None:
                     await asyncio.wait({finished})
-                while not finished.done():  # streaming: woken by the engine, never polling
+                # Streaming: woken by the engine, never polling.
+                while on_tokens is not None and not finished.done():
                     waiter = asyncio.ensure_future(progressed.wait())
-                    await asyncio.wait({finished, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                    either: set[asyncio.Future[Any]] = {finished, waiter}
+                    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
                     waiter.cancel()
                     progressed.clear()
                     n = len(req.output_ids)
@@ -720,7 +731,7 @@ def engine_backend(engine: Any) -> Backend:
 def register_engine_routes(app: FastAPI, engine: Any) -> None:
     """Adds the OpenAI routes for the embedded engine to its server app. Text goes through
     the model directory's tokenizer and chat template (the engine's, loaded by
-    areal_jax.data.tokenizer); without one, text requests get a clear 400."""
+    areal_jax.tokenizer); without one, text requests get a clear 400."""
     tok = engine.tokenizer
     stops = tuple(dict.fromkeys([*(getattr(tok, "stop_token_ids", None) or []),
                                  *engine.eos_token_ids]))

@@ -30,6 +30,7 @@ across threads); on a multi-GPU host they are GPUs.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +51,7 @@ from areal_jax.engine.forward import (
     scan_layers_by_default,
 )
 from areal_jax.engine.sampling import sample_tokens
-from model_defs import fp32_matmuls
+from model_defs import CausalLM, fp32_matmuls
 
 MIN_PREFILL_BUCKET = 16
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -58,7 +59,7 @@ _compile_watch = threading.local()  # .hit: set while a step call runs on this t
 _listener_installed = False
 
 
-def _on_duration_event(event: str, duration: float, **kwargs: Any) -> None:
+def _on_duration_event(event: str, duration_secs: float, **kwargs: str | int) -> None:
     if event == _BACKEND_COMPILE_EVENT and getattr(_compile_watch, "hit", None) is not None:
         _compile_watch.hit[0] = True
 
@@ -93,7 +94,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: nnx.Module,
+        model: CausalLM,
         *,
         max_slots: int,
         max_seq_len: int,
@@ -212,7 +213,7 @@ class ModelRunner:
         """None if ``new_state`` can replace the params without recompiling, else why not."""
         old_leaves = jax.tree_util.tree_leaves_with_path(self.state)
         new_leaves = jax.tree_util.tree_leaves_with_path(new_state)
-        if jax.tree.structure(self.state) != jax.tree.structure(new_state):
+        if operator.ne(jax.tree.structure(self.state), jax.tree.structure(new_state)):  # typed
             old_keys = {jax.tree_util.keystr(p) for p, _ in old_leaves}
             new_keys = {jax.tree_util.keystr(p) for p, _ in new_leaves}
             missing = sorted(old_keys - new_keys)[:3]

@@ -12,6 +12,7 @@ of the other.
 from __future__ import annotations
 
 import logging
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict
@@ -70,14 +71,16 @@ def _set_compute_dtype(model: nnx.Module, dtype: DTypeLike | None) -> None:
             module.dtype = dtype
 
 
-def _get(mb: MicroBatch, key: str, index: int) -> np.ndarray:
+def _get(mb: MicroBatch, key: str, index: int) -> np.ndarray | jax.Array:
+    """``mb[key]`` as numpy, or as it is when it is already a device array (e.g. the
+    critic's GAE advantages): checking its shape must not copy it to the host."""
     try:
         value = mb[key]
     except KeyError:
         raise KeyError(f"micro-batch {index} has no {key!r} array") from None
     if value is None:
         raise KeyError(f"micro-batch {index} has no {key!r} array")
-    return np.asarray(value)
+    return value if isinstance(value, jax.Array) else np.asarray(value)
 
 
 class Program:
@@ -138,7 +141,8 @@ class TrainableModel(ABC):
         # Batch shards whose rows this process feeds (all of them unless process-local).
         self.n_fed_shards = (len({i[0].start for i in batch_sharding(self.mesh, 1)
                                   .addressable_devices_indices_map((self.n_batch_shards,))
-                                  .values()}) if process_local_batches else self.n_batch_shards)
+                                  .values() if i is not None})
+                             if process_local_batches else self.n_batch_shards)
         platform = self.mesh.devices.flat[0].platform
         options = learner_compiler_options(platform, compiler_options)
         self._jit_options = {"compiler_options": options} if options else {}
@@ -146,7 +150,8 @@ class TrainableModel(ABC):
         self.lora = lora_config(model)
         # What the optimizer differentiates and updates: the adapters only under LoRA.
         self.trainable_filter = nnx.LoRAParam if self.lora is not None else nnx.Param
-        self._graphdef, params, rest = nnx.split(model, self.trainable_filter, ...)
+        graphdef, params, rest = nnx.split(model, self.trainable_filter, ...)  # type: ignore[misc]
+        self._graphdef: nnx.GraphDef = graphdef
         self.param_shardings = self._shardings(params)
         self._warn_replicated(params)
         self.params = self._place(params, self.param_shardings)
@@ -225,8 +230,9 @@ class TrainableModel(ABC):
 
     @abstractmethod
     def _accumulate(self, group: Sequence[MicroBatch], keys: Sequence[str], version: jax.Array,
-                    **kwargs: bool) -> tuple[PyTree, dict[str, jax.Array]]:
-        """One minibatch's gradient (params' structure) and statistic sums, on device."""
+                    **kwargs: bool) -> tuple[PyTree, PyTree]:
+        """One minibatch's gradient (params' structure) and statistic sums (a pytree of
+        scalars: ``losses.StepSums`` for the policy), on device."""
 
     @staticmethod
     @abstractmethod
@@ -261,13 +267,21 @@ class TrainableModel(ABC):
                                      f"{ids.shape} like input_ids")
 
     def _put(self, mb: MicroBatch, keys: Sequence[str]) -> dict[str, jax.Array]:
+        """The micro-batch's ``keys`` on the mesh, rows over ("data", "fsdp"), as int32 or
+        fp32. A device array (the critic's GAE advantages, returns and values) stays on the
+        devices: it is only resharded there if it is laid out otherwise."""
         out = {}
         for key in keys:
-            arr = np.asarray(mb[key])
+            value = mb[key]
+            arr = value if isinstance(value, jax.Array) else np.asarray(value)
             integral = np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool
             dtype = np.int32 if integral else np.float32
-            out[key] = put_batch(arr.astype(dtype, copy=False), self.mesh,
-                                 process_local=self.process_local_batches)
+            if isinstance(arr, jax.Array):
+                out[key] = jax.device_put(arr.astype(dtype),
+                                          batch_sharding(self.mesh, arr.ndim))
+            else:
+                out[key] = put_batch(arr.astype(dtype, copy=False), self.mesh,
+                                     process_local=self.process_local_batches)
         return out
 
     def _to_host(self, x: jax.Array) -> np.ndarray:
@@ -313,6 +327,7 @@ class TrainableModel(ABC):
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             lrs = [float(self._lr_schedule(self.step + i)) for i in range(len(groups))]
         per_step = []
+        assert self._apply is not None  # a frozen learner has no optimizer (_require_trainable)
         with use_mesh(self.mesh):
             for group in groups:
                 grads, sums = self._accumulate(group, keys, version, **accumulate_kw)
@@ -343,7 +358,7 @@ class TrainableModel(ABC):
                    step: int | None = None, version: int | None = None) -> None:
         """Replace the training state (e.g. after an Orbax restore), resharding onto the mesh."""
         want = jax.tree.structure(self.params)
-        if jax.tree.structure(params) != want:
+        if operator.ne(jax.tree.structure(params), want):  # PyTreeDef: untyped for mypy
             raise ValueError("load_state: params do not have this model's structure; "
                              f"expected {want}")
         for (path, new), old in zip(jax.tree_util.tree_flatten_with_path(params)[0],
@@ -357,7 +372,7 @@ class TrainableModel(ABC):
         self.params = self._place(params, self.param_shardings)
         if opt_state is not None:
             self._require_trainable("load_state(opt_state=...)")
-            if jax.tree.structure(opt_state) != jax.tree.structure(self.opt_state):
+            if operator.ne(jax.tree.structure(opt_state), jax.tree.structure(self.opt_state)):
                 raise ValueError("load_state: opt_state does not match this optimizer's state")
             self.opt_state = self._place(opt_state, self.opt_shardings)
         if step is not None:
