@@ -35,7 +35,6 @@ from areal_jax.config import RolloutConfig, TrainConfig, to_dict
 from areal_jax.cpu_affinity import check_cpus_available, pin_process_to_cpus
 from areal_jax.data.advantages import group_advantages_for
 from areal_jax.data.prompts import load_prompt_dataset
-from areal_jax.data.tokenizer import ChatTokenizer, load_tokenizer
 from areal_jax.data.trajectories import ProcessRowsDataset, TrajectoryBatchDataset
 from areal_jax.engine.launch import (
     ServerStartError,
@@ -84,6 +83,7 @@ from areal_jax.run_inputs import (
     resolve_model_path,
 )
 from areal_jax.sampling_params import SamplingParams
+from areal_jax.tokenizer import ChatTokenizer, load_tokenizer
 from areal_jax.trainer import Progress, RolloutSide, Trainer
 from model_defs import PyTree
 

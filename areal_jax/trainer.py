@@ -59,7 +59,6 @@ from areal_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from areal_jax.checkpoint import TrainCheckpointer
-    from areal_jax.data.tokenizer import ChatTokenizer
     from areal_jax.data.trajectories import TrainBatch
     from areal_jax.learner import Learner
     from areal_jax.learner.critic import Critic
@@ -69,6 +68,7 @@ if TYPE_CHECKING:
     from areal_jax.rollout.weight_sync import WeightSync
     from areal_jax.rollout.workflows import PromptItem
     from areal_jax.storage import RunFiles
+    from areal_jax.tokenizer import ChatTokenizer
 
 __all__ = ["Progress", "RolloutSide", "Trainer"]
 

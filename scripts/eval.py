@@ -89,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from areal_jax import storage
     from areal_jax.data.prompts import read_records
-    from areal_jax.data.tokenizer import load_tokenizer
     from areal_jax.rewards import reward_fn_spec
     from areal_jax.rewards.pool import RewardPool, resolve_reward_fn
     from areal_jax.rollout.client import RolloutClient
@@ -101,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         saved_run_config,
     )
     from areal_jax.sampling_params import SamplingParams
+    from areal_jax.tokenizer import load_tokenizer
 
     try:  # the arguments, before any model is loaded
         _check_numbers(args)

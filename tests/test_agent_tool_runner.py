@@ -13,13 +13,13 @@ import json
 
 import pytest
 
-from areal_jax.data.tokenizer import load_tokenizer
 from areal_jax.rollout.agent import AgenticWorkflow
 from areal_jax.rollout.agent_examples import arith_calculator_agent, calculator
 from areal_jax.rollout.client import RolloutClient
 from areal_jax.rollout.tools import TRUNCATED, ToolRunner, counting_tools
 from areal_jax.run_inputs import ASSETS_DIR
 from areal_jax.sampling_params import SamplingParams
+from areal_jax.tokenizer import load_tokenizer
 from areal_jax.trajectory import FINISH_CONTEXT
 from tests.server_fixtures import run_workflow, start_server
 

@@ -12,10 +12,10 @@ import numpy as np
 import openai
 import pytest
 
-from areal_jax.data.tokenizer import load_tokenizer
 from areal_jax.engine.openai_api import chat_prompt_ids
 from areal_jax.rollout.agent import AgenticWorkflow
 from areal_jax.sampling_params import SamplingParams
+from areal_jax.tokenizer import load_tokenizer
 from tests.server_fixtures import run_workflow, start_server
 from tests.tool_fixtures import (
     ADDED,

@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from areal_jax.config import ConfigError, load_config
-from areal_jax.data.tokenizer import load_tokenizer
 from areal_jax.rollout.agent import AgenticWorkflow, RecordedCall, assemble_trajectory
 from areal_jax.sampling_params import SamplingParams
+from areal_jax.tokenizer import load_tokenizer
 from tests.hf_fixtures import arith_chat_model_dir
 from tests.server_fixtures import run_workflow, start_server
 

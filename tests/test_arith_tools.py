@@ -11,11 +11,11 @@ import pytest
 
 from areal_jax.config import load_config
 from areal_jax.data import builtin_task as bt
-from areal_jax.data.tokenizer import load_tokenizer
 from areal_jax.engine.openai_api import chat_prompt_ids
 from areal_jax.engine.tool_calls import HERMES, parse_tool_calls, tool_call_format
 from areal_jax.rollout.agent_examples import CALCULATOR_TOOL, calculator
 from areal_jax.run_inputs import ASSETS_DIR
+from areal_jax.tokenizer import load_tokenizer
 
 CALL, CLOSE, R_OPEN, R_CLOSE = 20, 21, 22, 23
 

@@ -98,7 +98,7 @@ def test_script_env_puts_the_checkout_first_and_drops_xla_flags(monkeypatch):
 
 def test_memory_run_model_dir_keeps_the_preset_vocab_with_the_demo_tokenizer(tmp_path):
     from areal_jax.bench.memory_run import write_model_dir
-    from areal_jax.data.tokenizer import load_tokenizer
+    from areal_jax.tokenizer import load_tokenizer
     from model_defs import ModelConfig
 
     write_model_dir("tiny", 1, "bfloat16", str(tmp_path / "m"))

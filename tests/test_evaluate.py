@@ -8,13 +8,13 @@ import time
 
 import pytest
 
-from areal_jax.data.tokenizer import load_tokenizer
 from areal_jax.engine.launch import launch_server
 from areal_jax.rewards.pool import RewardPool
 from areal_jax.rollout.client import RolloutClient
 from areal_jax.rollout.evaluate import evaluate_prompts
 from areal_jax.run_inputs import ASSETS_DIR
 from areal_jax.sampling_params import SamplingParams
+from areal_jax.tokenizer import load_tokenizer
 
 MODEL = ASSETS_DIR / "arith_sft"
 ITEMS = [{"input_ids": [1, 2, 3, 4], "answer": "7"}, {"input_ids": [5, 6, 7], "answer": "3"}]

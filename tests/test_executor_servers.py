@@ -24,7 +24,6 @@ from test_rewards_pool import flaky_reward  # a light module: replaced reward wo
 
 from areal_jax.data import builtin_task
 from areal_jax.data.prompts import load_prompt_dataset
-from areal_jax.data.tokenizer import load_tokenizer
 from areal_jax.engine.launch import launch_server
 from areal_jax.rewards.builtin import builtin_reward
 from areal_jax.rewards.pool import RewardPool
@@ -32,6 +31,7 @@ from areal_jax.rollout.client import RolloutClient
 from areal_jax.rollout.executor import PromptsExhausted, RolloutExecutor
 from areal_jax.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow
 from areal_jax.sampling_params import SamplingParams
+from areal_jax.tokenizer import load_tokenizer
 
 BUILTIN_REWARD = "areal_jax.rewards.builtin:builtin_reward"
 
@@ -191,7 +191,7 @@ def test_staleness_bound_with_weight_updates_and_interruption(eta, fleet, ckpts,
 RESUME_SCRIPT = textwrap.dedent("""
     import json, os, sys, time
     from areal_jax.data.prompts import load_prompt_dataset
-    from areal_jax.data.tokenizer import load_tokenizer
+    from areal_jax.tokenizer import load_tokenizer
     from areal_jax.rewards.pool import RewardPool
     from areal_jax.rollout.client import RolloutClient
     from areal_jax.rollout.executor import PromptsExhausted, RolloutExecutor

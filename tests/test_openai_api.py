@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from areal_jax.data.tokenizer import load_tokenizer
+from areal_jax.tokenizer import load_tokenizer
 from tests.hf_fixtures import arith_chat_model_dir
 from tests.server_fixtures import start_server
 

@@ -14,8 +14,8 @@ import openai
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from areal_jax.data.tokenizer import load_tokenizer
 from areal_jax.engine.openai_api import chat_prompt_ids
+from areal_jax.tokenizer import load_tokenizer
 from tests.server_fixtures import start_server
 from tests.tool_fixtures import CALL_A, TOOL_CALL_TEXT, WEATHER_TOOL, tool_chat_model_dir
 

@@ -9,13 +9,13 @@ import pytest
 from hf_fixtures import make_tiny_hf_checkpoint
 
 from areal_jax.data import builtin_task
-from areal_jax.data.tokenizer import load_tokenizer
 from areal_jax.engine.launch import launch_server
 from areal_jax.rewards.pool import RewardPool
 from areal_jax.rollout.client import RolloutClient
 from areal_jax.rollout.executor import NoProgressError, RolloutExecutor
 from areal_jax.rollout.workflows import RLVRWorkflow
 from areal_jax.sampling_params import SamplingParams
+from areal_jax.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from areal_jax.data.tokenizer import ChatTokenizer, load_tokenizer
 from areal_jax.engine.adapters import load_adapter_update
 from areal_jax.engine.config import EngineConfig
 from areal_jax.engine.model_dir import ModelPathError, check_model_dir, read_eos_token_ids
@@ -50,6 +49,7 @@ from areal_jax.engine.request import EngineRequest
 from areal_jax.engine.runner import ModelRunner, bucket_for
 from areal_jax.engine.weight_check import WeightCheckError, check_probe_forward, load_update
 from areal_jax.sampling_params import SamplingParams
+from areal_jax.tokenizer import ChatTokenizer, load_tokenizer
 from model_defs import JsonDict, load_hf
 
 logger = logging.getLogger(__name__)

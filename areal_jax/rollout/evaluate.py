@@ -38,8 +38,8 @@ from areal_jax.rollout.workflows import (
 )
 from areal_jax.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # annotations only: rollout/ never imports data/
-    from areal_jax.data.tokenizer import ChatTokenizer
+if TYPE_CHECKING:  # annotations only: the run loads the tokenizer and hands it in
+    from areal_jax.tokenizer import ChatTokenizer
 
 EVAL_BATCH = 16  # samples per batched /generate
 

@@ -82,7 +82,7 @@ from areal_jax.trajectory import Trajectory
 
 if TYPE_CHECKING:  # annotations only: this room never loads the run config (nor data/)
     from areal_jax.config import TrainConfig
-    from areal_jax.data.tokenizer import ChatTokenizer
+    from areal_jax.tokenizer import ChatTokenizer
     from model_defs import JsonDict
 
 T = TypeVar("T")

@@ -43,8 +43,8 @@ from areal_jax.rollout.types import GenerateRequest, GenerateResponse
 from areal_jax.sampling_params import SamplingParams
 from areal_jax.trajectory import Trajectory
 
-if TYPE_CHECKING:  # annotations only: rollout/ never imports data/ (the tokenizer's room)
-    from areal_jax.data.tokenizer import ChatTokenizer
+if TYPE_CHECKING:  # annotations only: the run loads the tokenizer and hands it in
+    from areal_jax.tokenizer import ChatTokenizer
 
 # One row of the prompt dataset (prompt_id, prompt, answer, and whatever columns the
 # user's data has): user JSON, hence Any.

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from areal_jax.data.tokenizer import load_tokenizer
+from areal_jax.tokenizer import load_tokenizer
 
 QWEN_STYLE_TEMPLATE = (
     "{% for message in messages %}"
