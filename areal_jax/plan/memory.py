@@ -74,7 +74,7 @@ def _abstract_model(cfg: Any, dtype: str, remat: Any, lora_rank: int = 0
         return model
 
     trainable = nnx.LoRAParam if lora_rank else nnx.Param
-    graphdef, params, rest = nnx.split(nnx.eval_shape(build), trainable, ...)
+    graphdef, params, rest = nnx.split(nnx.eval_shape(build), trainable, ...)  # type: ignore[misc]
     if lora_rank:
         rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), rest)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

@@ -160,7 +160,7 @@ def abstract_learner(cfg: Any, model_cfg: Any, mesh: Any) -> Any:
     learner._jit_options = {"compiler_options": options} if options else {}
     learner.lora = lora_config(model)
     learner.trainable_filter = nnx.LoRAParam if learner.lora is not None else nnx.Param
-    learner._graphdef, params, rest = nnx.split(model, learner.trainable_filter, ...)
+    learner._graphdef, params, rest = nnx.split(model, learner.trainable_filter, ...)  # type: ignore[misc]
 
     def shardings(state: Any) -> Any:
         return jax.tree.unflatten(jax.tree.structure(state),
