@@ -49,6 +49,7 @@ from areal_jax.config import TrainConfig, to_dict
 from areal_jax.data.advantages import gae_targets_for
 from areal_jax.data.trajectories import save_batch
 from areal_jax.interrupt import raise_if_interrupted
+from areal_jax.losses.step_metrics import headline, row_entries
 from areal_jax.metrics import MismatchWarner
 from areal_jax.process import is_peer_gone
 from areal_jax.rollout.evaluate import evaluate_prompts, evaluate_workflow
@@ -368,18 +369,13 @@ class Trainer:
             "token_version_max": int(max(int(t.versions.max()) for t in trajs)),
             "start_staleness_max": float(max(version - min(g[0].start_version for g in groups),
                                              0)),
-            # mismatch/* (rollout-training mismatch per lag) keep their own section
-            **{(k if k.startswith("mismatch/") else f"train/{k}"): v
-               for k, v in train_metrics.items()},
+            **row_entries(train_metrics),  # train/*, and mismatch/* in their own section
             **{f"rollout/{k}": v for k, v in self.rollout.executor.metrics().items()
                if isinstance(v, int | float)},
         }
         if version == self.progress.start_version:  # seconds from process start
             row.update({f"startup/{k}": v for k, v in self.startup.items() if k.endswith("_s")})
-        for key, name in (("logp_mismatch", "logp_behav_abs_diff"), ("clip_frac", "clip_frac"),
-                          ("cap_frac", "cap_drop_frac"), ("staleness_mean", "staleness_mean"),
-                          ("staleness_max", "staleness_max")):
-            row[key] = train_metrics.get(name, float("nan"))
+        row.update(headline(train_metrics))  # top-level copies for plots
         return row
 
 

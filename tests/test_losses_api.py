@@ -86,8 +86,9 @@ def c(name, x):
 # in test_losses_ppo.py and test_losses_logprobs.py.
 TRANSFORM_CASES = {
     "decoupled_ppo_loss_terms": lambda x: L.decoupled_ppo_loss_terms(
-        x, c("prox", x), c("behav", x), c("adv", x), _MASK, agg_mode="seq-mean-token-sum",
-        seq_token_sum_normalizer=8.0).loss_sum,
+        L.PPOInputs(logp=x, prox_logp=c("prox", x), behav_logp=c("behav", x),
+                    advantages=c("adv", x), loss_mask=_MASK),
+        L.PPOLossConfig(agg_mode="seq-mean-token-sum", seq_token_sum_normalizer=8.0)).loss_sum,
     "group_advantages": lambda x: (
         L.group_advantages(x.reshape(-1), 4) * c("adv", x).reshape(-1)).sum(),
     "gae": lambda x: L.gae(x, c("adv", x), _MASK, 0.99, 0.95)[0].sum(),

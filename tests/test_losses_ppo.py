@@ -12,6 +12,8 @@ import pytest
 
 from areal_jax.losses import (
     AGG_MODES,
+    PPOInputs,
+    PPOLossConfig,
     combine_ppo_terms,
     decoupled_ppo_loss,
     decoupled_ppo_loss_terms,
@@ -389,8 +391,12 @@ def test_micro_batches_with_global_normalizer_match_the_full_batch(agg_mode):
     @jax.jit
     def micro_step(logp, prox, behav, adv, mask, versions, seg, normalizer):
         def loss_fn(lp):
-            terms = decoupled_ppo_loss_terms(lp, prox, behav, adv, mask, segment_ids=seg,
-                                             versions=versions, **kw)
+            inputs = PPOInputs(logp=lp, prox_logp=prox, behav_logp=behav, advantages=adv,
+                               loss_mask=mask, segment_ids=seg, versions=versions,
+                               max_segments=kw["max_segments"],
+                               current_version=kw["current_version"])
+            knobs = {k: v for k, v in kw.items() if k not in ("max_segments", "current_version")}
+            terms = decoupled_ppo_loss_terms(inputs, PPOLossConfig(**knobs))
             return terms.loss_sum / normalizer, terms
         return jax.value_and_grad(loss_fn, has_aux=True)(logp)
 

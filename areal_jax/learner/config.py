@@ -11,12 +11,16 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from areal_jax.losses import AGG_MODES, GROUP_MODES, KL_ESTIMATORS, RATIO_LEVELS
+from areal_jax.losses import AGG_MODES, GROUP_MODES, KL_ESTIMATORS, RATIO_LEVELS, PPOLossConfig
 from areal_jax.losses.behav_correction import (
     BAND_CORRECTIONS,
     BEHAV_CORRECTIONS,
     CAPPED_CORRECTIONS,
+    BehavCorrectionMode,
 )
+from areal_jax.losses.kl import KLEstimator
+from areal_jax.losses.ppo import RatioLevel
+from areal_jax.losses.segments import AggMode
 
 SCHEDULES = ("constant", "cosine")
 ALGORITHMS = (*GROUP_MODES, "ppo")  # GROUP_MODES: grpo, rloo, drgrpo, gspo
@@ -38,6 +42,10 @@ def check_non_negative(section: str, **values: float | int | None) -> None:
 def _check_choice(section: str, key: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"{section}.{key}={value!r}; expected one of {list(allowed)}")
+
+
+def _float_or_none(value: str | float | None) -> float | None:
+    return None if value is None else float(value)
 
 
 @dataclass(frozen=True)
@@ -96,18 +104,18 @@ class AlgoConfig:
     # Rollout-training mismatch correction of the behaviour weight (docs/losses.md,
     # "Behaviour corrections"): none | cap | tis | icepop | seq_tis | seq_tis_geo | seq_mask |
     # seq_mask_geo. null: "cap" when behav_imp_weight_cap is set, else "none".
-    behav_correction: Literal[BEHAV_CORRECTIONS] | None = None
+    behav_correction: BehavCorrectionMode | None = None
     behav_correction_cap: float | None = None  # C of cap, tis, seq_tis*; null: 2.0
     behav_correction_low: float = 0.5  # the band [low, high] of icepop, seq_mask*
     behav_correction_high: float = 2.0
     ppo_n_minibatches: int = 1
-    agg_mode: Literal[AGG_MODES] = "token-mean"
+    agg_mode: AggMode = "token-mean"
     # The trust-region ratio: per token (PPO) or per sequence (GSPO). null: "sequence" for
     # name gspo, else "token" (AReaL calls this importance_sampling_level).
-    ratio_level: Literal[RATIO_LEVELS] | None = None
+    ratio_level: RatioLevel | None = None
     dynamic_filter: bool = False  # DAPO: drop groups whose rewards are all equal
     kl_coef: float = 0.0  # reference-model KL penalty (0: no reference model)
-    kl_estimator: Literal[KL_ESTIMATORS] = "k3"
+    kl_estimator: KLEstimator = "k3"
     gamma: float = 1.0  # ppo only
     lam: float = 1.0  # ppo only
     value_eps_clip: float = 0.2  # ppo only
@@ -184,6 +192,23 @@ class AlgoConfig:
                 "behav_correction_cap": cap if mode in CAPPED_CORRECTIONS else None,
                 "behav_correction_low": self.behav_correction_low if band else None,
                 "behav_correction_high": self.behav_correction_high if band else None}
+
+    def ppo_loss_config(self, seq_token_sum_normalizer: float | None = None) -> PPOLossConfig:
+        """The PPO loss's config (``areal_jax.losses.PPOLossConfig``) of this algorithm;
+        ``seq_token_sum_normalizer``: the constant L of agg_mode seq-mean-token-sum."""
+        kw = self.behav_correction_kwargs
+        mode, cap, low, high = (kw.get(k) for k in (
+            "behav_correction", "behav_correction_cap", "behav_correction_low",
+            "behav_correction_high"))
+        return PPOLossConfig(eps_clip=self.eps_clip, eps_clip_higher=self.eps_clip_higher,
+                             c_clip=self.c_clip, behav_imp_weight_cap=self.behav_imp_weight_cap,
+                             behav_correction=None if mode is None else str(mode),
+                             behav_correction_cap=_float_or_none(cap),
+                             behav_correction_low=_float_or_none(low),
+                             behav_correction_high=_float_or_none(high),
+                             agg_mode=self.agg_mode,
+                             seq_token_sum_normalizer=seq_token_sum_normalizer,
+                             ratio_level=self.resolved_ratio_level)
 
     @property
     def resolved_ratio_level(self) -> str:

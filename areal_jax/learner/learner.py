@@ -19,7 +19,7 @@ how sequences were packed into micro-batches or split over data shards.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 import jax
@@ -30,9 +30,8 @@ from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
 from areal_jax.learner.config import AlgoConfig, OptimConfig, check_positive
-from areal_jax.learner.packing import OPTIONAL_FIELDS, PACKED_FIELDS
+from areal_jax.learner.packing import OPTIONAL_FIELDS, PACKED_FIELDS, PackedBatch
 from areal_jax.learner.steps import (
-    MAX_KEYS,
     CompilerOptions,
     make_denominator_fn,
     make_grad_fn,
@@ -44,7 +43,7 @@ from areal_jax.learner.trainable import (
     Program,
     TrainableModel,
 )
-from areal_jax.losses.mismatch import mismatch_stats
+from areal_jax.losses.step_metrics import StepSums, finalise_step, step_timing
 from areal_jax.parallel.mesh import (
     make_mesh,
     replicated,
@@ -62,6 +61,9 @@ from model_defs import (
 LOGP_KEYS = ("input_ids", "positions", "segment_ids")
 TRAIN_KEYS = tuple(PACKED_FIELDS)
 def _set(mb: MicroBatch, key: str, value: np.ndarray) -> None:
+    if not isinstance(mb, PackedBatch | MutableMapping):
+        raise TypeError(f"cannot set {key} on a read-only micro-batch ({type(mb).__name__}); "
+                        "pass PackedBatch or dict micro-batches")
     mb[key] = value
 
 
@@ -218,7 +220,7 @@ class Learner(TrainableModel):
         two compilations overlap instead of following one another.
         """
         t0 = time.perf_counter()
-        dummy = {k: np.zeros((rows, seq_len), dtype)
+        dummy: dict[str, np.ndarray] = {k: np.zeros((rows, seq_len), dtype)
                  for k, dtype in {**PACKED_FIELDS, **OPTIONAL_FIELDS}.items()}
         dummy["segment_ids"][:] = 1  # one segment per row, like a packed micro-batch
         with use_mesh(self.mesh):
@@ -242,11 +244,12 @@ class Learner(TrainableModel):
             # like the later calls' (the previous call's outputs).
             grad_fn.lower(self.params, self._rest, grads, self._zero_sums(), batch, denom,
                           n_loss, version).compile()
+            assert self._apply is not None  # a trainable learner's optimizer update
             self._apply.lower(self.params, self.opt_state, grads).compile()
             del grads
         return time.perf_counter() - t0
 
-    def _zero_sums(self) -> dict[str, jax.Array]:
+    def _zero_sums(self) -> StepSums:
         """Zero statistic sums, placed like the gradient program's output sums: the first
         micro-batch's call then runs the same compiled program as the later ones (unplaced
         zeros made jax trace, lower and load a second one)."""
@@ -289,11 +292,9 @@ class Learner(TrainableModel):
                               jnp.float32)
         metrics = self._optimizer_steps(groups, keys, version,
                                         prox_from_logp=prox_from_logp)
-        metrics["prox_logp_recomputed"] = float(self.algo.decoupled and not prox_from_logp)
-        metrics["n_micro_batches"] = float(len(micro_batches))
-        metrics["step_time_s"] = time.perf_counter() - t0
-        metrics["tokens_per_s"] = metrics["n_tokens"] / max(metrics["step_time_s"], 1e-9)
-        return metrics
+        return metrics | step_timing(
+            metrics, prox_logp_recomputed=self.algo.decoupled and not prox_from_logp,
+            n_micro_batches=len(micro_batches), step_time_s=time.perf_counter() - t0)
 
     def _train_keys(self, prox_from_logp: bool) -> list[str]:
         keys = list(TRAIN_KEYS)
@@ -305,7 +306,7 @@ class Learner(TrainableModel):
 
     def _accumulate(self, group: Sequence[MicroBatch], keys: Sequence[str], version: jax.Array,
                     prox_from_logp: bool = False, **_: bool
-                    ) -> tuple[PyTree, dict[str, jax.Array]]:
+                    ) -> tuple[PyTree, StepSums]:
         """Gradient of one minibatch (sum over its micro-batches of loss_sum / global
         denominator) and its statistic sums, on device."""
         batches = [self._put(mb, keys) for mb in group]
@@ -332,50 +333,16 @@ class Learner(TrainableModel):
                               jnp.float32)
         with use_mesh(self.mesh):
             grads, sums = self._accumulate(micro_batches, keys, version, prox_from_logp)
-        return float(sums["loss"]), grads
+        return float(sums.loss), grads
 
     @staticmethod
     def _metrics(per_step: list, lrs: list[float]) -> dict[str, float]:
-        total: dict[str, float] = {}
-        for sums, _, _ in per_step:
-            for k, v in sums.items():
-                old, new = total.get(k, 0.0), float(v)
-                total[k] = max(old, new) if k in MAX_KEYS else old + new
-        n_steps = len(per_step)
-        count = max(total["token_count"], 1.0)
-        grad_norms = [float(g) for _, g, _ in per_step]
-        return {
-            "loss": total["loss"] / n_steps,  # mean over minibatches of the minibatch loss
-            "kl_ref": total["kl_ref"] / n_steps,
-            "grad_norm": float(np.mean(grad_norms)),
-            "grad_norm_max": float(np.max(grad_norms)),
-            "clip_frac": total["clipped"] / count,
-            "dual_clip_frac": total["dual_clipped"] / count,
-            "cap_drop_frac": total["cap_dropped"] / count,
-            "behav_mask_frac": total["behav_masked"] / count,
-            "behav_trunc_frac": total["behav_truncated"] / count,
-            "behav_imp_weight_mean": total["behav_imp_weight"] / count,
-            "behav_imp_weight_max": total["behav_imp_weight_max"],
-            "approx_kl": total["approx_kl"] / count,
-            "staleness_mean": total["staleness"] / count,
-            "staleness_max": total["staleness_max"],
-            "entropy": total["entropy"] / count,
-            "logp_behav_abs_diff": total["logp_behav_abs_diff"] / count,
-            "logp_behav_kl": total["logp_behav_kl"] / count,
-            "n_tokens": total["n_tokens"] / 1.0,
-            "n_loss_tokens": total["token_count"],
-            "n_minibatches": float(n_steps),
-            "skipped_steps": float(sum(1 for _, _, ok in per_step if not bool(ok))),
-            "lr": lrs[-1],
-            **_mismatch_metrics(total),
-        }
+        """The step's metrics (``losses.step_metrics``) from each minibatch's (sums, grad
+        norm, applied)."""
+        sums, grad_norms, applied = zip(*per_step, strict=True)
+        return finalise_step(sums, [float(g) for g in grad_norms],
+                             [bool(ok) for ok in applied], lrs[-1]).as_dict()
 
-
-def _mismatch_metrics(total: dict[str, float]) -> dict[str, float]:
-    """``mismatch/lag{k}_abs_diff_mean|abs_diff_max|kl|frac`` from the step's sums."""
-    strip = len("mismatch/")
-    sums = {k[strip:]: v for k, v in total.items() if k.startswith("mismatch/")}
-    return {f"mismatch/{k}": v for k, v in mismatch_stats(sums, sums).items()}
 
 def _has(mb: MicroBatch, key: str) -> bool:
     try:

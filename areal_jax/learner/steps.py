@@ -18,26 +18,24 @@ from jax.typing import DTypeLike
 
 from areal_jax.learner.config import AlgoConfig
 from areal_jax.learner.token_logp import packed_token_logprobs
-from areal_jax.losses import decoupled_ppo_loss_terms, loss_denominator, token_kl
-from areal_jax.losses.mismatch import lag_bucket_names, mismatch_terms
+from areal_jax.losses import (
+    PPOInputs,
+    PPOLossTerms,
+    StepSums,
+    decoupled_ppo_loss_terms,
+    loss_denominator,
+    token_kl,
+)
+from areal_jax.losses.mismatch import mismatch_terms
 from model_defs import PyTree, fp32_matmuls
 
 # XLA compiler options (``jax.jit(compiler_options=...)``): flag name -> value.
 CompilerOptions = dict[str, str | bool | int | float]
 
-# Rollout-training mismatch per lag bucket (areal_jax.losses.mismatch), "mismatch/" keys.
-MISMATCH_SUM_KEYS = tuple(f"mismatch/{n}_{s}" for n in lag_bucket_names()
-                          for s in ("abs_diff", "kl", "count"))
-MISMATCH_MAX_KEYS = tuple(f"mismatch/{n}_abs_diff_max" for n in lag_bucket_names())
-# Scalars summed over the micro-batches of a step; MAX_KEYS combine by maximum instead.
-SUM_KEYS = ("loss", "kl_ref", "token_count", "n_tokens", "clipped", "dual_clipped",
-            "cap_dropped", "behav_masked", "behav_truncated", "behav_imp_weight", "approx_kl",
-            "staleness", "entropy", "logp_behav_abs_diff", "logp_behav_kl", *MISMATCH_SUM_KEYS)
-MAX_KEYS = ("behav_imp_weight_max", "staleness_max", *MISMATCH_MAX_KEYS)
 
-
-def zero_sums() -> dict[str, jax.Array]:
-    return {k: jnp.zeros((), jnp.float32) for k in SUM_KEYS + MAX_KEYS}
+def zero_sums() -> StepSums:
+    """The statistic sums of no micro-batch (the gradient program's first ``sums``)."""
+    return StepSums.zeros()
 
 
 def cast_params(params: PyTree, compute_dtype: DTypeLike | None) -> PyTree:
@@ -149,6 +147,7 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None, algo: 
     constant, instead of a separately recomputed ``batch["prox_logp"]``.
     """
     logp_fn = make_logp_fn(graphdef, compute_dtype, temperature, logp_chunk_size)
+    loss_cfg = algo.ppo_loss_config(seq_token_sum_normalizer)
 
     def loss_fn(params, rest, batch, denom, n_loss_tokens, version, layer_grad_acc,
                 head_grad_acc):
@@ -157,24 +156,11 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None, algo: 
         prox_bt = None  # naive PPO: prox = behav
         if algo.decoupled:
             prox_bt = jax.lax.stop_gradient(logp_bt) if prox_from_logp else batch["prox_logp"]
-        terms = decoupled_ppo_loss_terms(
-            logp_bt,
-            prox_bt,
-            batch["behav_logp"],
-            batch["advantages"],
-            mask_bt,
-            eps_clip=algo.eps_clip,
-            eps_clip_higher=algo.eps_clip_higher,
-            c_clip=algo.c_clip,
-            **algo.behav_correction_kwargs,
-            versions=batch["versions"],
-            current_version=version,
-            agg_mode=algo.agg_mode,
-            seq_token_sum_normalizer=seq_token_sum_normalizer,
-            ratio_level=algo.resolved_ratio_level,
-            segment_ids=batch["segment_ids"],
-            max_segments=mask_bt.shape[1],
-        )
+        inputs = PPOInputs(logp=logp_bt, prox_logp=prox_bt, behav_logp=batch["behav_logp"],
+                           advantages=batch["advantages"], loss_mask=mask_bt,
+                           versions=batch["versions"], current_version=version,
+                           segment_ids=batch["segment_ids"], max_segments=mask_bt.shape[1])
+        terms = decoupled_ppo_loss_terms(inputs, loss_cfg)
         loss = terms.loss_sum / jnp.maximum(denom, 1.0)
         kl_ref = jnp.zeros((), jnp.float32)
         if algo.kl_coef > 0:
@@ -205,29 +191,38 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None, algo: 
         grads = accumulate(grads, g, layers_done=layer_acc is not None,
                            head_done=head_key if head_acc is not None else None)
 
-        mask_bt = batch["loss_mask"] != 0
-        diff_bt = jnp.where(mask_bt, logp_bt - batch["behav_logp"], 0.0)
-        new = {
-            "loss": loss,
-            "kl_ref": kl_ref,
-            "token_count": terms.token_count,
-            "n_tokens": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32),
-            "entropy": jnp.sum(jnp.where(mask_bt, entropy_bt, 0.0)),
-            "logp_behav_abs_diff": jnp.sum(jnp.abs(diff_bt)),
-            # k3 estimate of KL(behav || pi) from tokens sampled by the behaviour policy.
-            "logp_behav_kl": jnp.sum(jnp.where(mask_bt, jnp.expm1(diff_bt) - diff_bt, 0.0)),
-            **terms.stat_sums,
-            **terms.stat_maxes,
-        }
-        # Mismatch apart from lag: the learner's logprobs under the version it holds.
-        mm_sums, mm_maxes = mismatch_terms(held_bt, batch["behav_logp"], mask_bt,
-                                           batch["versions"], version)
-        new.update({f"mismatch/{k}": v for k, v in (mm_sums | mm_maxes).items()})
-        sums = {k: (jnp.maximum(v, new[k]) if k in MAX_KEYS else v + new[k])
-                for k, v in sums.items()}
+        new = _micro_batch_sums(batch, version, loss, kl_ref, terms, logp_bt, entropy_bt,
+                                held_bt)
+        sums = sums.add(new)
         return grads, sums
 
     return grad_fn
+
+
+def _micro_batch_sums(batch: dict[str, jax.Array], version: jax.Array, loss: jax.Array,
+                      kl_ref: jax.Array, terms: PPOLossTerms, logp_bt: jax.Array,
+                      entropy_bt: jax.Array, held_bt: jax.Array) -> StepSums:
+    """One micro-batch's statistic sums: the loss terms' and the learner's own (entropy,
+    |logp - behav_logp|, the rollout-training mismatch of ``held_bt``, the learner's
+    logprobs under the version it holds)."""
+    mask_bt = batch["loss_mask"] != 0
+    diff_bt = jnp.where(mask_bt, logp_bt - batch["behav_logp"], 0.0)
+    mm_sums, mm_maxes = mismatch_terms(held_bt, batch["behav_logp"], mask_bt,
+                                       batch["versions"], version)
+    return StepSums(
+        loss=loss,
+        kl_ref=kl_ref,
+        token_count=terms.token_count,
+        n_tokens=jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32),
+        entropy=jnp.sum(jnp.where(mask_bt, entropy_bt, 0.0)),
+        logp_behav_abs_diff=jnp.sum(jnp.abs(diff_bt)),
+        # k3 estimate of KL(behav || pi) from tokens sampled by the behaviour policy.
+        logp_behav_kl=jnp.sum(jnp.where(mask_bt, jnp.expm1(diff_bt) - diff_bt, 0.0)),
+        **terms.stat_sums,
+        **terms.stat_maxes,
+        mismatch_sums=mm_sums,
+        mismatch_maxes=mm_maxes,
+    )
 
 
 def make_apply_fn(tx: optax.GradientTransformation) -> Callable:

@@ -24,6 +24,8 @@ from areal_jax.losses.logprobs import (
 from areal_jax.losses.mismatch import lag_bucket_names, mismatch_stats, mismatch_terms
 from areal_jax.losses.ppo import (
     RATIO_LEVELS,
+    PPOInputs,
+    PPOLossConfig,
     PPOLossTerms,
     combine_ppo_terms,
     decoupled_ppo_loss,
@@ -32,6 +34,7 @@ from areal_jax.losses.ppo import (
     ppo_stats_from_terms,
 )
 from areal_jax.losses.segments import AGG_MODES, loss_denominator
+from areal_jax.losses.step_metrics import StepMetrics, StepSums, finalise_step
 
 __all__ = [
     "AGG_MODES",
@@ -39,13 +42,18 @@ __all__ = [
     "GROUP_MODES",
     "KL_ESTIMATORS",
     "RATIO_LEVELS",
+    "PPOInputs",
+    "PPOLossConfig",
     "PPOLossTerms",
+    "StepMetrics",
+    "StepSums",
     "behav_correction",
     "combine_ppo_terms",
     "decoupled_ppo_loss",
     "decoupled_ppo_loss_terms",
     "empty_ppo_terms",
     "entropy_from_logits",
+    "finalise_step",
     "gae",
     "group_advantages",
     "logprobs_from_hidden",

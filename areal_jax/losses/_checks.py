@@ -88,10 +88,8 @@ def in_range(fn: str, name: str, value: Any, lo: float, hi: float, *, allow_none
     if isinstance(value, jax.core.Tracer) and value.ndim == 0:
         return
     number = _real_scalar(value)
-    ok = number is not None
-    if ok:
-        ok = ((number > lo if lo_open else number >= lo)
-              and (number < hi if hi_open else number <= hi))
+    ok = number is not None and ((number > lo if lo_open else number >= lo)
+                                 and (number < hi if hi_open else number <= hi))
     if not ok:
         left = "(" if lo_open else "["
         right = ")" if hi_open else "]"

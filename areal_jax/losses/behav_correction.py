@@ -31,15 +31,16 @@ weight.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 
 from areal_jax.losses.segments import SequenceLayout, sequence_sum, to_tokens
 
-BEHAV_CORRECTIONS = ("none", "cap", "tis", "icepop", "seq_tis", "seq_tis_geo", "seq_mask",
-                     "seq_mask_geo")
+BehavCorrectionMode = Literal["none", "cap", "tis", "icepop", "seq_tis", "seq_tis_geo",
+                              "seq_mask", "seq_mask_geo"]
+BEHAV_CORRECTIONS: tuple[str, ...] = get_args(BehavCorrectionMode)
 CAPPED_CORRECTIONS = ("cap", "tis", "seq_tis", "seq_tis_geo")  # take C
 BAND_CORRECTIONS = ("icepop", "seq_mask", "seq_mask_geo")  # take [low, high]
 SEQUENCE_CORRECTIONS = ("seq_tis", "seq_tis_geo", "seq_mask", "seq_mask_geo")
@@ -83,6 +84,8 @@ def behav_correction(log_ratio_bt: jax.Array, mask_bt: jax.Array, mode: str, *,
     if mode == "none":
         return BehavCorrection(log_rho, mask_bt, no, no)
     if mode in SEQUENCE_CORRECTIONS:
+        if layout is None:
+            raise ValueError(f"behav_correction: mode {mode!r} needs the sequences (layout)")
         log_seq_s = sequence_sum(log_rho, layout)
         if mode.endswith("_geo"):
             count_s = sequence_sum(mask_bt.astype(jnp.float32), layout)
@@ -93,8 +96,12 @@ def behav_correction(log_ratio_bt: jax.Array, mask_bt: jax.Array, mode: str, *,
     # exp may be inf for a long sequence's product; comparisons with inf are exact.
     stat_bt = jnp.exp(log_stat_bt)
     if mode in BAND_CORRECTIONS:
+        if low is None or high is None:
+            raise ValueError(f"behav_correction: mode {mode!r} needs low and high, its band")
         keep = mask_bt & (stat_bt >= low) & (stat_bt <= high)
         return BehavCorrection(jnp.where(keep, log_rho, 0.0), keep, no, mask_bt & ~keep)
+    if cap is None:
+        raise ValueError(f"behav_correction: mode {mode!r} needs cap, its C")
     if mode == "cap":
         keep = mask_bt & (stat_bt <= cap)
         return BehavCorrection(jnp.where(keep, log_rho, 0.0), keep, no, mask_bt & ~keep)

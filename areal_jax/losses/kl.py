@@ -13,14 +13,15 @@ coefficient and aggregate like the PPO loss) or as a reward penalty.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
 
 from areal_jax.losses import _checks
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KLEstimator = Literal["k1", "k2", "k3"]
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 
 def token_kl(logp: Any, ref_logp: Any, estimator: str = "k3", mask: Any = None) -> jax.Array:

@@ -9,6 +9,10 @@
 
 With prox_logp == behav_logp this is standard clipped PPO.
 
+The knobs are one frozen :class:`PPOLossConfig` and the [B, T] arrays one
+:class:`PPOInputs`; :func:`decoupled_ppo_loss_terms` ``(inputs, config)`` is the one
+implementation, :func:`decoupled_ppo_loss` a thin wrapper that takes the knobs as keywords.
+
 ``behav_correction`` generalises the cap (``areal_jax.losses.behav_correction``): it
 replaces w_t by a corrected weight W_t (truncated: TIS; token or sequence level) or masks
 tokens (IcePop band, sequence masks). Its ratio is rho_t = exp(prox_logp - behav_logp) =
@@ -32,10 +36,13 @@ exp(mean_{t in s} (logp_t - prox_logp_t)); gradients flow through that mean.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from areal_jax.losses import _checks
 from areal_jax.losses.behav_correction import (
@@ -43,19 +50,102 @@ from areal_jax.losses.behav_correction import (
     BEHAV_CORRECTIONS,
     CAPPED_CORRECTIONS,
     SEQUENCE_CORRECTIONS,
+    BehavCorrection,
 )
 from areal_jax.losses.behav_correction import behav_correction as correct_behav_weight
 from areal_jax.losses.segments import (
     AGG_MODES,
+    SequenceLayout,
     sequence_count,
     sequence_layout,
     sequence_sum,
     to_tokens,
 )
+from areal_jax.losses.step_metrics import MAXIMA, PPO_SUMS, TOKEN_MEANS
 
-RATIO_LEVELS = ("token", "sequence")
+RatioLevel = Literal["token", "sequence"]
+RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
 
 _FN = "decoupled_ppo_loss"
+
+
+@dataclass(frozen=True)
+class PPOLossConfig:
+    """The decoupled PPO loss's knobs (formula in the module docstring), validated on
+    construction. Frozen and hashable: a static argument of ``jax.jit``.
+
+    Attributes:
+        eps_clip: lower (and default upper) clip range, in (0, 1).
+        eps_clip_higher: upper clip range (DAPO "clip-higher"); None = eps_clip.
+        c_clip: dual-clip constant c > 1 (only affects A < 0); None disables.
+        behav_imp_weight_cap: drop tokens whose behaviour weight w exceeds it; None keeps all.
+            The same as ``behav_correction="cap"`` with ``behav_correction_cap`` = it, except
+            with ``prox_logp=None``, where it caps w = 1 (as it always did).
+        behav_correction: one of ``BEHAV_CORRECTIONS`` (see the module docstring and
+            ``areal_jax.losses.behav_correction``); None: "cap" when
+            ``behav_imp_weight_cap`` is set, else "none".
+        behav_correction_cap: C (> 0) of "cap", "tis", "seq_tis", "seq_tis_geo".
+        behav_correction_low, behav_correction_high: the band 0 <= low < high of "icepop",
+            "seq_mask", "seq_mask_geo".
+        agg_mode: "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum".
+        seq_token_sum_normalizer: the constant L of "seq-mean-token-sum" (required there).
+        ratio_level: "token" (PPO) or "sequence" (GSPO geometric-mean ratio).
+    """
+
+    eps_clip: float = 0.2
+    eps_clip_higher: float | None = None
+    c_clip: float | None = None
+    behav_imp_weight_cap: float | None = None
+    behav_correction: str | None = None
+    behav_correction_cap: float | None = None
+    behav_correction_low: float | None = None
+    behav_correction_high: float | None = None
+    agg_mode: str = "token-mean"
+    seq_token_sum_normalizer: float | None = None
+    ratio_level: str = "token"
+
+    def __post_init__(self) -> None:
+        _check_hparams(self)
+        self.correction()  # checks the correction's mode and bounds
+
+    def correction(self) -> tuple[str, float | None]:
+        """The behaviour correction's mode and its C (``behav_imp_weight_cap`` is the cap
+        mode's C)."""
+        return _resolve_correction(self.behav_correction, self.behav_correction_cap,
+                                   self.behav_correction_low, self.behav_correction_high,
+                                   self.behav_imp_weight_cap)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, kw_only=True)
+class PPOInputs:
+    """The per-token inputs of the decoupled PPO loss: [B, T] arrays (bf16 or fp32 where
+    floating; everything is computed in fp32), passed by keyword. A pytree whose only
+    static part is ``max_segments``.
+
+    Attributes:
+        logp: log-probs of the taken tokens under the parameters being trained.
+        behav_logp: behaviour-policy log-probs recorded at generation time.
+        advantages: per-token advantages.
+        loss_mask: 1 on tokens to train on (bool, int or float 0/1).
+        prox_logp: proximal-policy log-probs (recomputed by the learner before the
+            update, no gradient). None means prox = behav (standard PPO, w = 1).
+        versions: optional int, the weight version that generated each token.
+        current_version: the learner's version (a scalar); required with ``versions``.
+        segment_ids: optional int for packed rows (0 = padding, 1.. = sequence number
+            within the row). Padding tokens are treated as masked.
+        max_segments: static bound on ``segment_ids``; required under jit with segment_ids.
+    """
+
+    logp: ArrayLike
+    behav_logp: ArrayLike
+    advantages: ArrayLike
+    loss_mask: ArrayLike
+    prox_logp: ArrayLike | None = None
+    versions: ArrayLike | None = None
+    current_version: ArrayLike | None = None
+    segment_ids: ArrayLike | None = None
+    max_segments: int | None = dataclasses.field(default=None, metadata={"static": True})
 
 
 class PPOLossTerms(NamedTuple):
@@ -85,30 +175,19 @@ class PPOLossTerms(NamedTuple):
     stat_maxes: dict[str, jax.Array]
 
 
-def decoupled_ppo_loss_terms(
-    logp: Any,
-    prox_logp: Any,
-    behav_logp: Any,
-    advantages: Any,
-    loss_mask: Any,
-    *,
-    eps_clip: float = 0.2,
-    eps_clip_higher: float | None = None,
-    c_clip: float | None = None,
-    behav_imp_weight_cap: float | None = None,
-    behav_correction: str | None = None,
-    behav_correction_cap: float | None = None,
-    behav_correction_low: float | None = None,
-    behav_correction_high: float | None = None,
-    versions: Any = None,
-    current_version: Any = None,
-    agg_mode: str = "token-mean",
-    seq_token_sum_normalizer: float | None = None,
-    ratio_level: str = "token",
-    segment_ids: Any = None,
-    max_segments: int | None = None,
-) -> PPOLossTerms:
-    """The "sum and count" form of :func:`decoupled_ppo_loss`.
+class _Tokens(NamedTuple):
+    """The checked per-token inputs, fp32 (the mask bool)."""
+
+    logp_bt: jax.Array
+    prox_bt: jax.Array
+    behav_bt: jax.Array
+    adv_bt: jax.Array
+    mask_bt: jax.Array
+    version_bt: jax.Array | None
+
+
+def decoupled_ppo_loss_terms(inputs: PPOInputs, config: PPOLossConfig) -> PPOLossTerms:
+    """The "sum and count" form of the decoupled PPO loss: the one implementation.
 
     Use it when one loss is spread over micro-batches or data shards: the minibatch
     loss is ``sum(terms.loss_sum) / sum(terms.denominator)``. Because the denominator
@@ -116,64 +195,49 @@ def decoupled_ppo_loss_terms(
     over micro-batches and shards) and differentiate ``terms.loss_sum / global_denominator``
     per micro-batch; the accumulated gradients are those of the whole minibatch.
     Aggregate statistics with :func:`combine_ppo_terms` and :func:`ppo_stats_from_terms`.
-
-    Arguments are as in :func:`decoupled_ppo_loss`.
     """
-    fn = _FN
-    logp_bt = _checks.float_input(fn, "logp", logp)
-    _checks.ndim(fn, "logp", logp_bt, 2, "[B, T]")
-    behav_bt = _checks.float_input(fn, "behav_logp", behav_logp)
-    prox_bt = behav_bt if prox_logp is None else _checks.float_input(fn, "prox_logp", prox_logp)
-    adv_bt = _checks.float_input(fn, "advantages", advantages)
-    mask_bt = _checks.mask_input(fn, "loss_mask", loss_mask)
-    version_bt = None if versions is None else _checks.int_input(fn, "versions", versions)
-    _checks.same_shape(fn, "logp", logp_bt, prox_logp=prox_bt, behav_logp=behav_bt,
-                       advantages=adv_bt, loss_mask=mask_bt, versions=version_bt)
-    _check_hparams(eps_clip, eps_clip_higher, c_clip, behav_imp_weight_cap, agg_mode,
-                   seq_token_sum_normalizer, ratio_level)
-    mode, cap = _resolve_correction(behav_correction, behav_correction_cap,
-                                    behav_correction_low, behav_correction_high,
-                                    behav_imp_weight_cap)
-    # behav_imp_weight_cap keeps its meaning: it caps w = exp(prox - behav), which is 1 with
-    # prox_logp=None. behav_correction's ratio is the current policy's there.
-    against_current = prox_logp is None and behav_imp_weight_cap is None
-    if version_bt is not None and current_version is None:
-        raise ValueError(f"{fn}: versions given without current_version (the learner's version)")
-    needs_sequences = (agg_mode != "token-mean" or ratio_level == "sequence"
-                       or segment_ids is not None or mode in SEQUENCE_CORRECTIONS)
-    layout = (sequence_layout(logp_bt.shape, segment_ids, max_segments, fn=fn)
-              if needs_sequences else None)
-    if segment_ids is not None:
+    tok = _check_inputs(inputs)
+    mode, cap = config.correction()
+    needs_sequences = (config.agg_mode != "token-mean" or config.ratio_level == "sequence"
+                       or inputs.segment_ids is not None or mode in SEQUENCE_CORRECTIONS)
+    layout = (sequence_layout(tok.logp_bt.shape, inputs.segment_ids, inputs.max_segments,
+                              fn=_FN) if needs_sequences else None)
+    mask_bt = tok.mask_bt
+    if layout is not None and inputs.segment_ids is not None:
         mask_bt = mask_bt & layout.in_sequence_bt  # padding (segment id 0) is never valid
 
     # Behaviour weight (a constant) and its correction. Log differences are masked before
     # exp so garbage on invalid tokens can never produce inf or NaN (not even in gradients).
-    behav_log_w = jax.lax.stop_gradient(jnp.where(mask_bt, prox_bt - behav_bt, 0.0))
-    behav_w = jnp.exp(behav_log_w)
+    behav_log_w = jax.lax.stop_gradient(jnp.where(mask_bt, tok.prox_bt - tok.behav_bt, 0.0))
     # The correction's ratio: against prox (decoupled), else against the current policy.
+    # behav_imp_weight_cap keeps its meaning: it caps w = exp(prox - behav), which is 1 with
+    # prox_logp=None. behav_correction's ratio is the current policy's there.
+    against_current = inputs.prox_logp is None and config.behav_imp_weight_cap is None
     log_rho = behav_log_w if not against_current else jax.lax.stop_gradient(
-        jnp.where(mask_bt, logp_bt - behav_bt, 0.0))
-    corr = correct_behav_weight(log_rho, mask_bt, mode, cap=cap, low=behav_correction_low,
-                                high=behav_correction_high, layout=layout)
+        jnp.where(mask_bt, tok.logp_bt - tok.behav_bt, 0.0))
+    corr = correct_behav_weight(log_rho, mask_bt, mode, cap=cap,
+                                low=config.behav_correction_low,
+                                high=config.behav_correction_high, layout=layout)
     keep_bt = corr.keep_bt
-    cap_dropped = corr.masked_bt if mode == "cap" else jnp.zeros_like(mask_bt)
     # The weight applied to l_t: W_t (decoupled: behav_log_w == log_rho), else W_t / rho_t.
     applied_w = jnp.exp(jnp.where(keep_bt, corr.log_weight_bt - log_rho + behav_log_w, 0.0))
 
-    log_ratio = jnp.where(keep_bt, logp_bt - prox_bt, 0.0)
-    if ratio_level == "sequence":
+    log_ratio = jnp.where(keep_bt, tok.logp_bt - tok.prox_bt, 0.0)
+    if config.ratio_level == "sequence":
+        assert layout is not None  # needs_sequences
         kept_s = sequence_sum(keep_bt.astype(jnp.float32), layout)
         mean_log_ratio_s = sequence_sum(log_ratio, layout) / jnp.maximum(kept_s, 1.0)
         log_ratio = jnp.where(keep_bt, to_tokens(mean_log_ratio_s, layout), 0.0)
     ratio = jnp.exp(log_ratio)
 
-    high = eps_clip if eps_clip_higher is None else eps_clip_higher
+    adv_bt = tok.adv_bt
+    high = config.eps_clip if config.eps_clip_higher is None else config.eps_clip_higher
     loss_unclipped = -adv_bt * ratio
-    loss_clipped = -adv_bt * jnp.clip(ratio, 1.0 - eps_clip, 1.0 + high)
+    loss_clipped = -adv_bt * jnp.clip(ratio, 1.0 - config.eps_clip, 1.0 + high)
     token_loss = jnp.maximum(loss_unclipped, loss_clipped)
     clipped = keep_bt & (loss_clipped > loss_unclipped)
-    if c_clip is not None:
-        dual_bound = c_clip * jnp.abs(adv_bt)
+    if config.c_clip is not None:
+        dual_bound = config.c_clip * jnp.abs(adv_bt)
         dual_clipped = keep_bt & (adv_bt < 0) & (token_loss > dual_bound)
         token_loss = jnp.where(adv_bt < 0, jnp.minimum(token_loss, dual_bound), token_loss)
     else:
@@ -181,19 +245,55 @@ def decoupled_ppo_loss_terms(
     weighted_loss = jnp.where(keep_bt, applied_w * token_loss, 0.0)
 
     token_count = jnp.sum(mask_bt).astype(jnp.float32)
-    if agg_mode == "token-mean":
-        loss_sum = jnp.sum(weighted_loss)
-        denominator = token_count
-    elif agg_mode == "seq-mean-token-mean":
+    loss_sum, denominator = _aggregate(weighted_loss, mask_bt, token_count, layout, config)
+    stat_sums, stat_maxes = _stat_terms(
+        tok, inputs.current_version, mask_bt, jnp.exp(behav_log_w), corr,
+        cap_dropped=corr.masked_bt if mode == "cap" else jnp.zeros_like(mask_bt),
+        clipped=clipped, dual_clipped=dual_clipped)
+    return PPOLossTerms(loss_sum, denominator, token_count, stat_sums, stat_maxes)
+
+
+def _check_inputs(inputs: PPOInputs) -> _Tokens:
+    """The per-token inputs, checked (dtype, shape) and cast to fp32 (the mask to bool)."""
+    fn = _FN
+    logp_bt = _checks.float_input(fn, "logp", inputs.logp)
+    _checks.ndim(fn, "logp", logp_bt, 2, "[B, T]")
+    behav_bt = _checks.float_input(fn, "behav_logp", inputs.behav_logp)
+    prox_bt = (behav_bt if inputs.prox_logp is None
+               else _checks.float_input(fn, "prox_logp", inputs.prox_logp))
+    adv_bt = _checks.float_input(fn, "advantages", inputs.advantages)
+    mask_bt = _checks.mask_input(fn, "loss_mask", inputs.loss_mask)
+    version_bt = (None if inputs.versions is None
+                  else _checks.int_input(fn, "versions", inputs.versions))
+    _checks.same_shape(fn, "logp", logp_bt, prox_logp=prox_bt, behav_logp=behav_bt,
+                       advantages=adv_bt, loss_mask=mask_bt, versions=version_bt)
+    if version_bt is not None and inputs.current_version is None:
+        raise ValueError(f"{fn}: versions given without current_version (the learner's version)")
+    return _Tokens(logp_bt, prox_bt, behav_bt, adv_bt, mask_bt, version_bt)
+
+
+def _aggregate(weighted_loss: jax.Array, mask_bt: jax.Array, token_count: jax.Array,
+               layout: SequenceLayout | None, config: PPOLossConfig
+               ) -> tuple[jax.Array, jax.Array]:
+    """(loss_sum, denominator) of ``config.agg_mode`` (module docstring)."""
+    if config.agg_mode == "token-mean":
+        return jnp.sum(weighted_loss), token_count
+    assert layout is not None  # every seq-mean mode needs the sequences
+    if config.agg_mode == "seq-mean-token-mean":
         tokens_s = sequence_sum(mask_bt.astype(jnp.float32), layout)
         loss_sum = jnp.sum(sequence_sum(weighted_loss, layout) / jnp.maximum(tokens_s, 1.0))
-        denominator = sequence_count(mask_bt, layout)
-    else:  # seq-mean-token-sum
-        loss_sum = jnp.sum(weighted_loss) / jnp.float32(seq_token_sum_normalizer)
-        denominator = sequence_count(mask_bt, layout)
+        return loss_sum, sequence_count(mask_bt, layout)
+    # seq-mean-token-sum
+    loss_sum = jnp.sum(weighted_loss) / jnp.float32(config.seq_token_sum_normalizer)
+    return loss_sum, sequence_count(mask_bt, layout)
 
-    # Statistics (no gradient): sums over valid tokens, maxima.
-    stat_log_ratio = jax.lax.stop_gradient(jnp.where(mask_bt, logp_bt - prox_bt, 0.0))
+
+def _stat_terms(tok: _Tokens, current_version: ArrayLike | None, mask_bt: jax.Array,
+                behav_w: jax.Array, corr: BehavCorrection, *, cap_dropped: jax.Array,
+                clipped: jax.Array, dual_clipped: jax.Array
+                ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """The statistics' sums over valid tokens and maxima (no gradient)."""
+    stat_log_ratio = jax.lax.stop_gradient(jnp.where(mask_bt, tok.logp_bt - tok.prox_bt, 0.0))
     approx_kl = jnp.expm1(stat_log_ratio) - stat_log_ratio  # k3 estimate of KL(prox || pi)
     valid_w = jnp.where(mask_bt, behav_w, 0.0)
     stat_sums = {
@@ -206,20 +306,20 @@ def decoupled_ppo_loss_terms(
         "approx_kl": jnp.sum(jnp.where(mask_bt, approx_kl, 0.0)),
     }
     stat_maxes = {"behav_imp_weight_max": jnp.max(valid_w, initial=0.0)}
-    if version_bt is not None:
-        staleness = jnp.asarray(current_version, jnp.float32) - version_bt.astype(jnp.float32)
+    if tok.version_bt is not None:
+        staleness = (jnp.asarray(current_version, jnp.float32)
+                     - tok.version_bt.astype(jnp.float32))
         staleness = jnp.where(mask_bt, staleness, 0.0)
         stat_sums["staleness"] = jnp.sum(staleness)
         stat_maxes["staleness_max"] = jnp.max(staleness, initial=0.0)
-    return PPOLossTerms(loss_sum, denominator, token_count, stat_sums, stat_maxes)
+    return stat_sums, stat_maxes
 
 
 def empty_ppo_terms(with_staleness: bool = False) -> PPOLossTerms:
     """Terms of an empty micro-batch: the identity of :func:`combine_ppo_terms` (e.g. the
     initial carry of a ``lax.scan`` over micro-batches)."""
     zero = jnp.zeros((), jnp.float32)
-    sums = dict.fromkeys(("clipped", "dual_clipped", "cap_dropped", "behav_masked",
-                          "behav_truncated", "behav_imp_weight", "approx_kl"), zero)
+    sums = dict.fromkeys(PPO_SUMS, zero)
     maxes = {"behav_imp_weight_max": zero}
     if with_staleness:
         sums["staleness"] = zero
@@ -239,83 +339,45 @@ def combine_ppo_terms(a: PPOLossTerms, b: PPOLossTerms) -> PPOLossTerms:
 
 
 def ppo_stats_from_terms(terms: PPOLossTerms) -> dict[str, jax.Array]:
-    """Turn (possibly combined) terms into the statistics dict of :func:`decoupled_ppo_loss`."""
+    """Turn (possibly combined) terms into the statistics dict of :func:`decoupled_ppo_loss`:
+    the token means of ``step_metrics.TOKEN_MEANS`` and the ``MAXIMA`` the terms have."""
     count = jnp.maximum(terms.token_count, 1.0)
     sums = jax.lax.stop_gradient(terms.stat_sums)
-    stats = {
-        "clip_frac": sums["clipped"] / count,
-        "dual_clip_frac": sums["dual_clipped"] / count,
-        "cap_drop_frac": sums["cap_dropped"] / count,
-        "behav_mask_frac": sums["behav_masked"] / count,
-        "behav_trunc_frac": sums["behav_truncated"] / count,
-        "behav_imp_weight_mean": sums["behav_imp_weight"] / count,
-        "behav_imp_weight_max": jax.lax.stop_gradient(terms.stat_maxes["behav_imp_weight_max"]),
-        "approx_kl": sums["approx_kl"] / count,
-    }
-    if "staleness" in sums:
-        stats["staleness_mean"] = sums["staleness"] / count
-        stats["staleness_max"] = jax.lax.stop_gradient(terms.stat_maxes["staleness_max"])
+    stats = {name: sums[src] / count for name, src in TOKEN_MEANS.items() if src in sums}
+    stats.update({name: jax.lax.stop_gradient(terms.stat_maxes[name]) for name in MAXIMA
+                  if name in terms.stat_maxes})
     return stats
 
 
+_CONFIG_KEYS = tuple(f.name for f in dataclasses.fields(PPOLossConfig))
+
+
 def decoupled_ppo_loss(
-    logp: Any,
-    prox_logp: Any,
-    behav_logp: Any,
-    advantages: Any,
-    loss_mask: Any,
+    logp: ArrayLike,
+    prox_logp: ArrayLike | None,
+    behav_logp: ArrayLike,
+    advantages: ArrayLike,
+    loss_mask: ArrayLike,
     *,
-    eps_clip: float = 0.2,
-    eps_clip_higher: float | None = None,
-    c_clip: float | None = None,
-    behav_imp_weight_cap: float | None = None,
-    behav_correction: str | None = None,
-    behav_correction_cap: float | None = None,
-    behav_correction_low: float | None = None,
-    behav_correction_high: float | None = None,
-    versions: Any = None,
-    current_version: Any = None,
-    agg_mode: str = "token-mean",
-    seq_token_sum_normalizer: float | None = None,
-    ratio_level: str = "token",
-    segment_ids: Any = None,
+    versions: ArrayLike | None = None,
+    current_version: ArrayLike | None = None,
+    segment_ids: ArrayLike | None = None,
     max_segments: int | None = None,
-    normalizer: Any = None,
+    normalizer: ArrayLike | None = None,
+    config: PPOLossConfig | None = None,
+    **knobs: Any,  # PPOLossConfig's fields (eps_clip=..., agg_mode=...), values of mixed types
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Decoupled PPO loss (formula in the module docstring) and its statistics.
+    """Decoupled PPO loss (formula in the module docstring) and its statistics: a thin
+    wrapper over :func:`decoupled_ppo_loss_terms` for a loss computed in one piece.
 
     Args:
-        logp: [B, T] log-probs of the taken tokens under the parameters being trained.
-        prox_logp: [B, T] proximal-policy log-probs (recomputed by the learner before the
-            update, no gradient). None means prox = behav (standard PPO, w = 1).
-        behav_logp: [B, T] behaviour-policy log-probs recorded at generation time.
-        advantages: [B, T] per-token advantages.
-        loss_mask: [B, T] 1 on tokens to train on (bool, int or float 0/1).
-        eps_clip: lower (and default upper) clip range, > 0.
-        eps_clip_higher: upper clip range (DAPO "clip-higher"); None = eps_clip.
-        c_clip: dual-clip constant c > 1 (only affects A < 0); None disables.
-        behav_imp_weight_cap: drop tokens whose behaviour weight w exceeds it; None keeps all.
-            The same as ``behav_correction="cap"`` with ``behav_correction_cap`` = it, except
-            with ``prox_logp=None``, where it caps w = 1 (as it always did).
-        behav_correction: one of ``BEHAV_CORRECTIONS`` (see the module docstring and
-            ``areal_jax.losses.behav_correction``); None: "cap" when
-            ``behav_imp_weight_cap`` is set, else "none".
-        behav_correction_cap: C (> 0) of "cap", "tis", "seq_tis", "seq_tis_geo".
-        behav_correction_low, behav_correction_high: the band 0 <= low < high of "icepop",
-            "seq_mask", "seq_mask_geo".
-        versions: optional int [B, T], the weight version that generated each token.
-        current_version: the learner's version; required with ``versions``.
-        agg_mode: "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum".
-        seq_token_sum_normalizer: the constant L of "seq-mean-token-sum" (required there).
-        ratio_level: "token" (PPO) or "sequence" (GSPO geometric-mean ratio).
-        segment_ids: optional int [B, T] for packed rows (0 = padding, 1.. = sequence
-            number within the row). Padding tokens are treated as masked.
-        max_segments: static bound on ``segment_ids``; required under jit with segment_ids.
+        logp, prox_logp, behav_logp, advantages, loss_mask, versions, current_version,
+            segment_ids, max_segments: as in :class:`PPOInputs` ([B, T] arrays).
         normalizer: the count to divide by instead of the local one: the global count of
             a minibatch split into micro-batches and data shards (see ``loss_denominator``).
             Like the local count it is clamped to >= 1.
-
-    All per-token inputs may be bf16 or fp32; everything is computed in fp32.
+        config: the loss's knobs as a :class:`PPOLossConfig`; or give them one by one as
+            keywords (``eps_clip=0.2, agg_mode="seq-mean-token-mean"``), not both.
 
     Returns:
         ``(loss, stats)``: ``loss`` is an fp32 scalar (0 when nothing is valid); ``stats``
@@ -336,16 +398,19 @@ def decoupled_ppo_loss(
         - with ``versions``: ``staleness_mean`` / ``staleness_max`` of
           ``current_version - versions`` over valid tokens (0 when none are valid).
     """
-    terms = decoupled_ppo_loss_terms(
-        logp, prox_logp, behav_logp, advantages, loss_mask,
-        eps_clip=eps_clip, eps_clip_higher=eps_clip_higher, c_clip=c_clip,
-        behav_imp_weight_cap=behav_imp_weight_cap, behav_correction=behav_correction,
-        behav_correction_cap=behav_correction_cap, behav_correction_low=behav_correction_low,
-        behav_correction_high=behav_correction_high, versions=versions,
-        current_version=current_version, agg_mode=agg_mode,
-        seq_token_sum_normalizer=seq_token_sum_normalizer, ratio_level=ratio_level,
-        segment_ids=segment_ids, max_segments=max_segments,
-    )
+    unknown = sorted(set(knobs) - set(_CONFIG_KEYS))
+    if unknown:
+        raise TypeError(f"{_FN}: unknown keyword(s) {unknown}; the loss's knobs are "
+                        f"{list(_CONFIG_KEYS)}")
+    if config is not None and knobs:
+        raise TypeError(f"{_FN}: give config or the knobs {sorted(knobs)} as keywords, "
+                        "not both")
+    config = PPOLossConfig(**knobs) if config is None else config
+    inputs = PPOInputs(logp=logp, prox_logp=prox_logp, behav_logp=behav_logp,
+                       advantages=advantages, loss_mask=loss_mask, versions=versions,
+                       current_version=current_version, segment_ids=segment_ids,
+                       max_segments=max_segments)
+    terms = decoupled_ppo_loss_terms(inputs, config)
     if normalizer is None:
         denominator = jnp.maximum(terms.denominator, 1.0)
     else:
@@ -355,7 +420,9 @@ def decoupled_ppo_loss(
     return terms.loss_sum / denominator, ppo_stats_from_terms(terms)
 
 
-def _resolve_correction(mode, cap, low, high, legacy_cap) -> tuple[str, float | None]:
+def _resolve_correction(mode: str | None, cap: float | None, low: float | None,
+                        high: float | None, legacy_cap: float | None
+                        ) -> tuple[str, float | None]:
     """(mode, C) after checks; ``behav_imp_weight_cap`` is the cap mode's C."""
     fn = _FN
     if legacy_cap is not None:
@@ -387,8 +454,11 @@ def _resolve_correction(mode, cap, low, high, legacy_cap) -> tuple[str, float | 
     return mode, cap
 
 
-def _check_hparams(eps_clip, eps_clip_higher, c_clip, cap, agg_mode, seq_norm, ratio_level):
+def _check_hparams(config: PPOLossConfig) -> None:
     fn = _FN
+    eps_clip, eps_clip_higher, c_clip = config.eps_clip, config.eps_clip_higher, config.c_clip
+    cap, agg_mode, ratio_level = config.behav_imp_weight_cap, config.agg_mode, config.ratio_level
+    seq_norm = config.seq_token_sum_normalizer
     _checks.in_range(fn, "eps_clip", eps_clip, 0.0, 1.0, lo_open=True, hi_open=True)
     _checks.positive(fn, "eps_clip_higher", eps_clip_higher, allow_none=True)
     _checks.in_range(fn, "c_clip", c_clip, 1.0, float("inf"), lo_open=True, allow_none=True)

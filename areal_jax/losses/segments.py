@@ -10,7 +10,7 @@ upper bound on the ids, which keeps every reduction jit-friendly: reductions are
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,8 @@ import numpy as np
 
 from areal_jax.losses import _checks
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+AGG_MODES: tuple[str, ...] = get_args(AggMode)
 
 
 class SequenceLayout(NamedTuple):
