@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,7 @@ from areal_jax.config import RolloutConfig, TrainConfig, to_dict
 from areal_jax.cpu_affinity import check_cpus_available, pin_process_to_cpus
 from areal_jax.data.advantages import group_advantages_for
 from areal_jax.data.prompts import load_prompt_dataset
-from areal_jax.data.trajectories import ProcessRowsDataset, TrajectoryBatchDataset
+from areal_jax.data.trajectories import ProcessRowsDataset, TrainBatch, TrajectoryBatchDataset
 from areal_jax.engine.launch import (
     ServerStartError,
     jax_platform_name,
@@ -47,6 +49,7 @@ from areal_jax.learner import Learner
 from areal_jax.learner.config import AlgoConfig, OptimConfig
 from areal_jax.learner.critic import Critic
 from areal_jax.learner.packing import micro_batch_shapes
+from areal_jax.learner.trainable import TrainableModel
 from areal_jax.metrics import MetricsWriter, read_rows, run_summary
 from areal_jax.parallel import (
     detected_cluster,
@@ -77,6 +80,7 @@ from areal_jax.run_inputs import (
     check_prompt_lengths,
     check_servers_reachable,
     enable_compilation_cache,
+    input_error,
     load_eval_items,
     prepare_run_dir,
     resolve_dataset,
@@ -84,10 +88,9 @@ from areal_jax.run_inputs import (
 )
 from areal_jax.sampling_params import SamplingParams
 from areal_jax.tokenizer import ChatTokenizer, load_tokenizer
-from areal_jax.trainer import Progress, RolloutSide, Trainer
-from model_defs import PyTree
+from areal_jax.trainer import LearnerSide, Progress, RolloutSide, Trainer
 
-__all__ = ["build_trainer", "main_guarded", "run_training"]
+__all__ = ["build_learner_side", "build_trainer", "main_guarded", "run_training"]
 
 
 def main_guarded(cfg: TrainConfig, resume: bool | None) -> int:
@@ -189,13 +192,15 @@ def _summary(cfg: TrainConfig, trainer: Trainer) -> str:
         return path if storage.is_url(path) else os.path.abspath(path)
 
     run_dir = where(cfg.run_dir)
-    published: str | None = storage.join(
+    version_dir = storage.join(
         where(cfg.checkpoint.publish_dir or storage.join(run_dir, "weights")), f"v{version}")
+    published: str | None = version_dir
     with contextlib.suppress(storage.StorageError, OSError):  # LoRA adapters: no model there
-        if not storage.exists(storage.join(published, "config.json")):
+        if not storage.exists(storage.join(version_dir, "config.json")):
             published = None
     # eval.py takes the run's config (reward, keys) from next to RUN_DIR/weights only.
     weights = None if cfg.checkpoint.publish_dir else published
+    assert trainer.rollout is not None  # process 0's summary
     return run_summary(read_rows(trainer.rollout.writer.path),
                        wall_s=time.time() - process_start_time(), run_dir=run_dir,
                        version=version, weights=weights,
@@ -206,43 +211,10 @@ def _summary(cfg: TrainConfig, trainer: Trainer) -> str:
 
 def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitStack) -> Trainer:
     """Everything a run needs, in dependency order; registers shutdown on ``stack``."""
-    t_process = process_start_time()
-    check_optional_packages(cfg)  # an extra the config needs and pip did not install
-    if cfg.rollout.server_cpu_cores and not cfg.rollout.servers:
-        # Checked here, before the learner pins this process, so the error names the key
-        # (the servers would report their own flag, --cpu-affinity).
-        try:
-            check_cpus_available(cfg.rollout.server_cpu_cores)
-        except ValueError as e:
-            raise TrainerError(f"rollout.server_cpu_cores: {e}") from None
-    if cfg.rollout.learner_cpu_cores:
-        # Before JAX starts its CPU backend: XLA sizes its thread pools to these cores, and
-        # every thread of the process stays on them (cpu_affinity.py).
-        try:
-            pin_process_to_cpus(cfg.rollout.learner_cpu_cores)
-        except ValueError as e:
-            raise TrainerError(f"rollout.learner_cpu_cores: {e}") from None
-    # Several processes (JAX multi-controller): join before anything touches JAX devices.
-    # A one-process run skips this; with nothing set, srun / TPU pod / mpirun jobs are
-    # detected by JAX itself (distributed.auto_detect).
-    d = cfg.distributed
-    try:
-        initialize_distributed(d.coordinator_address, d.num_processes, d.process_id,
-                               auto_detect=d.auto_detect and detected_cluster() is not None)
-    except ValueError as e:
-        raise TrainerError(f"distributed: {e}") from None
-
-    is_main, multi = jax.process_index() == 0, jax.process_count() > 1
-    xla_cache_dir = enable_compilation_cache(cfg.compilation_cache_dir)  # before any compile
-    guard = start_job_guard(d.peer_timeout_s)  # one process failing ends all of them
-    if guard is not None:
-        guard.add_cleanup(lambda: [handle.kill() for handle in list(LIVE_SERVERS)])
-    if multi and cfg.algo.name == "ppo":
-        raise TrainerError("algo.name=ppo (a critic with GAE over whole trajectories) runs as one "
-                           f"process; this job has {jax.process_count()}: use grpo/rloo/drgrpo")
-
+    startup = {"process_start": process_start_time()}  # then seconds to each milestone
+    xla_cache_dir = _start_process(cfg)
     # Cheap checks first: nothing below this block takes long.
-    cache_dir = cfg.storage.cache_dir
+    is_main, cache_dir = jax.process_index() == 0, cfg.storage.cache_dir
     model_path = resolve_model_path(cfg.model.path, cache_dir, revision=cfg.model.revision)
     tokenizer_dir = (resolve_model_path(cfg.model.tokenizer_path, cache_dir, "model.tokenizer_path")
                      if cfg.model.tokenizer_path else model_path)
@@ -250,152 +222,219 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
         check_servers_reachable(list(cfg.rollout.servers), cfg.rollout.api_key)
     raise_if_interrupted()  # a safe point for SIGINT/SIGTERM
     run_dir, ckpt_dir, has_ckpt = prepare_run_dir(cfg, resume)
-    if is_main:
-        print(f"run directory: {run_dir} (metrics.jsonl, weights/, checkpoints/, logs/)",
-              flush=True)
+    restore = has_ckpt and resume is not False
     if not is_main:  # a learner only: its rows of every batch come from process 0
-        learner_side = _build_learner_side(cfg, resume, stack, model_path, ckpt_dir, has_ckpt)
-        learner_side.pop("first_params"), learner_side.pop("meta")
-        start = learner_side["progress"].start_version
-        batches = iter(ProcessRowsDataset(None, learner_side.pop("mesh"), start_step=start))
-        return Trainer(cfg, batches=batches, rollout=None, **learner_side)
+        side = build_learner_side(cfg, stack, model_path, ckpt_dir, restore=restore)
+        serving_copy(side.learner.model, cfg.model, cfg.serving_dtype)  # process 0's gather
+        return Trainer(cfg, side, batches=_trajectory_batches(cfg, None, side), rollout=None)
 
-    try:  # the run's own files: a local working copy, uploaded on a schedule for gs://
-        run_files = storage.RunFiles(run_dir, cache_dir=cache_dir,
-                                     upload_every_s=cfg.storage.upload_every_s,
-                                     exclude=CHECKPOINT_DIR_NAMES)
-    except (storage.StorageError, OSError) as e:
-        raise TrainerError(f"run_dir {run_dir}: cannot set up the run files: {e}") from None
-    stack.callback(run_files.close)  # the last upload, after the writer below has closed
-    local_dir = run_files.local
-    train_path = resolve_dataset(cfg.data.train, local_dir, "data.train")
-    eval_path = resolve_dataset(cfg.data.eval, local_dir, "data.eval") if cfg.data.eval else None
-    tokenizer = _load_tokenizer(tokenizer_dir)
-    reward_fn = _check_reward_fn(cfg.reward.fn)
-    try:
-        check_prompt_lengths(cfg, tokenizer, train_path)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        raise TrainerError(f"data.train: {e}") from None
-    eval_items = load_eval_items(cfg, eval_path)
-    storage.write_text(local_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    run_files.sync()
-    publisher = _weight_publisher(cfg, run_dir)
-    startup: dict[str, float] = {}
+    print(f"run directory: {run_dir} (metrics.jsonl, weights/, checkpoints/, logs/)", flush=True)
+    inputs = _rollout_inputs(cfg, run_dir, tokenizer_dir, stack)
+    launch = functools.partial(_launch_servers, cfg, run_dir=inputs.run_files.local, stack=stack,
+                               cache_dir=xla_cache_dir, publish_dir=inputs.publisher.weights_dir)
     # A fresh run's first weights are the model's own checkpoint (with its tokenizer): the
     # embedded servers start from it now, while the learner loads and compiles.
     # LoRA adapter mode: the servers serve the base model, always, and load each version's
-    # adapter (the first one before anything is generated, below).
-    adapter_mode = cfg.model.lora is not None and cfg.model.lora.serving == "adapter"
-    handles, fresh = [], not (has_ckpt and resume is not False)
-    if not cfg.rollout.servers and (adapter_mode or fresh and tokenizer_dir == model_path):
-        handles = _launch_servers(cfg, str(model_path), 0, local_dir, stack, xla_cache_dir,
-                                  publisher.weights_dir)
-        startup["servers_launched_s"] = time.time() - t_process
+    # adapter (the first one before anything is generated, in _rollout_side).
+    handles: list = []
+    if not cfg.rollout.servers and (_serves_adapters(cfg)
+                                    or not restore and tokenizer_dir == model_path):
+        handles = launch(str(model_path), 0)
+        _mark(startup, "servers_launched_s")
 
-    # Learner on its mesh (spanning every process's devices), checkpoint restored.
-    learner_side = _build_learner_side(cfg, resume, stack, model_path, ckpt_dir, has_ckpt)
-    learner, mesh = learner_side["learner"], learner_side.pop("mesh")
+    # Learner on its mesh (spanning every process's devices), checkpoint restored, and a
+    # host copy of its weights (gathering it is a collective every process joins).
+    side = build_learner_side(cfg, stack, model_path, ckpt_dir, restore=restore)
+    first_params = serving_copy(side.learner.model, cfg.model, cfg.serving_dtype)
     raise_if_interrupted()  # a safe point for SIGINT/SIGTERM
-    progress, meta = learner_side["progress"], learner_side.pop("meta")
-    start_version = progress.start_version
-
-    # Serving weights for the current version (every process joined the gather in
-    # _build_learner_side; process 0 writes them), then the servers if not started yet.
-    first = publisher.publish(learner_side.pop("first_params"), learner.model_cfg, start_version,
-                              tokenizer_dir=tokenizer_dir)
+    # Serving weights for the current version, then the servers if not started yet.
+    version = side.progress.start_version
+    first = inputs.publisher.publish(first_params, side.learner.model_cfg, version,
+                                     tokenizer_dir=tokenizer_dir)
+    del first_params  # written: the run does not keep this host copy
     if not cfg.rollout.servers and not handles:
-        handles = _launch_servers(cfg, first, start_version, local_dir, stack, xla_cache_dir,
-                                  publisher.weights_dir)
-        startup["servers_launched_s"] = time.time() - t_process
+        handles = launch(first, version)
+        _mark(startup, "servers_launched_s")
     # The learner compiles its train step while the servers compile their shapes.
-    startup["learner_loaded_s"] = time.time() - t_process
-    if not multi:  # (process-local micro-batches have another shape per process)
-        t = cfg.train
-        for rows, seq_len in micro_batch_shapes(t.seq_len, t.rows_per_micro_batch,
-                                                n_batch_shards(mesh), t.row_lengths):
-            learner.precompile(rows, seq_len)
-            if learner_side["ref_learner"] is not None:
-                learner_side["ref_learner"].precompile(rows, seq_len)
-    startup["learner_compiled_s"] = time.time() - t_process
+    _mark(startup, "learner_loaded_s")
+    _precompile(cfg, side)
+    _mark(startup, "learner_compiled_s")
     raise_if_interrupted()  # a safe point for SIGINT/SIGTERM
 
-    # Rollout side (process 0): reward pool, workflow, metrics files, prompts, executor,
-    # built while the servers may still be compiling (the metrics writer's TensorBoard
-    # import alone, which pulls in torch, takes seconds); then the executor starts.
+    rollout = _rollout_side(cfg, stack, inputs, side, handles, first, startup)
+    batches = _trajectory_batches(cfg, rollout.executor, side)
+    _mark(startup, "setup_s")
+    return Trainer(cfg, side, batches=batches, rollout=rollout, startup=startup)
+
+
+def _mark(startup: dict[str, float], milestone: str) -> None:
+    """Seconds from process start (``startup["process_start"]``) to ``milestone``, now."""
+    startup[milestone] = time.time() - startup["process_start"]
+
+
+def _start_process(cfg: TrainConfig) -> str | None:
+    """This process's place in the job, before anything touches JAX devices: the optional
+    packages the config needs, CPU pinning, joining the job's other processes, the XLA
+    compilation cache and the job guard. Returns the cache's directory (None: off)."""
+    check_optional_packages(cfg)  # an extra the config needs and pip did not install
+    ro, d = cfg.rollout, cfg.distributed
+    if ro.server_cpu_cores and not ro.servers:
+        # Checked here, before the learner pins this process, so the error names the key
+        # (the servers would report their own flag, --cpu-affinity).
+        with input_error("rollout.server_cpu_cores", ValueError):
+            check_cpus_available(ro.server_cpu_cores)
+    if ro.learner_cpu_cores:
+        # Before JAX starts its CPU backend: XLA sizes its thread pools to these cores, and
+        # every thread of the process stays on them (cpu_affinity.py).
+        with input_error("rollout.learner_cpu_cores", ValueError):
+            pin_process_to_cpus(ro.learner_cpu_cores)
+    # Several processes (JAX multi-controller): join before anything touches JAX devices.
+    # A one-process run skips this; with nothing set, srun / TPU pod / mpirun jobs are
+    # detected by JAX itself (distributed.auto_detect).
+    with input_error("distributed", ValueError):
+        initialize_distributed(d.coordinator_address, d.num_processes, d.process_id,
+                               auto_detect=d.auto_detect and detected_cluster() is not None)
+    xla_cache_dir = enable_compilation_cache(cfg.compilation_cache_dir)  # before any compile
+    guard = start_job_guard(d.peer_timeout_s)  # one process failing ends all of them
+    if guard is not None:
+        guard.add_cleanup(lambda: [handle.kill() for handle in list(LIVE_SERVERS)])
+    if jax.process_count() > 1 and cfg.algo.name == "ppo":
+        raise TrainerError("algo.name=ppo (a critic with GAE over whole trajectories) runs as one "
+                           f"process; this job has {jax.process_count()}: use grpo/rloo/drgrpo")
+    return xla_cache_dir
+
+
+def _serves_adapters(cfg: TrainConfig) -> bool:
+    """LoRA adapter mode: the servers keep the base model and load each version's adapter."""
+    return cfg.model.lora is not None and cfg.model.lora.serving == "adapter"
+
+
+@dataclasses.dataclass(frozen=True)
+class _RolloutInputs:
+    """What process 0 checks and writes before the learner loads."""
+
+    run_files: storage.RunFiles  # the run's own files: metrics, logs, config
+    train_path: str
+    tokenizer_dir: Path
+    tokenizer: ChatTokenizer
+    reward_fn: str  # the reward function's import spec, checked to resolve
+    eval_items: list[dict[str, Any]]
+    publisher: WeightPublisher  # where the servers read the serving weights
+
+
+def _rollout_inputs(cfg: TrainConfig, run_dir: str, tokenizer_dir: Path,
+                    stack: contextlib.ExitStack) -> _RolloutInputs:
+    """The run files (a local working copy, uploaded on a schedule for gs://), the datasets,
+    tokenizer, reward function and eval prompts, each checked now rather than in a worker
+    later; the run's config.yaml written; the serving weights' publisher."""
+    with input_error("run_dir", storage.StorageError, OSError,
+                     what=f"run_dir {run_dir}: cannot set up the run files"):
+        run_files = storage.RunFiles(run_dir, cache_dir=cfg.storage.cache_dir,
+                                     upload_every_s=cfg.storage.upload_every_s,
+                                     exclude=CHECKPOINT_DIR_NAMES)
+    stack.callback(run_files.close)  # the last upload, after the metrics writer has closed
+    local_dir = run_files.local
+    train_path = resolve_dataset(cfg.data.train, local_dir, "data.train")
+    eval_path = resolve_dataset(cfg.data.eval, local_dir, "data.eval") if cfg.data.eval else None
+    with input_error("tokenizer", ValueError, FileNotFoundError, ImportError, AttributeError,
+                     what=f"tokenizer {tokenizer_dir}"):
+        tokenizer = load_tokenizer(tokenizer_dir)
+    with input_error("reward.fn", ValueError, ImportError, AttributeError,
+                     what=f"reward.fn {cfg.reward.fn!r}"):
+        reward_fn = reward_fn_spec(cfg.reward.fn)
+        resolve_reward_fn(reward_fn)
+    with input_error("data.train", ValueError, KeyError, FileNotFoundError):
+        check_prompt_lengths(cfg, tokenizer, train_path)
+    eval_items = load_eval_items(cfg, eval_path)
+    storage.write_text(local_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    run_files.sync()
+    with input_error("checkpoint.publish_dir", storage.StorageError, OSError, ValueError,
+                     RuntimeError):  # bf16 safetensors for a bf16 model
+        publisher = WeightPublisher.from_config(cfg.checkpoint, run_dir, cfg.serving_dtype)
+    return _RolloutInputs(run_files=run_files, train_path=train_path, tokenizer_dir=tokenizer_dir,
+                          tokenizer=tokenizer, reward_fn=reward_fn, eval_items=eval_items,
+                          publisher=publisher)
+
+
+def _precompile(cfg: TrainConfig, side: LearnerSide) -> None:
+    """The learner's (and reference model's) programs for every micro-batch shape, compiled
+    now. One process only: process-local micro-batches have another shape per process."""
+    if jax.process_count() > 1:
+        return
+    t = cfg.train
+    for rows, seq_len in micro_batch_shapes(t.seq_len, t.rows_per_micro_batch,
+                                            n_batch_shards(side.mesh), t.row_lengths):
+        side.learner.precompile(rows, seq_len)
+        if side.ref_learner is not None:
+            side.ref_learner.precompile(rows, seq_len)
+
+
+def _rollout_side(cfg: TrainConfig, stack: contextlib.ExitStack, inputs: _RolloutInputs,
+                  side: LearnerSide, handles: list, first: str,
+                  startup: dict[str, float]) -> RolloutSide:
+    """Process 0's side: reward pool, workflow, metrics files, prompts and executor, built
+    while the servers may still be compiling (the metrics writer's TensorBoard import
+    alone, which pulls in torch, takes seconds); then, the servers ready, the executor
+    starts at the current version, and the servers that do not hold it yet (external
+    ones, adapter mode) load the first weights ``first``."""
+    version, meta = side.progress.start_version, side.meta
     reward_pool = RewardPool.from_config(cfg.reward)
     stack.callback(reward_pool.close)
-    workflow = _workflow(cfg, tokenizer, reward_fn, stack)
-    writer = MetricsWriter.from_config(cfg, local_dir, start_version, resumed=meta is not None)
+    workflow = _workflow(cfg, inputs.tokenizer, inputs.reward_fn, stack)
+    writer = MetricsWriter.from_config(cfg, inputs.run_files.local, version,
+                                       resumed=meta is not None)
     stack.callback(writer.close)
-    executor = _executor(cfg, workflow, tokenizer, reward_pool, train_path,
+    executor = _executor(cfg, workflow, inputs.tokenizer, reward_pool, inputs.train_path,
                          list(cfg.rollout.servers) or [h.url for h in handles], meta)
     if handles:
         _wait_for_servers(cfg, handles)
-        startup["servers_ready_s"] = time.time() - t_process
-    executor.set_version(start_version)
+        _mark(startup, "servers_ready_s")
+    executor.set_version(version)
     raise_if_interrupted()  # a safe point for SIGINT/SIGTERM
-    load_first = bool(cfg.rollout.servers) or adapter_mode
+    load_first = bool(cfg.rollout.servers) or _serves_adapters(cfg)
     if load_first:
         executor.pause()  # nothing is generated before the servers hold this version
     executor.start()
     stack.callback(executor.stop, 30.0, True)
 
-    weights = WeightSync(executor, lambda params, version: publisher.publish(
-        params, learner.model_cfg, version, tokenizer_dir=tokenizer_dir),
+    weights = WeightSync(executor, lambda params, v: inputs.publisher.publish(
+        params, side.learner.model_cfg, v, tokenizer_dir=inputs.tokenizer_dir),
         interruptible=cfg.rollout.interruptible,
-        adapter_subdir=ADAPTER_SUBDIR if adapter_mode else None)
-    if load_first:  # external servers, or adapter mode: bring them to the current weights
-        try:
-            executor.run_coroutine(weights.update_servers(str(first), start_version))
-        except RolloutError as e:
-            where = "rollout.servers" if cfg.rollout.servers else "the embedded servers"
-            raise TrainerError(f"{where} cannot load this run's weights v{start_version} "
-                               f"(do they serve the same model as model.path?): {e}") from None
-
-    run_files.start()
-
-    # The trajectory pipeline: the B oldest groups -> advantages -> packed micro-batches
-    # (over the global batch shards), then, with several processes, each process's rows.
-    stream = TrajectoryBatchDataset(
-        executor, seq_len=cfg.train.seq_len, rows_per_micro_batch=cfg.train.rows_per_micro_batch,
-        batch_size=cfg.train.batch_size, n_shards=n_batch_shards(mesh),
-        row_lengths=cfg.train.row_lengths,
-        n_minibatches=cfg.algo.ppo_n_minibatches,
-        advantages_fn=(None if learner_side["critic"] is not None  # PPO: GAE after packing
-                       else lambda groups: group_advantages_for(cfg, groups)))
-    batches = iter(ProcessRowsDataset(stream, mesh, start_step=start_version) if multi
-                   else stream)
-    rollout = RolloutSide(executor=executor, weights=weights, writer=writer, run_files=run_files,
-                          tokenizer=tokenizer, reward_fn=reward_fn, reward_pool=reward_pool,
-                          eval_items=eval_items,
-                          eval_workflow=_eval_workflow(cfg, workflow, stack))
-    startup.update(setup_s=time.time() - t_process, process_start=t_process)
-    return Trainer(cfg, batches=batches, rollout=rollout, startup=startup, **learner_side)
+        adapter_subdir=ADAPTER_SUBDIR if _serves_adapters(cfg) else None)
+    if load_first:
+        where = "rollout.servers" if cfg.rollout.servers else "the embedded servers"
+        with input_error("rollout.servers", RolloutError,
+                         what=f"{where} cannot load this run's weights v{version} "
+                              "(do they serve the same model as model.path?)"):
+            executor.run_coroutine(weights.update_servers(str(first), version))
+    inputs.run_files.start()
+    return RolloutSide(executor=executor, weights=weights, writer=writer,
+                       run_files=inputs.run_files, tokenizer=inputs.tokenizer,
+                       reward_fn=inputs.reward_fn, reward_pool=reward_pool,
+                       eval_items=inputs.eval_items,
+                       eval_workflow=_eval_workflow(cfg, workflow, stack))
 
 
-def _load_tokenizer(tokenizer_dir: Path) -> ChatTokenizer:
-    try:
-        return load_tokenizer(tokenizer_dir)
-    except (ValueError, FileNotFoundError, ImportError, AttributeError) as e:
-        raise TrainerError(f"tokenizer {tokenizer_dir}: {e}") from None
-
-
-def _check_reward_fn(spec: str) -> str:
-    """The reward function's import spec, checked to resolve now (not in a worker later)."""
-    try:
-        reward_fn = reward_fn_spec(spec)
-        resolve_reward_fn(reward_fn)
-    except (ValueError, ImportError, AttributeError) as e:
-        raise TrainerError(f"reward.fn {spec!r}: {e}") from None
-    return reward_fn
-
-
-def _weight_publisher(cfg: TrainConfig, run_dir: str) -> WeightPublisher:
-    """Where the servers read the serving weights (bf16 safetensors for a bf16 model)."""
-    try:
-        return WeightPublisher.from_config(cfg.checkpoint, run_dir, cfg.serving_dtype)
-    except (storage.StorageError, OSError, ValueError, RuntimeError) as e:
-        raise TrainerError(f"checkpoint.publish_dir: {e}") from None
+def _trajectory_batches(cfg: TrainConfig, executor: RolloutExecutor | None,
+                        side: LearnerSide) -> Iterator[TrainBatch]:
+    """This process's rows of each batch. On process 0 (``executor``), the trajectory
+    pipeline: the B oldest groups -> advantages -> packed micro-batches (over the global
+    batch shards); with several processes, each process's rows of them, which the others
+    (no ``executor``) receive from process 0."""
+    stream = None
+    if executor is not None:
+        stream = TrajectoryBatchDataset(
+            executor, seq_len=cfg.train.seq_len,
+            rows_per_micro_batch=cfg.train.rows_per_micro_batch,
+            batch_size=cfg.train.batch_size, n_shards=n_batch_shards(side.mesh),
+            row_lengths=cfg.train.row_lengths,
+            n_minibatches=cfg.algo.ppo_n_minibatches,
+            advantages_fn=(None if side.critic is not None  # PPO: GAE after packing
+                           else lambda groups: group_advantages_for(cfg, groups)))
+    if jax.process_count() > 1:
+        return iter(ProcessRowsDataset(stream, side.mesh, start_step=side.progress.start_version))
+    assert stream is not None  # one process: process 0
+    return iter(stream)
 
 
 def _workflow(cfg: TrainConfig, tokenizer: Any, reward_fn: str, stack: contextlib.ExitStack) -> Any:
@@ -408,13 +447,12 @@ def _workflow(cfg: TrainConfig, tokenizer: Any, reward_fn: str, stack: contextli
                             tokenizer=tokenizer, group_filter=group_filter)
     from areal_jax.rollout.agent import AgenticWorkflow
 
-    try:
+    assert ro.agent is not None  # the config requires it with workflow: agent
+    with input_error("rollout.agent", ValueError):
         workflow = AgenticWorkflow(
             ro.agent, n_samples=ro.n_samples, gconfig=sampling, tokenizer=tokenizer,
             max_turns=ro.max_turns, reward_max_abs=cfg.reward.max_abs, group_filter=group_filter,
             max_total_tokens=min(ro.max_total_tokens or cfg.train.seq_len, ro.max_seq_len))
-    except ValueError as e:
-        raise TrainerError(f"rollout.agent: {e}") from None
     stack.callback(workflow.close)
     return workflow
 
@@ -438,12 +476,10 @@ def _executor(cfg: TrainConfig, workflow: Any, tokenizer: Any, reward_pool: Rewa
     """The rollout executor over the training prompts (its accounting restored from the
     checkpoint's meta; None: a fresh run)."""
     data = cfg.data
-    try:
+    with input_error("data.train", ValueError, KeyError, FileNotFoundError):
         prompts = load_prompt_dataset(train_path, prompt_key=data.prompt_key,
                                       answer_key=data.answer_key, seed=cfg.seed,
                                       shuffle=data.shuffle, num_epochs=None)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        raise TrainerError(f"data.train: {e}") from None
     executor = RolloutExecutor.from_config(cfg, RolloutClient.from_config(cfg.rollout, addresses),
                                            workflow, iter(prompts), reward_pool=reward_pool,
                                            tokenizer=tokenizer)
@@ -452,21 +488,17 @@ def _executor(cfg: TrainConfig, workflow: Any, tokenizer: Any, reward_pool: Rewa
     return executor
 
 
-def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitStack,
-                        model_path: Path, ckpt_dir: str, has_ckpt: bool) -> dict[str, Any]:
-    """What every process has: the learner (and reference model, critic) on the mesh, the
-    checkpointer, the restored state and progress. Returns the Trainer's learner-side
-    arguments plus ``mesh``, the checkpoint's ``meta`` (None for a fresh run) and
-    ``first_params`` (a host copy of
-    the current weights, for publishing; gathering it is a collective)."""
+def build_learner_side(cfg: TrainConfig, stack: contextlib.ExitStack, model_path: Path,
+                       ckpt_dir: str, *, restore: bool) -> LearnerSide:
+    """What every process has: the learner (and reference model, critic) on the mesh and
+    their checkpointers in ``ckpt_dir``; with ``restore``, their state and the run's
+    progress from the newest checkpoint there that restores."""
     multi, is_main = jax.process_count() > 1, jax.process_index() == 0
-    try:
+    with input_error("mesh", ValueError):
         mesh = make_mesh(cfg.mesh)
-    except ValueError as e:
-        raise TrainerError(str(e)) from None
     optim, algo, loss_kw = learner_configs(cfg)
-    model_kw = dict(mesh=mesh, compute_dtype=cfg.model.dtype, remat=cfg.model.remat,
-                    attention=cfg.model.attention)
+    model_kw: dict[str, Any] = dict(mesh=mesh, compute_dtype=cfg.model.dtype,
+                                    remat=cfg.model.remat, attention=cfg.model.attention)
     lora = cfg.model.lora.spec() if cfg.model.lora is not None else None
     # With several processes each one feeds only the rows its devices hold.
     learner = Learner.from_hf(str(model_path), optim, algo, process_local_batches=multi,
@@ -477,7 +509,7 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
                                       process_local_batches=multi, **model_kw, **loss_kw)
     checkpointer = TrainCheckpointer.from_config(cfg.checkpoint, ckpt_dir)
     stack.callback(checkpointer.close)
-    critic = critic_ckpt = None
+    critic, critic_ckpt = None, None
     if cfg.algo.name == "ppo":  # actor-critic: a value model with its own optimizer state
         critic = Critic.from_hf(str(model_path), optim, value_eps_clip=cfg.algo.value_eps_clip,
                                 value_coef=cfg.algo.value_coef,
@@ -485,37 +517,30 @@ def _build_learner_side(cfg: TrainConfig, resume: bool | None, stack: contextlib
         critic_ckpt = TrainCheckpointer.from_config(cfg.checkpoint,
                                                     f"{ckpt_dir.rstrip('/')}-critic")
         stack.callback(critic_ckpt.close)
-    meta: CheckpointMeta | None = None
-    if has_ckpt and resume is not False:
-        st = learner.state_dict()
-        params, opt_state, meta = _restore_newest(checkpointer, st, is_main)
-        learner.load_state(params, opt_state, step=meta.step, version=meta.version)
-        if critic is not None:
-            cst = critic.state_dict()
-            cstep = meta.version if meta.version in critic_ckpt.all_steps() else None
-            cp, co, cmeta = critic_ckpt.restore(cstep, params_target=cst["params"],
-                                                opt_state_target=cst["opt_state"])
-            critic.load_state(cp, co, step=cmeta.step, version=cmeta.version)
+    meta = None
+    if restore:
+        meta = _restore_newest(checkpointer, learner, is_main)
+        if critic is not None and critic_ckpt is not None:
+            _restore_critic(critic_ckpt, critic, meta.version)
         if is_main:
             print(f"resumed from {ckpt_dir} at version {meta.version} (step {meta.step})",
                   flush=True)
-    return dict(learner=learner, ref_learner=ref_learner, critic=critic,
-                critic_checkpointer=critic_ckpt, checkpointer=checkpointer,
-                progress=Progress.from_meta(meta), mesh=mesh, meta=meta,
-                first_params=serving_copy(learner.model, cfg.model, cfg.serving_dtype))
+    return LearnerSide(learner=learner, checkpointer=checkpointer,
+                       progress=Progress.from_meta(meta), mesh=mesh, meta=meta,
+                       ref_learner=ref_learner, critic=critic, critic_checkpointer=critic_ckpt)
 
 
-def _restore_newest(checkpointer: TrainCheckpointer, state: dict[str, Any], is_main: bool
-                    ) -> tuple[PyTree, PyTree | None, CheckpointMeta]:
-    """The newest checkpoint that restores. Newer ones that do not (truncated or missing
-    files) are named with their cause and renamed ``<step>.unrestorable``, kept; none
-    restoring is a TrainerError."""
-    try:
+def _restore_newest(checkpointer: TrainCheckpointer, model: TrainableModel,
+                    is_main: bool) -> CheckpointMeta:
+    """Loads the newest checkpoint that restores into ``model``; returns its meta. Newer
+    ones that do not (truncated or missing files) are named with their cause and renamed
+    ``<step>.unrestorable``, kept; none restoring is a TrainerError."""
+    state = model.state_dict()
+    with input_error("checkpoint.dir", CheckpointError, what="",
+                     hint="the run dir is left as it is: start the run in another run_dir "
+                          "(or fix or move the checkpoints)"):
         step, params, opt_state, meta, skipped = checkpointer.restore_newest(
             params_target=state["params"], opt_state_target=state["opt_state"])
-    except CheckpointError as e:
-        raise TrainerError(f"{e}. The run dir is left as it is: start the run in another "
-                           "run_dir (or fix or move the checkpoints)") from None
     for bad, why in skipped:
         if is_main:
             kept = checkpointer.set_aside(bad)
@@ -525,7 +550,17 @@ def _restore_newest(checkpointer: TrainCheckpointer, state: dict[str, Any], is_m
     if skipped and jax.process_count() > 1:
         multihost_utils.sync_global_devices("areal_jax: unrestorable checkpoints set aside")
         checkpointer.reload()
-    return params, opt_state, meta
+    model.load_state(params, opt_state, step=meta.step, version=meta.version)
+    return meta
+
+
+def _restore_critic(checkpointer: TrainCheckpointer, critic: Critic, version: int) -> None:
+    """The critic's checkpoint of ``version`` (else its newest), loaded into ``critic``."""
+    state = critic.state_dict()
+    step = version if version in checkpointer.all_steps() else None
+    params, opt_state, meta = checkpointer.restore(step, params_target=state["params"],
+                                                   opt_state_target=state["opt_state"])
+    critic.load_state(params, opt_state, step=meta.step, version=meta.version)
 
 
 def learner_configs(cfg: TrainConfig) -> tuple[OptimConfig, AlgoConfig, dict[str, Any]]:

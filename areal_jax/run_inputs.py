@@ -1,7 +1,9 @@
 """A run's inputs, resolved and checked before long work starts: the model and tokenizer
 directories (``builtin:``, local or ``gs://``), datasets, the run directory, external
 servers, the prompts' lengths against the packed row. Also used by scripts/eval.py and
-scripts/launch_ray.py. Every problem is a :class:`TrainerError` with one clear line.
+scripts/launch_ray.py. Every problem is a :class:`TrainerError` with one clear line; an
+error from below (a path that does not exist, a malformed file) becomes one through
+:func:`input_error`, which names the config key it came from.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib
 import importlib.util
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +33,34 @@ class TrainerError(RuntimeError):
 class RunStopped(TrainerError):
     """The run started but cannot go on (no progress, a non-finite loss, a failed weight
     update); the message says why. scripts/train.py exits with status 3."""
+
+
+@contextlib.contextmanager
+def input_error(key: str, *errors: type[Exception], what: str | None = None,
+                hint: str = "") -> Iterator[None]:
+    """Turns one of ``errors`` raised in the block into a :class:`TrainerError` naming the
+    run's input ``key``, one line: ``"WHAT: cause; HINT"``.
+
+    WHAT is the key unless given (give the value too where it helps, ``reward.fn
+    'pkg:fn'``; "" where the cause names the input itself). The cause is the error's own
+    text (an OSError's reason and file, without the errno); a cause that already starts
+    with the key (storage, hub and mesh errors do) stands alone, so neither the key nor a
+    path is named twice. Usage::
+
+        with input_error("data.eval", ValueError, FileNotFoundError):
+            rows = read_records(eval_path)
+    """
+    try:
+        yield
+    except errors as e:
+        what = key if what is None else what
+        if isinstance(e, OSError) and e.strerror:  # its file, unless WHAT names it already
+            named = not e.filename or str(e.filename) in what
+            cause = e.strerror if named else f"{e.strerror}: {e.filename}"
+        else:
+            cause = str(e).strip() or type(e).__name__
+        message = cause if not what or cause.startswith(key) else f"{what}: {cause}"
+        raise TrainerError(f"{message}; {hint}" if hint else message) from None
 
 
 def check_optional_packages(cfg: TrainConfig) -> None:
@@ -90,7 +121,7 @@ def resolve_model_path(spec: str, cache_dir: str | None = None, key: str = "mode
                      if ASSETS_DIR.is_dir() else [])
             raise TrainerError(f"{key} {spec!r}: no packaged model of that name; known: {known}")
         return path
-    try:
+    with input_error(key, storage.StorageError, hub.HubError):
         if storage.is_url(spec):
             url = storage.check_location(spec, key, must_exist=True)
             if not storage.isfile(storage.join(url, "config.json")):
@@ -99,10 +130,6 @@ def resolve_model_path(spec: str, cache_dir: str | None = None, key: str = "mode
             path = storage.local_copy(url, cache_dir, kind="models")
         else:
             path = Path(storage.normalize(hub.local_model_dir(spec, revision, key)))
-    except storage.StorageError as e:
-        raise TrainerError(f"{e}" if str(e).startswith(key) else f"{key} {e}") from None
-    except hub.HubError as e:
-        raise TrainerError(str(e)) from None
     if not path.is_dir():
         raise TrainerError(f"{key} {spec} does not exist or is not a directory")
     if not (path / "config.json").is_file():
@@ -139,26 +166,19 @@ def resolve_dataset(spec: str, run_dir: Path, key: str) -> str:
             raise TrainerError(f"{key} {spec!r}: the builtin task has splits "
                                f"{', '.join(builtin_task.SPLITS)}")
         return str(builtin_task.write_split(run_dir / "data" / f"builtin_{split}.jsonl", split))
-    if hub.is_dataset_uri(spec):
-        try:
+    with input_error(key, hub.HubError, storage.StorageError):
+        if hub.is_dataset_uri(spec):
             return str(hub.write_dataset(spec, run_dir / "data", key))
-        except hub.HubError as e:
-            raise TrainerError(str(e)) from None
-    try:
         return storage.check_location(spec, key, must_exist=True)
-    except storage.StorageError as e:
-        raise TrainerError(str(e)) from None
 
 
 def check_writable(path: Path, key: str) -> None:
     """Creates ``path`` if needed and proves a file can be written there."""
-    try:
+    with input_error(key, OSError, what=f"{key} {path} is not writable"):
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write_probe_{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
-    except OSError as e:
-        raise TrainerError(f"{key} {path} is not writable: {e.strerror or e}") from None
 
 
 def load_eval_items(cfg: TrainConfig, eval_path: str | None) -> list[dict[str, Any]]:
@@ -170,10 +190,8 @@ def load_eval_items(cfg: TrainConfig, eval_path: str | None) -> list[dict[str, A
     if not eval_path:
         return []
     data = cfg.data
-    try:
+    with input_error("data.eval", ValueError, FileNotFoundError):
         rows = read_records(eval_path)
-    except (ValueError, FileNotFoundError) as e:
-        raise TrainerError(f"data.eval: {e}") from None
     items = []
     for i, row in enumerate(rows[: data.max_eval_prompts or None]):
         for key, option in ((data.prompt_key, "data.prompt_key"),
@@ -225,11 +243,10 @@ def check_servers_reachable(urls: list[str], api_key: str | None, timeout: float
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     for url in urls:
-        try:
+        with input_error("rollout.servers", httpx.HTTPError,
+                         what=f"rollout server {url} is unreachable",
+                         hint="start it first (see docs/servers.md, 'Driving SGLang')"):
             r = httpx.get(url.rstrip("/") + "/health", timeout=timeout, headers=headers)
-        except httpx.HTTPError as e:
-            raise TrainerError(f"rollout server {url} is unreachable ({type(e).__name__}: {e}); "
-                               "start it first (see docs/servers.md, 'Driving SGLang')") from None
         if r.status_code != 200:
             raise TrainerError(f"rollout server {url} answered /health with HTTP {r.status_code}")
 
@@ -238,11 +255,10 @@ def enable_compilation_cache(path: str | None) -> str | None:
     """``compile_cache.enable_compilation_cache``, with a TrainerError for a bad path."""
     from areal_jax.compile_cache import enable_compilation_cache as enable
 
-    try:
+    with input_error("compilation_cache_dir", OSError,
+                     what=f"compilation_cache_dir {path} cannot be created",
+                     hint="set compilation_cache_dir to a writable directory or null"):
         return enable(path)
-    except OSError as e:
-        raise TrainerError(f"compilation_cache_dir {path} cannot be created ({e}); "
-                           "set compilation_cache_dir to a writable directory or null") from None
 
 
 CHECKPOINT_DIR_NAMES = ("checkpoints", "checkpoints-critic", "weights")  # written directly
@@ -251,12 +267,11 @@ CHECKPOINT_DIR_NAMES = ("checkpoints", "checkpoints-critic", "weights")  # writt
 def prepare_run_dir(cfg: TrainConfig, resume: bool | None) -> tuple[str, str, bool]:
     """Checks run_dir (and checkpoint.dir), local or gs://, up front; returns
     (run_dir, ckpt_dir, has_ckpt) as local paths or URLs."""
-    try:
+    with input_error("run_dir", storage.StorageError):
         run_dir = storage.check_location(cfg.run_dir, "run_dir", write=True)
+    with input_error("checkpoint.dir", storage.StorageError):
         ckpt_dir = (storage.check_location(cfg.checkpoint.dir, "checkpoint.dir", write=True)
                     if cfg.checkpoint.dir else storage.join(run_dir, "checkpoints"))
-    except storage.StorageError as e:
-        raise TrainerError(str(e)) from None
     if not storage.is_url(run_dir):
         check_writable(Path(run_dir), "run_dir")
     if not storage.is_url(ckpt_dir):

@@ -59,6 +59,8 @@ from areal_jax.run_inputs import RunStopped
 from areal_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
     from areal_jax.checkpoint import TrainCheckpointer
     from areal_jax.data.trajectories import TrainBatch
     from areal_jax.learner import Learner
@@ -71,7 +73,7 @@ if TYPE_CHECKING:
     from areal_jax.storage import RunFiles
     from areal_jax.tokenizer import ChatTokenizer
 
-__all__ = ["Progress", "RolloutSide", "Trainer"]
+__all__ = ["LearnerSide", "Progress", "RolloutSide", "Trainer"]
 
 logger = logging.getLogger("areal_jax.trainer")
 
@@ -115,24 +117,35 @@ class RolloutSide:
     eval_workflow: Any = None
 
 
+@dataclass(frozen=True)
+class LearnerSide:
+    """What every process has (``run.build_learner_side``): the learner on its mesh, with
+    its reference model and critic, their checkpointers, and where the run resumes."""
+
+    learner: Learner
+    checkpointer: TrainCheckpointer
+    progress: Progress
+    mesh: Mesh  # over every process's devices; the batch pipeline shards rows over it
+    meta: CheckpointMeta | None = None  # the checkpoint resumed from; None: a fresh run
+    ref_learner: Learner | None = None  # algo.kl_coef > 0: the frozen reference policy
+    critic: Critic | None = None  # algo.name == "ppo": the value model
+    critic_checkpointer: TrainCheckpointer | None = None
+
+
 class Trainer:
     """One run: the learner side (every process) and the rollout side (process 0)."""
 
-    def __init__(self, cfg: TrainConfig, *, learner: Learner, batches: Iterator[TrainBatch],
-                 checkpointer: TrainCheckpointer, progress: Progress,
-                 rollout: RolloutSide | None, ref_learner: Learner | None = None,
-                 critic: Critic | None = None,
-                 critic_checkpointer: TrainCheckpointer | None = None,
-                 startup: dict[str, float] | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, side: LearnerSide, *, batches: Iterator[TrainBatch],
+                 rollout: RolloutSide | None, startup: dict[str, float] | None = None) -> None:
         self.cfg = cfg
-        self.learner = learner
+        self.learner = side.learner
         self.batches = batches  # iterator of TrainBatch: this process's rows of each batch
-        self.checkpointer = checkpointer
-        self.progress = progress
+        self.checkpointer = side.checkpointer
+        self.progress = side.progress
         self.rollout = rollout  # None on processes other than 0
-        self.ref_learner = ref_learner  # algo.kl_coef > 0: the frozen reference policy
-        self.critic = critic  # algo.name == "ppo": the value model
-        self.critic_checkpointer = critic_checkpointer
+        self.ref_learner = side.ref_learner
+        self.critic = side.critic
+        self.critic_checkpointer = side.critic_checkpointer
         self.startup = dict(startup or {})  # seconds from process start to each milestone
         self._nonfinite = 0  # versions in a row with a non-finite loss
         self._mismatch_warner = MismatchWarner(cfg.algo.mismatch_warn_abs_diff)

@@ -3,7 +3,7 @@
     python -m tests._resume_state RUN_DIR CKPT_DIR V1 V2 ...
 
 Builds the learner side exactly as a resumed ``scripts/train.py`` does
-(``run._build_learner_side`` on ``CKPT_DIR``, with RUN_DIR's saved config), then prints one
+(``run.build_learner_side`` on ``CKPT_DIR``, with RUN_DIR's saved config), then prints one
 JSON line: the learner's step and version; the checkpoint's own, read back separately; the
 largest difference between the learner's params / optimizer state and the checkpoint's;
 and, for each version V given, the loss of training ``RUN_DIR/batches/vV.npz`` (recorded by
@@ -45,15 +45,15 @@ def main() -> None:
     from areal_jax.checkpoint import TrainCheckpointer
     from areal_jax.config import load_config
     from areal_jax.data.trajectories import load_batch
-    from areal_jax.run import _build_learner_side
+    from areal_jax.run import build_learner_side
     from areal_jax.run_inputs import resolve_model_path
 
     cfg = load_config(run_dir / "config.yaml")
     out: dict = {}
     with contextlib.ExitStack() as stack:
-        side = _build_learner_side(cfg, True, stack, resolve_model_path(cfg.model.path),
-                                   ckpt_dir, True)
-        learner = side["learner"]
+        side = build_learner_side(cfg, stack, resolve_model_path(cfg.model.path), ckpt_dir,
+                                  restore=True)
+        learner = side.learner
         out["learner"] = {"step": learner.step, "version": learner.version}
         reader = TrainCheckpointer(ckpt_dir, read_only=True)
         st = learner.state_dict()  # only the targets' shapes and shardings are used

@@ -131,6 +131,34 @@ def test_config_errors_name_the_key():
         load_config(REPO / "configs" / "nope.yaml")
 
 
+def test_an_input_error_becomes_one_line_naming_its_key():
+    """run_inputs.input_error, which every wrapper of build_trainer's inputs uses: the key
+    (or what is given) before the cause, named once; an OSError without its errno."""
+    from areal_jax.run_inputs import TrainerError, input_error
+
+    def message(key: str, error: Exception, **kw) -> str:
+        with pytest.raises(TrainerError) as e, input_error(key, type(error), **kw):
+            raise error
+        return str(e.value)
+
+    assert message("data.train", ValueError("x.jsonl:3: invalid JSON line")) == (
+        "data.train: x.jsonl:3: invalid JSON line")
+    assert message("reward.fn", ImportError("no module 'x'"), what="reward.fn 'x:f'") == (
+        "reward.fn 'x:f': no module 'x'")
+    assert message("mesh", ValueError("mesh data=3 needs 3 devices, found 1")) == (
+        "mesh data=3 needs 3 devices, found 1")  # the cause names the key already
+    assert message("run_dir", OSError(20, "Not a directory", "/x/run"),
+                   what="run_dir /x/run is not writable") == (
+        "run_dir /x/run is not writable: Not a directory")
+    assert message("checkpoint.publish_dir", OSError(13, "Permission denied", "/p")) == (
+        "checkpoint.publish_dir: Permission denied: /p")
+    assert message("checkpoint.dir", RuntimeError("no checkpoint in /c can be restored"),
+                   what="", hint="start the run in another run_dir") == (
+        "no checkpoint in /c can be restored; start the run in another run_dir")
+    with pytest.raises(KeyError), input_error("data.train", ValueError):
+        raise KeyError("other errors pass through")
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
