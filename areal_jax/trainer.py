@@ -240,6 +240,7 @@ class Trainer:
         targets = None
         if self.critic is not None:  # PPO (one process): GAE advantages from the critic's values
             targets = gae_targets_for(cfg, self.critic, micro, batch.trajectories)
+            micro = targets.micro_batches  # new micro-batches: the batch is not modified
         if self.ref_learner is not None:
             for mb, ref in zip(micro, self.ref_learner.compute_logp(micro), strict=True):
                 mb["ref_logp"] = ref

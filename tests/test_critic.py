@@ -1,17 +1,27 @@
-"""The critic (algo.name: ppo): GAE vs a numpy loop, scatter/unpack, value alignment vs
-transformers, packed vs padded, learning, meshes, checkpoints, bad input."""
+"""The critic (algo.name: ppo): GAE on packed rows vs a numpy loop over each trajectory,
+value alignment vs transformers, packed vs padded, learning, meshes, checkpoints, bad input."""
+
+import copy
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 import torch
-from _learner_data import FAST_COMPILE, TINY, init_model, random_trajectories
+from _learner_data import (
+    FAST_COMPILE,
+    TINY,
+    init_model,
+    make_learner,
+    random_trajectories,
+)
 from hf_fixtures import make_hf_model, make_tiny_hf_checkpoint
 from tolerance import hf_path_length, network_tolerance, reference_tolerance
 
 from areal_jax.checkpoint import CheckpointMeta, TrainCheckpointer
-from areal_jax.learner import OptimConfig, pack_trajectories, unpack_per_token
-from areal_jax.learner.critic import Critic, gae_advantages, scatter_per_token
+from areal_jax.learner import AlgoConfig, OptimConfig, pack_trajectories, unpack_per_token
+from areal_jax.learner.critic import Critic, packed_gae_targets
+from areal_jax.learner.packing import PACKED_FIELDS
 from areal_jax.parallel import make_mesh
 from areal_jax.trajectory import Trajectory
 
@@ -64,6 +74,35 @@ def multi_turn_trajectories(seed: int, n: int) -> list[Trajectory]:
     return out
 
 
+def per_token_rows(batches, per_traj: list[np.ndarray]) -> list[np.ndarray]:
+    """Per-trajectory [T_i] arrays -> one fp32 [R, L] array per micro-batch, by the
+    placements (0 elsewhere): the inverse of ``unpack_per_token``."""
+    out = []
+    for b in batches:
+        arr_rl = np.zeros(b.shape, np.float32)
+        for p in b.placements:
+            arr_rl[p.row, p.start:p.start + p.length] = per_traj[p.traj_index]
+        out.append(arr_rl)
+    return out
+
+
+def packed_gae_per_trajectory(trajs: list[Trajectory], values: list[np.ndarray], gamma: float,
+                              lam: float, *, rewards=None, normalize: bool = False):
+    """GAE of each trajectory through the packed path: ``trajs`` packed several to a row
+    into several micro-batches, ``values`` placed in their rows, ``packed_gae_targets``,
+    and the advantages and returns unpacked again ([T_i] each)."""
+    batches = pack_trajectories(trajs, None, seq_len=32, rows_per_micro_batch=2,
+                                n_minibatches=2, row_lengths=[16])
+    assert len(batches) >= 3 and max(b.segment_ids.max() for b in batches) >= 2
+    rewards = [t.reward for t in trajs] if rewards is None else rewards
+    targets = packed_gae_targets(batches, per_token_rows(batches, values), rewards,
+                                 gamma=gamma, lam=lam, normalize=normalize)
+    advantages = [np.asarray(b.advantages) for b in targets.micro_batches]
+    returns = [np.asarray(r) for r in targets.returns]
+    return (unpack_per_token(batches, advantages, len(trajs)),
+            unpack_per_token(batches, returns, len(trajs)))
+
+
 def gae_reference(traj: Trajectory, values: np.ndarray, reward: float, gamma: float, lam: float):
     """A plain loop over the loss tokens only, written independently of areal_jax.losses.gae."""
     idx = [t for t in range(traj.num_tokens) if traj.loss_mask[t]]
@@ -106,7 +145,7 @@ def test_gae_matches_numpy_loop_with_env_tokens(gamma, lam):
     rng = np.random.default_rng(1)
     values = [rng.normal(size=t.num_tokens).astype(np.float32) for t in trajs]
     rewards = rng.normal(size=len(trajs))
-    adv, ret = gae_advantages(trajs, values, gamma, lam, rewards=rewards)
+    adv, ret = packed_gae_per_trajectory(trajs, values, gamma, lam, rewards=rewards)
     for i, t in enumerate(trajs):
         want_adv, want_ret = gae_reference(t, values[i], rewards[i], gamma, lam)
         adv_tol, ret_tol = gae_tolerance(t, values[i], rewards[i], gamma, lam)
@@ -124,13 +163,13 @@ def test_gae_default_rewards_and_normalisation():
     trajs = multi_turn_trajectories(2, 9)
     rng = np.random.default_rng(3)
     values = [rng.normal(size=t.num_tokens).astype(np.float32) for t in trajs]
-    raw_adv, raw_ret = gae_advantages(trajs, values, 0.95, 0.9)
+    raw_adv, raw_ret = packed_gae_per_trajectory(trajs, values, 0.95, 0.9)
     raw_tol = []
     for i, t in enumerate(trajs):  # default reward: trajectory.reward
         raw_tol.append(gae_tolerance(t, values[i], t.reward, 0.95, 0.9)[0])
         want = gae_reference(t, values[i], t.reward, 0.95, 0.9)[0]
         assert np.all(np.abs(raw_adv[i] - want) <= raw_tol[-1]), f"traj {i}"
-    adv, ret = gae_advantages(trajs, values, 0.95, 0.9, normalize=True)
+    adv, ret = packed_gae_per_trajectory(trajs, values, 0.95, 0.9, normalize=True)
     mask = np.concatenate([t.loss_mask for t in trajs]) == 1
     flat_raw = np.concatenate(raw_adv)[mask].astype(np.float64)
     std = flat_raw.std() + 1e-5
@@ -144,20 +183,21 @@ def test_gae_default_rewards_and_normalisation():
         np.testing.assert_array_equal(r, rr)
 
 
-def test_scatter_is_the_inverse_of_unpack():
+def test_per_token_rows_is_the_inverse_of_unpack():
+    """The tests' own placement of per-trajectory arrays into packed rows is right."""
     trajs = random_trajectories(5, 23, 20)
     batches = pack_trajectories(trajs, None, seq_len=48, rows_per_micro_batch=4, n_shards=2,
                                 n_minibatches=2)
     assert max(b.segment_ids.max() for b in batches) >= 2
     rng = np.random.default_rng(0)
     per_traj = [rng.normal(size=t.num_tokens).astype(np.float32) for t in trajs]
-    packed = scatter_per_token(batches, per_traj, len(trajs))
+    packed = per_token_rows(batches, per_traj)
     for b, arr in zip(batches, packed, strict=True):
         assert arr.shape == b.shape and arr.dtype == np.float32
         assert np.all(arr[b.segment_ids == 0] == 0)  # padding stays 0
     for got, want in zip(unpack_per_token(batches, packed, len(trajs)), per_traj, strict=True):
         np.testing.assert_array_equal(got, want)
-    again = scatter_per_token(batches, unpack_per_token(batches, packed, len(trajs)), len(trajs))
+    again = per_token_rows(batches, unpack_per_token(batches, packed, len(trajs)))
     for a, b in zip(again, packed, strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -220,8 +260,8 @@ def test_packed_and_padded_batches_give_same_value_loss_and_grads(critic):
         batches = pack_trajectories(trajs, None, max_segments_per_row=max_segments, **SHAPE)
         n_rows.append(len(batches))
         results.append(critic.compute_gradients(
-            batches, returns=scatter_per_token(batches, returns, len(trajs)),
-            old_values=scatter_per_token(batches, olds, len(trajs))))
+            batches, returns=per_token_rows(batches, returns),
+            old_values=per_token_rows(batches, olds)))
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert n_rows[0] < n_rows[1] and loss_a > 0
     np.testing.assert_allclose(loss_a, loss_b, rtol=1e-5)
@@ -253,10 +293,85 @@ def test_critic_learns_returns_on_a_fixed_batch(critic):
     assert np.corrcoef(rewards, mean_values)[0, 1] > 0.8
     # Much closer than the best constant prediction (the mean reward) could be.
     assert np.abs(mean_values - rewards).mean() < 0.5 * np.abs(rewards - rewards.mean()).mean()
-    # gae_targets put advantages on the loss tokens only.
-    for b in batches:
-        assert np.all(b.advantages[b.loss_mask == 0] == 0)
-        assert np.any(b.advantages[b.loss_mask == 1] != 0)
+    # gae_targets put advantages on the loss tokens only (of the micro-batches it returns).
+    for b in targets.micro_batches:
+        advantages = np.asarray(b.advantages)
+        assert np.all(advantages[b.loss_mask == 0] == 0)
+        assert np.any(advantages[b.loss_mask == 1] != 0)
+
+
+def test_gae_targets_on_device_match_the_loop_over_each_trajectory(critic):
+    """The PPO path: the critic's values, GAE on the packed rows and the normalisation over
+    all micro-batches, all on device, against the float64 loop over each trajectory's loss
+    tokens with the same values."""
+    _random_head(critic, 3)
+    trajs = multi_turn_trajectories(5, 24)
+    batches = pack_trajectories(trajs, None, n_minibatches=2, **SHAPE)
+    assert len(batches) >= 3 and max(b.segment_ids.max() for b in batches) >= 2
+    rewards = np.random.default_rng(6).normal(size=len(trajs))
+    targets = critic.gae_targets(batches, trajs, gamma=0.97, lam=0.9, rewards=rewards)
+    assert all(isinstance(b.advantages, jax.Array) for b in targets.micro_batches)
+    values = unpack_per_token(batches, critic.compute_values(batches), len(trajs))
+    for got, want in zip(targets.old_values, critic.compute_values(batches), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)  # the same program's values
+    adv = unpack_per_token(batches, [np.asarray(b.advantages) for b in targets.micro_batches],
+                           len(trajs))
+    ret = unpack_per_token(batches, [np.asarray(r) for r in targets.returns], len(trajs))
+    raw, raw_tol = [], []
+    for i, t in enumerate(trajs):
+        want_adv, want_ret = gae_reference(t, values[i], rewards[i], 0.97, 0.9)
+        adv_tol, ret_tol = gae_tolerance(t, values[i], rewards[i], 0.97, 0.9)
+        assert np.all(np.abs(ret[i] - want_ret) <= ret_tol), f"traj {i}"
+        raw.append(want_adv)
+        raw_tol.append(adv_tol)
+    mask = np.concatenate([t.loss_mask for t in trajs]) == 1
+    flat_raw = np.concatenate(raw)[mask]
+    std = flat_raw.std() + 1e-5
+    # The fp32 raw advantages' own error, scaled by 1/std, plus the normalisation's
+    # (the mean and variance sums over the loss tokens, ~10 operations a term).
+    tol = (np.concatenate(raw_tol)[mask] / std
+           + reference_tolerance((np.abs(flat_raw) + np.abs(flat_raw).mean()) / std,
+                                 mask.sum(), ops=10))
+    assert np.all(np.abs(np.concatenate(adv)[mask] - (flat_raw - flat_raw.mean()) / std) <= tol)
+    assert np.all(np.concatenate(adv)[~mask] == 0) and np.all(np.concatenate(ret)[~mask] == 0)
+
+
+def test_gae_targets_leave_the_batch_passed_in_as_it_was(critic):
+    """No micro-batch is changed in place: new ones carry the advantages and share every
+    other array with the ones passed in; the policy and the critic train on them."""
+    _random_head(critic, 4)
+    trajs = multi_turn_trajectories(8, 10)
+    batches = pack_trajectories(trajs, [0.25] * len(trajs), n_minibatches=2, **SHAPE)
+    before = copy.deepcopy(batches)
+    targets = critic.gae_targets(batches, trajs, gamma=1.0, lam=0.95)
+    for b, b0, new in zip(batches, before, targets.micro_batches, strict=True):
+        assert new is not b and b.prox_logp is None and b.ref_logp is None
+        assert b.arrays().keys() == b0.arrays().keys()
+        for key, value in b0.arrays().items():
+            np.testing.assert_array_equal(b[key], value, err_msg=key)
+        assert isinstance(b.advantages, np.ndarray)
+        assert (b.placements, b.minibatch_id, b.minibatch_loss_tokens, b.n_shards) == (
+            new.placements, new.minibatch_id, new.minibatch_loss_tokens, new.n_shards)
+        for key in PACKED_FIELDS.keys() - {"advantages"}:
+            assert new[key] is b[key], key
+        assert not np.array_equal(np.asarray(new.advantages), b.advantages)
+    metrics = critic.train_step(targets.micro_batches, returns=targets.returns,
+                                old_values=targets.old_values)
+    assert metrics["skipped_steps"] == 0 and metrics["value_loss"] > 0
+    # The policy takes the device advantages as they are: the same loss and gradients as
+    # from host copies of them.
+    learner = make_learner(one_device(), compiler_options=FAST_COMPILE,
+                           algo=AlgoConfig(ppo_n_minibatches=2))
+    on_host = [dataclasses.replace(b, advantages=np.asarray(b.advantages))
+               for b in targets.micro_batches]
+    (loss_d, grads_d), (loss_h, grads_h) = (learner.compute_gradients(mbs)
+                                            for mbs in (targets.micro_batches, on_host))
+    assert loss_d == loss_h
+    for gd, gh in zip(jax.tree.leaves(grads_d), jax.tree.leaves(grads_h), strict=True):
+        np.testing.assert_array_equal(np.asarray(gd), np.asarray(gh))
+    for b, b0 in zip(batches, before, strict=True):
+        for key, value in b0.arrays().items():
+            np.testing.assert_array_equal(b[key], value, err_msg=key)
 
 
 @pytest.mark.devices(8)
@@ -265,7 +380,7 @@ def test_mesh_training_matches_one_device():
     trajs = random_trajectories(8, 16, 24)
     batches = pack_trajectories(trajs, None, seq_len=32, rows_per_micro_batch=8, n_shards=8)
     rng = np.random.default_rng(0)
-    returns = scatter_per_token(batches, [rng.normal(size=t.num_tokens) for t in trajs], len(trajs))
+    returns = per_token_rows(batches, [rng.normal(size=t.num_tokens) for t in trajs])
     runs = []
     for mesh in (one_device(), make_mesh("fsdp=4,tensor=2")):
         critic = make_critic(mesh)
@@ -286,8 +401,7 @@ def test_mesh_training_matches_one_device():
 def test_checkpoint_round_trip_restores_values_and_optimizer(tmp_path, critic):
     trajs = random_trajectories(4, 8, 20)
     batches = pack_trajectories(trajs, None, n_minibatches=2, **SHAPE)
-    returns = scatter_per_token(batches, [np.full(t.num_tokens, t.reward) for t in trajs],
-                                len(trajs))
+    returns = per_token_rows(batches, [np.full(t.num_tokens, t.reward) for t in trajs])
     critic.train_step(batches, returns=returns)
     saved_values = critic.compute_values(batches)
     st = critic.state_dict()
@@ -326,19 +440,31 @@ def test_bad_input_gets_clear_errors(critic):
     assert not hasattr(critic, "compute_logp")  # a value model has no token logprobs
     assert critic.step == 0  # nothing was applied
 
-    values = [np.zeros(t.num_tokens, np.float32) for t in trajs]
-    with pytest.raises(ValueError, match=r"values of trajectory 2 have shape \(3,\)"):
-        gae_advantages(trajs, values[:2] + [np.zeros(3)] + values[3:], 1.0, 1.0)
-    with pytest.raises(ValueError, match="got 3 value arrays for 4 trajectories"):
-        gae_advantages(trajs, values[:3], 1.0, 1.0)
+    rewards = np.zeros(len(trajs))
+    with pytest.raises(ValueError, match=r"micro-batch 1: values has shape \(4, 31\), "
+                                         r"expected \(4, 32\)"):
+        packed_gae_targets(batches, good[:1] + [np.zeros((4, 31))], rewards, gamma=1.0, lam=1.0)
+    with pytest.raises(ValueError, match="got 1 value arrays for 2 micro-batches"):
+        packed_gae_targets(batches, good[:1], rewards, gamma=1.0, lam=1.0)
     with pytest.raises(ValueError, match=r"gamma=1.5; expected a number in \[0, 1\]"):
-        gae_advantages(trajs, values, 1.5, 1.0)
+        packed_gae_targets(batches, good, rewards, gamma=1.5, lam=1.0)
     with pytest.raises(ValueError, match="reward of trajectory 1 is nan"):
-        gae_advantages(trajs, values, 1.0, 1.0, rewards=[0.0, np.nan, 0.0, 0.0])
-    with pytest.raises(ValueError, match="array of trajectory 0 has shape"):
-        scatter_per_token(batches, [np.zeros(1)] + values[1:], len(trajs))
-    with pytest.raises(ValueError, match="got 3 per-trajectory arrays for n_trajectories=4"):
-        scatter_per_token(batches, values[:3], len(trajs))
+        packed_gae_targets(batches, good, [0.0, np.nan, 0.0, 0.0], gamma=1.0, lam=1.0)
+    with pytest.raises(ValueError, match=r"trajectories \[4\] are in none of the micro-batches"):
+        packed_gae_targets(batches, good, np.zeros(5), gamma=1.0, lam=1.0)
+    with pytest.raises(ValueError, match=r"a micro-batch holds trajectory 3 but there are 3"):
+        packed_gae_targets(batches, good, np.zeros(3), gamma=1.0, lam=1.0)
+    with pytest.raises(ValueError, match=r"gae_targets: rewards has shape \(3,\); expected "
+                                         r"\(4,\), one per trajectory"):
+        critic.gae_targets(batches, trajs, gamma=1.0, lam=1.0, rewards=[0.0, 0.0, 0.0])
+    nan_values = [np.where(b.segment_ids > 0, np.nan, 0.0) for b in batches]
+    with pytest.raises(ValueError, match="the values of micro-batch 0 are not all finite"):
+        packed_gae_targets(batches, nan_values, rewards, gamma=1.0, lam=1.0)
+    with pytest.raises(ValueError, match="micro-batch 1: old_values has non-finite entries"):
+        targets = critic.gae_targets(batches, trajs, gamma=1.0, lam=1.0)
+        critic.train_step(batches, returns=targets.returns,
+                          old_values=[targets.old_values[0], targets.old_values[1] * np.nan])
+    assert critic.step == 0  # nothing was applied
     with pytest.raises(ValueError, match="value_eps_clip must be > 0"):
         make_critic(value_eps_clip=0.0)
     with pytest.raises(TypeError, match="must be a model_defs.CausalLM"):

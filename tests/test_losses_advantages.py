@@ -14,6 +14,7 @@ from areal_jax.losses import (
     group_advantages,
     normalize_advantages,
     overlong_penalty,
+    packed_gae,
     ppo_value_loss,
     shape_rewards,
     token_kl,
@@ -173,6 +174,91 @@ def test_gae_errors():
         gae(np.zeros((2, 4)), np.zeros((2, 3)), np.ones((2, 4)), 0.9, 0.9)
     with pytest.raises(ValueError, match=r"gae: lam=1.5"):
         gae(np.zeros((2, 4)), np.zeros((2, 4)), np.ones((2, 4)), 0.9, 1.5)
+
+
+def random_packing(rng, rows, length):
+    """Packed [rows, length] arrays as the learner's packing lays them out: segments 1..k one
+    after another in each row (a ragged tail of padding, segment id 0), each a prompt then
+    generated and environment spans (loss tokens that are not contiguous), sometimes no loss
+    token at all. Rewards and values sit on every token, padding included, to show that
+    masked ones are ignored. Returns (rewards, values, mask, segment_ids, spans) with spans
+    the (row, start, stop) of every segment."""
+    mask = np.zeros((rows, length), np.int32)
+    segment_ids = np.zeros((rows, length), np.int32)
+    spans = []
+    for r in range(rows):
+        start, seg = 0, 1
+        while start < length and rng.random() < 0.85:
+            n = int(rng.integers(1, min(14, length - start) + 1))
+            kinds = rng.integers(0, 3, n)  # 0: prompt or environment, 1-2: generated
+            kinds[0] = 0
+            if rng.random() < 0.1:
+                kinds[:] = 0  # a sequence without loss tokens
+            mask[r, start:start + n] = kinds > 0
+            segment_ids[r, start:start + n] = seg
+            spans.append((r, start, start + n))
+            start, seg = start + n, seg + 1
+    rewards = rng.normal(size=(rows, length)).astype(np.float32)
+    values = rng.normal(scale=2.0, size=(rows, length)).astype(np.float32)
+    return rewards, values, mask, segment_ids, spans
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
+def test_packed_gae_is_gae_of_each_sequence_alone(gamma, lam):
+    """On many random packings, every sequence of a packed row gets what ``gae`` gives it
+    in a row of its own (and what the float64 loop gives it); padding gets 0."""
+    rows, length, max_segments = 4, 40, 4 * 40
+    packed = jax.jit(packed_gae, static_argnums=(4, 5))
+    alone = jax.jit(gae, static_argnums=(3, 4))
+    n_segments = 0
+    for seed in range(25):
+        rng = np.random.default_rng(seed)
+        rewards, values, mask, segment_ids, spans = random_packing(rng, rows, length)
+        adv, ret = (np.asarray(x) for x in packed(rewards, values, mask, segment_ids, gamma, lam))
+        # Each sequence alone at the start of a row of its own, the rest masked: the layout
+        # of one trajectory per row, padded.
+        one_r, one_v, one_m = (np.zeros((max_segments, length), np.float32) for _ in range(3))
+        for k, (r, start, stop) in enumerate(spans):
+            one_r[k, :stop - start] = rewards[r, start:stop]
+            one_v[k, :stop - start] = values[r, start:stop]
+            one_m[k, :stop - start] = mask[r, start:stop]
+        want_adv, want_ret = (np.asarray(x) for x in alone(one_r, one_v, one_m, gamma, lam))
+        ref_adv, ref_ret = reference_gae(one_r, one_v, one_m, gamma, lam)
+        adv_tol, ret_tol = gae_tolerance(one_r, one_v, one_m, gamma, lam)
+        for k, (r, start, stop) in enumerate(spans):
+            n = stop - start
+            # Two fp32 evaluations of the same recursion: within twice one's bound.
+            assert np.all(np.abs(adv[r, start:stop] - want_adv[k, :n]) <= 2 * adv_tol[k, :n])
+            assert np.all(np.abs(ret[r, start:stop] - want_ret[k, :n]) <= 2 * ret_tol[k, :n])
+            assert np.all(np.abs(adv[r, start:stop] - ref_adv[k, :n]) <= adv_tol[k, :n])
+            assert np.all(np.abs(ret[r, start:stop] - ref_ret[k, :n]) <= ret_tol[k, :n])
+        assert np.all(adv[mask == 0] == 0) and np.all(ret[mask == 0] == 0)
+        assert np.all(adv[segment_ids == 0] == 0) and np.all(ret[segment_ids == 0] == 0)
+        n_segments += len(spans)
+    assert n_segments > 200
+
+
+def test_packed_gae_with_one_segment_a_row_is_gae():
+    rng = np.random.default_rng(5)
+    rewards, values = rng.normal(size=(2, 3, 9)).astype(np.float32)
+    mask = rng.random((3, 9)) < 0.7
+    got = packed_gae(rewards, values, mask, np.ones((3, 9), np.int32), 0.99, 0.95)
+    want = gae(rewards, values, mask, 0.99, 0.95)
+    # The same recursion, compiled with the segment resets: two fp32 evaluations.
+    for g, w, tol in zip(got, want, gae_tolerance(rewards, values, mask, 0.99, 0.95),
+                         strict=True):
+        assert np.all(np.abs(np.asarray(g) - np.asarray(w)) <= 2 * tol)
+
+
+def test_packed_gae_errors():
+    z = np.zeros((2, 4), np.float32)
+    with pytest.raises(ValueError, match=r"packed_gae: segment_ids has shape \(2, 3\) but "
+                                         r"rewards has shape \(2, 4\)"):
+        packed_gae(z, z, z, np.ones((2, 3), np.int32), 0.9, 0.9)
+    with pytest.raises(TypeError, match="packed_gae: segment_ids has dtype float32"):
+        packed_gae(z, z, z, z, 0.9, 0.9)
+    with pytest.raises(ValueError, match=r"packed_gae: gamma=-0.1"):
+        packed_gae(z, z, z, np.ones((2, 4), np.int32), -0.1, 0.9)
 
 
 # --------------------------------------------------------------------------- normalisation, shaping

@@ -1,14 +1,18 @@
-"""Advantages for every algorithm, from a batch's rewards: the one place they are made.
+"""Advantages for every algorithm, from a batch's rewards: the one place they are asked for.
 
-* GRPO / RLOO / Dr.GRPO (``algo.name`` grpo, rloo, dr_grpo): per group of samples of one
-  prompt, from the shaped rewards alone (``group_advantages_for``); the trajectory
-  pipeline (``data/trajectories.py``) calls it while it batches.
-* PPO (``algo.name: ppo``): GAE over the critic's values of the packed batch
+* GRPO / RLOO / Dr.GRPO (``algo.name`` grpo, rloo, dr_grpo): one scalar per trajectory,
+  per group of samples of one prompt, from the shaped rewards alone
+  (``group_advantages_for``); the trajectory pipeline (``data/trajectories.py``) calls it
+  while it batches, and packing spreads each scalar over the trajectory's loss tokens.
+* PPO (``algo.name: ppo``): per-token GAE over the critic's values of the packed batch
   (``gae_targets_for``); the trainer calls it once the batch is packed, since it needs
-  the critic.
+  the critic. It runs on the packed rows on device (``Critic.gae_targets``) and returns
+  new micro-batches: the batch it is given is not modified.
 
 Both start from ``shaped_rewards``: the reward section's scale/bias/clip and the
-optional DAPO overlong penalty. The arithmetic is ``areal_jax.losses``' (public API).
+optional DAPO overlong penalty, which need the run's config (so this module, not
+``learner/`` or ``losses/``, which never import it). The arithmetic is ``areal_jax.losses``'
+(public API: ``group_advantages``, ``packed_gae``).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ def group_advantages_for(cfg: TrainConfig, groups: list[list[Trajectory]]) -> np
 def gae_targets_for(cfg: TrainConfig, critic: Critic, micro: list[PackedBatch],
                     trajs: list[Trajectory]) -> ValueTargets:
     """PPO: GAE advantages (normalised) and returns over the critic's values of the packed
-    micro-batches (``micro``, written into them), from the shaped rewards."""
+    micro-batches, from the shaped rewards: new micro-batches carrying the advantages
+    (``micro`` is not modified), the critic's returns and old values, all on device."""
     return critic.gae_targets(micro, trajs, gamma=cfg.algo.gamma, lam=cfg.algo.lam,
                               normalize=True, rewards=shaped_rewards(cfg, trajs))

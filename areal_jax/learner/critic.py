@@ -1,10 +1,11 @@
 """The critic of the actor-critic (``algo.name: ppo``) variant: a value model, GAE, its update.
 
     critic = Critic.from_hf("hf_dir", optim, mesh=learner.mesh, ppo_n_minibatches=n)
-    batches = pack_trajectories(trajs, None, ...)            # advantages filled in below
-    targets = critic.gae_targets(batches, trajs, gamma=1.0, lam=1.0)  # sets mb["advantages"]
-    learner.train_step(batches)                              # the policy, as for GRPO
-    critic.train_step(batches, returns=targets.returns, old_values=targets.old_values)
+    batches = pack_trajectories(trajs, None, ...)            # advantages: zeros until GAE
+    targets = critic.gae_targets(batches, trajs, gamma=1.0, lam=1.0)  # new micro-batches
+    learner.train_step(targets.micro_batches)                # the policy, as for GRPO
+    critic.train_step(targets.micro_batches, returns=targets.returns,
+                      old_values=targets.old_values)
 
 The value model is a ``CausalLM`` backbone (initialised from the policy's checkpoint, its
 LM head dropped) and a zero-initialised scalar head, so every initial value is 0. The value
@@ -13,7 +14,10 @@ t was generated, the same alignment as the learner's logprobs (0 on the first to
 segment and on padding).
 
 GAE uses a sparse terminal reward on the last loss token of each trajectory and skips
-every other token (prompt, environment turns); the value after the last token is 0.
+every other token (prompt, environment turns); the value after the last token is 0. It
+runs on the packed rows, on device, in the programs after the critic's values
+(:func:`packed_gae_targets`): the advantages, returns and values never leave the devices,
+and the micro-batches passed in are not modified (new ones carry the advantages).
 
 ``Critic`` and the policy's ``Learner`` are siblings: both are a
 :class:`~areal_jax.learner.trainable.TrainableModel` (the sharded fp32 master weights, the
@@ -24,6 +28,7 @@ critic has no token logprobs: it has ``compute_values`` instead of ``compute_log
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -34,16 +39,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from jax.typing import DTypeLike
+from jax.typing import ArrayLike, DTypeLike
 
 from areal_jax.learner.config import OptimConfig
 from areal_jax.learner.learner import LOGP_KEYS
-from areal_jax.learner.packing import PackedBatch, unpack_per_token
+from areal_jax.learner.packing import PackedBatch
 from areal_jax.learner.steps import CompilerOptions, cast_params
 from areal_jax.learner.token_logp import predicted_mask, shift_right
-from areal_jax.learner.trainable import MicroBatch, TrainableModel, _get
-from areal_jax.losses import gae, normalize_advantages, ppo_value_loss
-from areal_jax.parallel.mesh import make_mesh, replicated
+from areal_jax.learner.trainable import MicroBatch, Program, TrainableModel, _get
+from areal_jax.losses import packed_gae, ppo_value_loss
+from areal_jax.parallel.mesh import make_mesh, put_batch, replicated
 from areal_jax.trajectory import Trajectory
 from model_defs import (
     CausalLM,
@@ -149,6 +154,16 @@ def make_value_grad_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None,
     return grad_fn
 
 
+def _values_program(params, rest, batch, *, graphdef, compute_dtype):
+    return make_values_fn(graphdef, compute_dtype)(params, rest, batch)
+
+
+def _value_grad_program(params, rest, grads, sums, batch, denom, n_loss_tokens, version, *,
+                        graphdef, compute_dtype, value_eps_clip, value_coef):
+    fn = make_value_grad_fn(graphdef, compute_dtype, value_eps_clip, value_coef)
+    return fn(params, rest, grads, sums, batch, denom, n_loss_tokens, version)
+
+
 class _ValueMicroBatch(dict):
     """The arrays of one micro-batch plus its returns / old values, and its minibatch id."""
 
@@ -160,10 +175,16 @@ def _loss_token_count(batch: dict[str, jax.Array]) -> jax.Array:
 
 
 class ValueTargets(NamedTuple):
-    """Per micro-batch [R, L] arrays for :meth:`Critic.train_step`."""
+    """GAE's results for a packed batch, one [R, L] device array per micro-batch each.
 
-    returns: list[np.ndarray]
-    old_values: list[np.ndarray]
+    ``micro_batches`` are new micro-batches (the ones passed in, unmodified, with these
+    advantages) for the policy's ``train_step``; ``returns`` and ``old_values`` are the
+    critic's ``train_step`` targets.
+    """
+
+    micro_batches: list[PackedBatch]
+    returns: list[jax.Array]
+    old_values: list[jax.Array]
 
 
 # ----------------------------------------------------------------------------- the critic
@@ -204,7 +225,10 @@ class Critic(TrainableModel):
             model.remat = remat_policy_name(remat)
         if attention is not None:
             model.attention_impl = attention
-        super().__init__(ValueModel(model), model_cfg, optim, n_minibatches=ppo_n_minibatches,
+        # TrainableModel is typed for a CausalLM; of the model it uses only what ValueModel
+        # has too (its NNX graph and params, dtype; remat and attention are set above).
+        super().__init__(ValueModel(model),  # type: ignore[arg-type]
+                         model_cfg, optim, n_minibatches=ppo_n_minibatches,
                          mesh=mesh, compute_dtype=compute_dtype,
                          compiler_options=compiler_options)
 
@@ -225,81 +249,96 @@ class Critic(TrainableModel):
 
     def _compile(self) -> None:
         super()._compile()  # the optimizer update and zero gradients
-        opts = self._jit_options
-        self._count = jax.jit(_loss_token_count, out_shardings=replicated(self.mesh), **opts)
-        self._grad = jax.jit(
-            make_value_grad_fn(self._graphdef, self.compute_dtype, self.value_eps_clip,
-                               self.value_coef),
-            donate_argnums=(2, 3), out_shardings=(self.param_shardings, replicated(self.mesh)),
-            **opts)
-        self._values = jax.jit(make_values_fn(self._graphdef, self.compute_dtype), **opts)
+        opts, rep = self._jit_options, replicated(self.mesh)
+        model = {"graphdef": self._graphdef, "compute_dtype": self.compute_dtype}
+        self._count = Program(_loss_token_count, {}, out_shardings=rep, **opts)
+        self._grad = Program(_value_grad_program, {
+            **model, "value_eps_clip": self.value_eps_clip, "value_coef": self.value_coef},
+            donate_argnums=(2, 3), out_shardings=(self.param_shardings, rep), **opts)
+        self._values = Program(_values_program, model, **opts)
 
     # ------------------------------------------------------------------ values
     def compute_values(self, micro_batches: Sequence[MicroBatch]) -> list[np.ndarray]:
         """Values under the current weights (no gradient), one fp32 [R, L] per micro-batch."""
+        return [self._to_host(v) for v in self._device_values(micro_batches)]
+
+    def _device_values(self, micro_batches: Sequence[MicroBatch]) -> list[jax.Array]:
+        """:meth:`compute_values`, left on the devices (batch-sharded)."""
         self._check_micro_batches(micro_batches, LOGP_KEYS)
         with use_mesh(self.mesh):
-            outs = [self._values(self.params, self._rest, self._put(mb, LOGP_KEYS))
+            return [self._values(self.params, self._rest, self._put(mb, LOGP_KEYS))
                     for mb in micro_batches]
-        return [self._to_host(o) for o in outs]
 
     def gae_targets(self, micro_batches: Sequence[PackedBatch], trajs: Sequence[Trajectory], *,
-                    gamma: float, lam: float, rewards: Sequence[float] | None = None,
+                    gamma: float, lam: float, rewards: Sequence[float] | np.ndarray | None = None,
                     normalize: bool = True) -> ValueTargets:
-        """Values -> GAE: sets ``mb["advantages"]`` on every micro-batch and returns the
-        critic's ``returns`` and ``old_values``.
+        """Values -> GAE on the packed rows, on device (:func:`packed_gae_targets`).
 
-        ``micro_batches`` are ``trajs`` packed by ``pack_trajectories`` (any advantages);
-        ``rewards`` (default ``t.reward``) are e.g. shaped rewards; ``normalize``
-        standardises the advantages over the batch's loss tokens (returns unchanged).
+        ``micro_batches`` are ``trajs`` packed by ``pack_trajectories`` (any advantages),
+        and stay as they are; ``rewards`` (default ``t.reward``) are e.g. shaped rewards;
+        ``normalize`` standardises the advantages over the batch's loss tokens (returns
+        unchanged). Returns new micro-batches with the advantages, and the critic's
+        ``returns`` and ``old_values``.
         """
-        old_values = self.compute_values(micro_batches)
-        values_per_traj = unpack_per_token(micro_batches, old_values, len(trajs))
-        advantages, returns = gae_advantages(trajs, values_per_traj, gamma, lam, rewards=rewards,
-                                             normalize=normalize)
-        for mb, adv in zip(micro_batches, scatter_per_token(micro_batches, advantages, len(trajs)),
-                           strict=True):
-            mb["advantages"] = adv
-        return ValueTargets(scatter_per_token(micro_batches, returns, len(trajs)), old_values)
+        reward_n = np.asarray([t.reward for t in trajs] if rewards is None else rewards,
+                              np.float64)
+        if reward_n.shape != (len(trajs),):
+            raise ValueError(f"gae_targets: rewards has shape {reward_n.shape}; expected "
+                             f"({len(trajs)},), one per trajectory")
+        values = self._device_values(micro_batches)
+        with use_mesh(self.mesh):
+            return packed_gae_targets(micro_batches, values, reward_n, gamma=gamma, lam=lam,
+                                      normalize=normalize, mesh=self.mesh)
 
     # ------------------------------------------------------------------ training
     def _value_micro_batches(self, micro_batches: Sequence[MicroBatch],
-                             returns: Sequence[np.ndarray] | None,
-                             old_values: Sequence[np.ndarray] | None) -> list[_ValueMicroBatch]:
+                             returns: Sequence[ArrayLike] | None,
+                             old_values: Sequence[ArrayLike] | None) -> list[_ValueMicroBatch]:
         micro_batches = list(micro_batches)
         if not micro_batches:
             raise ValueError("got no micro-batches")
         if returns is None:
             raise ValueError("Critic.train_step needs returns=[one [R, L] array per micro-batch] "
-                             "(from Critic.gae_targets or scatter_per_token)")
+                             "(from Critic.gae_targets)")
         for name, arrays in (("returns", returns), ("old_values", old_values)):
             if arrays is not None and len(arrays) != len(micro_batches):
                 raise ValueError(f"got {len(arrays)} {name} arrays for {len(micro_batches)} "
                                  "micro-batches; pass one [R, L] array per micro-batch")
         if old_values is None:
-            old_values = self.compute_values(micro_batches)
+            old_values = self._device_values(micro_batches)
         views = []
+        on_device = []  # (micro-batch, key, all finite) of device arrays, fetched at once
         for i, mb in enumerate(micro_batches):
             view = _ValueMicroBatch({k: _get(mb, k, i) for k in (*LOGP_KEYS, "loss_mask")})
-            view["returns"], view["old_values"] = np.asarray(returns[i]), np.asarray(old_values[i])
-            for key in ("returns", "old_values"):
-                arr = view[key]
-                if not np.issubdtype(arr.dtype, np.number) or not np.isfinite(arr).all():
+            for key, arrays in (("returns", returns), ("old_values", old_values)):
+                arr = arrays[i]
+                if not isinstance(arr, jax.Array):  # device arrays (gae_targets') stay there
+                    arr = np.asarray(arr)
+                if not np.issubdtype(arr.dtype, np.number) or (
+                        isinstance(arr, np.ndarray) and not np.isfinite(arr).all()):
                     raise ValueError(f"micro-batch {i}: {key} has non-finite or non-numeric "
                                      f"entries (dtype {arr.dtype})")
+                if isinstance(arr, jax.Array):
+                    on_device.append((i, key, jnp.isfinite(arr).all()))
+                view[key] = arr
             view.minibatch_id = int(getattr(mb, "minibatch_id", 0))
             views.append(view)
+        if on_device:
+            finite = np.asarray(jnp.stack([ok for _, _, ok in on_device]))
+            if not finite.all():
+                i, key, _ = on_device[int(np.flatnonzero(~finite)[0])]
+                raise ValueError(f"micro-batch {i}: {key} has non-finite entries")
         self._check_micro_batches(views, VALUE_TRAIN_KEYS)
         return views
 
     def train_step(self, micro_batches: Sequence[MicroBatch], *,
-                   returns: Sequence[np.ndarray] | None = None,
-                   old_values: Sequence[np.ndarray] | None = None) -> dict[str, float]:
+                   returns: Sequence[ArrayLike] | None = None,
+                   old_values: Sequence[ArrayLike] | None = None) -> dict[str, float]:
         """``ppo_n_minibatches`` AdamW steps of the clipped value loss; returns metrics.
 
         Each micro-batch needs input_ids, positions, segment_ids and loss_mask; ``returns``
-        and ``old_values`` are one [R, L] array per micro-batch (``old_values`` default:
-        the current values). The loss of a minibatch is normalised by its global loss-token
+        and ``old_values`` are one [R, L] array per micro-batch, host or device (``old_values``
+        default: the current values). The loss of a minibatch is normalised by its global loss-token
         count, as the policy's token-mean loss.
         """
         t0 = time.perf_counter()
@@ -311,8 +350,8 @@ class Critic(TrainableModel):
         return metrics
 
     def compute_gradients(self, micro_batches: Sequence[MicroBatch], *,
-                          returns: Sequence[np.ndarray] | None = None,
-                          old_values: Sequence[np.ndarray] | None = None
+                          returns: Sequence[ArrayLike] | None = None,
+                          old_values: Sequence[ArrayLike] | None = None
                           ) -> tuple[float, PyTree]:
         """(value loss, grads) of all ``micro_batches`` taken as ONE minibatch, no update."""
         views = self._value_micro_batches(micro_batches, returns, old_values)
@@ -363,104 +402,121 @@ class Critic(TrainableModel):
         }
 
 
-# ----------------------------------------------------------------------------- GAE, packing
-@functools.partial(jax.jit, static_argnames=("gamma", "lam", "normalize", "eps"))
-def _padded_gae(rewards_nt: jax.Array, values_nt: jax.Array, mask_nt: jax.Array, *, gamma: float,
-                lam: float, normalize: bool, eps: float) -> tuple[jax.Array, jax.Array]:
-    advantages_nt, returns_nt = gae(rewards_nt, values_nt, mask_nt, gamma, lam)
-    if normalize:
-        advantages_nt = normalize_advantages(advantages_nt, mask_nt, eps=eps)
-    return advantages_nt, returns_nt
+# ----------------------------------------------------------------------------- GAE, packed
+@functools.partial(jax.jit, static_argnames=("gamma", "lam"))
+def _gae_program(batch: dict[str, jax.Array], *, gamma: float, lam: float
+                 ) -> tuple[jax.Array, ...]:
+    """One micro-batch's GAE on its packed rows: (advantages, returns) [R, L], then its
+    loss-token count, the advantages' sum over them, and whether every value of a real
+    token is finite."""
+    values_rl, mask_rl = batch["values"], batch["loss_mask"] != 0
+    advantages_rl, returns_rl = packed_gae(batch["rewards"], values_rl, mask_rl,
+                                           batch["segment_ids"], gamma, lam)
+    finite = jnp.all(jnp.isfinite(values_rl) | (batch["segment_ids"] == 0))
+    return (advantages_rl, returns_rl, jnp.sum(mask_rl).astype(jnp.float32),
+            jnp.sum(jnp.where(mask_rl, advantages_rl, 0.0)), finite)
 
 
-def _padded_length(n: int) -> int:
-    """Next power of two >= n (at least 16): few distinct shapes, few compilations."""
-    return max(16, 1 << (int(n) - 1).bit_length())
+@jax.jit
+def _squared_deviation_program(advantages_rl: jax.Array, loss_mask_rl: jax.Array,
+                               mean: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.where(loss_mask_rl != 0, jnp.square(advantages_rl - mean), 0.0))
 
 
-def gae_advantages(trajs: Sequence[Trajectory], values_per_traj: Sequence[np.ndarray],
-                   gamma: float, lam: float, *, rewards: Sequence[float] | None = None,
-                   normalize: bool = False, eps: float = 1e-5
-                   ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per-token GAE advantages and returns, one fp32 [T_i] array each per trajectory.
+@functools.partial(jax.jit, static_argnames=("eps",))
+def _standardize_program(advantages_rl: jax.Array, loss_mask_rl: jax.Array, mean: jax.Array,
+                         std: jax.Array, *, eps: float) -> jax.Array:
+    return jnp.where(loss_mask_rl != 0, (advantages_rl - mean) / (std + eps), 0.0)
 
-    Each trajectory's reward (``rewards[i]``, default ``trajs[i].reward``) sits on its last
-    loss token; GAE runs over the loss tokens only (prompt and environment tokens are
-    skipped, their advantages and returns are 0) and the value after the last one is 0.
-    ``values_per_traj[i]`` is [T_i], aligned like the critic's values (value of token t =
-    V(state before t)). ``normalize`` standardises the advantages over all loss tokens of
-    the batch; returns stay ``A + V`` of the raw advantages.
+
+def terminal_rewards(batch: PackedBatch, reward_n: np.ndarray) -> np.ndarray:
+    """fp32 [R, L]: each packed trajectory's reward (``reward_n[traj_index]``) on its last
+    loss token, 0 elsewhere (GAE's sparse terminal reward)."""
+    out_rl = np.zeros(batch.shape, np.float32)
+    for p in batch.placements:
+        if not 0 <= p.traj_index < len(reward_n):
+            raise ValueError(f"a micro-batch holds trajectory {p.traj_index} but there are "
+                             f"{len(reward_n)} rewards")
+        loss_tokens = np.flatnonzero(batch.loss_mask[p.row, p.start:p.start + p.length])
+        if loss_tokens.size:
+            out_rl[p.row, p.start + int(loss_tokens[-1])] = reward_n[p.traj_index]
+    return out_rl
+
+
+def packed_gae_targets(micro_batches: Sequence[PackedBatch], values: Sequence[ArrayLike],
+                       rewards: ArrayLike, *, gamma: float, lam: float, normalize: bool = True,
+                       eps: float = 1e-5, mesh: Mesh | None = None) -> ValueTargets:
+    """GAE over packed micro-batches, on device: the policy's advantages and the critic's
+    returns, with no trajectory unpacked and no array brought back to the host.
+
+    Each trajectory's reward (``rewards[i]`` for trajectory i of the placements) sits on
+    its last loss token; GAE (:func:`~areal_jax.losses.packed_gae`) runs over the loss
+    tokens of each packed sequence (prompt and environment tokens are skipped, their
+    advantages and returns are 0) and the value after the last one is 0. ``values`` are one
+    [R, L] array per micro-batch, aligned like the critic's (value of token t = V(state
+    before t)); device arrays stay where they are, host ones are placed on ``mesh``.
+
+    ``normalize`` standardises the advantages over the loss tokens of all micro-batches
+    together, as ``losses.normalize_advantages`` over the whole batch: each micro-batch's
+    program sums its advantages (then their squared deviations), and the batch totals give
+    the mean and std. Returns stay ``A + V`` of the raw advantages.
+
+    The micro-batches passed in are not modified: the result holds new ones
+    (``dataclasses.replace``) whose ``advantages`` are the device arrays.
     """
-    n = len(trajs)
-    if n == 0:
-        raise ValueError("gae_advantages: got no trajectories")
-    if len(values_per_traj) != n:
-        raise ValueError(f"gae_advantages: got {len(values_per_traj)} value arrays for {n} "
-                         "trajectories")
+    fn = "packed_gae_targets"
+    micro_batches = list(micro_batches)
+    if not micro_batches:
+        raise ValueError(f"{fn}: got no micro-batches")
+    if len(values) != len(micro_batches):
+        raise ValueError(f"{fn}: got {len(values)} value arrays for {len(micro_batches)} "
+                         "micro-batches; pass one [R, L] array per micro-batch")
     for name, value in (("gamma", gamma), ("lam", lam)):
         if not (isinstance(value, int | float) and 0.0 <= value <= 1.0):
-            raise ValueError(f"gae_advantages: {name}={value!r}; expected a number in [0, 1]")
-    reward_n = np.asarray([t.reward for t in trajs] if rewards is None else rewards, np.float64)
-    if reward_n.shape != (n,):
-        raise ValueError(f"gae_advantages: rewards has shape {reward_n.shape}; expected ({n},), "
-                         "one per trajectory")
+            raise ValueError(f"{fn}: {name}={value!r}; expected a number in [0, 1]")
+    reward_n = np.asarray(rewards, np.float64)
+    if reward_n.ndim != 1:
+        raise ValueError(f"{fn}: rewards has shape {reward_n.shape}; expected [N], one per "
+                         "trajectory")
     if not np.isfinite(reward_n).all():
         bad = int(np.flatnonzero(~np.isfinite(reward_n))[0])
-        raise ValueError(f"gae_advantages: reward of trajectory {bad} is {reward_n[bad]}")
+        raise ValueError(f"{fn}: reward of trajectory {bad} is {reward_n[bad]}")
+    placed = {p.traj_index for mb in micro_batches for p in mb.placements}
+    missing = sorted(set(range(len(reward_n))) - placed)
+    if missing:
+        raise ValueError(f"{fn}: trajectories {missing[:10]} are in none of the micro-batches")
 
-    lengths = [t.num_tokens for t in trajs]
-    width = _padded_length(max(lengths))
-    rewards_nt = np.zeros((n, width), np.float32)
-    values_nt = np.zeros((n, width), np.float32)
-    mask_nt = np.zeros((n, width), bool)
-    for i, (t, v) in enumerate(zip(trajs, values_per_traj, strict=True)):
-        v = np.asarray(v, np.float32)
-        if v.shape != (lengths[i],):
-            raise ValueError(f"gae_advantages: values of trajectory {i} have shape {v.shape}; "
-                             f"expected ({lengths[i]},) like its input_ids")
-        if not np.isfinite(v).all():
-            raise ValueError(f"gae_advantages: values of trajectory {i} are not all finite")
-        mask = t.loss_mask != 0
-        mask_nt[i, :lengths[i]] = mask
-        values_nt[i, :lengths[i]] = v
-        if mask.any():
-            rewards_nt[i, int(np.flatnonzero(mask)[-1])] = reward_n[i]
-    advantages_nt, returns_nt = jax.device_get(_padded_gae(
-        rewards_nt, values_nt, mask_nt, gamma=float(gamma), lam=float(lam),
-        normalize=bool(normalize), eps=float(eps)))
-    return ([np.asarray(advantages_nt[i, :k]) for i, k in enumerate(lengths)],
-            [np.asarray(returns_nt[i, :k]) for i, k in enumerate(lengths)])
+    def on_device(x: ArrayLike, dtype: type) -> jax.Array:
+        if isinstance(x, jax.Array):
+            return x
+        x = np.asarray(x, dtype)
+        return jnp.asarray(x) if mesh is None else put_batch(x, mesh)
 
-
-def scatter_per_token(batches: Sequence[PackedBatch], per_traj: Sequence[np.ndarray],
-                      n_trajectories: int) -> list[np.ndarray]:
-    """Per-trajectory [T_i] arrays -> one fp32 [R, L] array per micro-batch (0 elsewhere).
-
-    The inverse of :func:`~areal_jax.learner.packing.unpack_per_token`, by ``placements``.
-    """
-    if len(per_traj) != n_trajectories:
-        raise ValueError(f"got {len(per_traj)} per-trajectory arrays for "
-                         f"n_trajectories={n_trajectories}")
-    placed = np.zeros(n_trajectories, bool)
-    out = []
-    for b_index, b in enumerate(batches):
-        placements = getattr(b, "placements", None)
-        if placements is None:
-            raise TypeError(f"micro-batch {b_index} has no placements; pack it with "
-                            "pack_trajectories")
-        arr_rl = np.zeros(b.shape, np.float32)
-        for p in placements:
-            if not 0 <= p.traj_index < n_trajectories:
-                raise ValueError(f"micro-batch {b_index} holds trajectory {p.traj_index} but "
-                                 f"n_trajectories={n_trajectories}")
-            values = np.asarray(per_traj[p.traj_index], np.float32)
-            if values.shape != (p.length,):
-                raise ValueError(f"array of trajectory {p.traj_index} has shape {values.shape}, "
-                                 f"but the trajectory is packed with {p.length} tokens")
-            arr_rl[p.row, p.start:p.start + p.length] = values
-            placed[p.traj_index] = True
-        out.append(arr_rl)
-    missing = np.flatnonzero(~placed)
-    if missing.size:
-        raise ValueError(f"trajectories {missing[:10].tolist()} are in none of the micro-batches")
-    return out
+    outs = []
+    for i, (mb, values_rl) in enumerate(zip(micro_batches, values, strict=True)):
+        if tuple(np.shape(values_rl)) != mb.shape:
+            raise ValueError(f"{fn}: micro-batch {i}: values has shape {np.shape(values_rl)}, "
+                             f"expected {mb.shape} like input_ids")
+        batch = {"rewards": on_device(terminal_rewards(mb, reward_n), np.float32),
+                 "values": on_device(values_rl, np.float32),
+                 "loss_mask": on_device(mb.loss_mask, np.int32),
+                 "segment_ids": on_device(mb.segment_ids, np.int32)}
+        outs.append((batch, _gae_program(batch, gamma=float(gamma), lam=float(lam))))
+    advantages = [adv for _, (adv, *_) in outs]
+    if normalize:
+        count = functools.reduce(jnp.add, [o[2] for _, o in outs])
+        mean = functools.reduce(jnp.add, [o[3] for _, o in outs]) / jnp.maximum(count, 1.0)
+        sq_dev = functools.reduce(jnp.add, [
+            _squared_deviation_program(adv, b["loss_mask"], mean)
+            for adv, (b, _) in zip(advantages, outs, strict=True)])
+        std = jnp.sqrt(sq_dev / jnp.maximum(count, 1.0))
+        advantages = [_standardize_program(adv, b["loss_mask"], mean, std, eps=float(eps))
+                      for adv, (b, _) in zip(advantages, outs, strict=True)]
+    finite = np.asarray(jnp.stack([o[4] for _, o in outs]))  # the one value fetched
+    if not finite.all():
+        raise ValueError(f"{fn}: the values of micro-batch {int(np.flatnonzero(~finite)[0])} "
+                         "are not all finite")
+    return ValueTargets(
+        [dataclasses.replace(mb, advantages=adv)
+         for mb, adv in zip(micro_batches, advantages, strict=True)],
+        [o[1] for _, o in outs], [b["values"] for b, _ in outs])

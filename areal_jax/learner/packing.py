@@ -29,10 +29,14 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from areal_jax.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    import jax
 
 # Per-token arrays of a packed micro-batch, with their dtypes. All have shape [R, L].
 PACKED_FIELDS: dict[str, type] = {
@@ -66,7 +70,8 @@ class PackedBatch:
     segment_ids: np.ndarray
     loss_mask: np.ndarray
     behav_logp: np.ndarray
-    advantages: np.ndarray
+    # A device array in the micro-batches that Critic.gae_targets returns (PPO's GAE).
+    advantages: np.ndarray | jax.Array
     versions: np.ndarray
     placements: list[Placement] = field(default_factory=list)
     minibatch_id: int = 0
@@ -77,7 +82,7 @@ class PackedBatch:
     prox_logp: np.ndarray | None = None  # set by Learner.recompute_prox_logp
     ref_logp: np.ndarray | None = None  # reference-model logprobs, for a KL penalty
 
-    def __getitem__(self, key: str) -> np.ndarray:
+    def __getitem__(self, key: str) -> np.ndarray | jax.Array:
         if key not in PACKED_FIELDS and key not in OPTIONAL_FIELDS:
             raise KeyError(f"PackedBatch has no array {key!r}; arrays: "
                            f"{list(PACKED_FIELDS) + list(OPTIONAL_FIELDS)}")
@@ -102,7 +107,8 @@ class PackedBatch:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.input_ids.shape)  # type: ignore[return-value]
+        rows, length = self.input_ids.shape
+        return rows, length
 
     @property
     def n_tokens(self) -> int:
@@ -275,7 +281,8 @@ def _micro_batches(trajs: Sequence[Trajectory], advs: list[np.ndarray], rows: li
     shape = (rows_per_micro_batch, length)
     batches = []
     for m in range(n_micro):
-        arrays = {k: np.zeros(shape, dtype) for k, dtype in PACKED_FIELDS.items()}
+        arrays: dict[str, np.ndarray] = {k: np.zeros(shape, dtype)
+                                         for k, dtype in PACKED_FIELDS.items()}
         placements = []
         for s in range(n_shards):
             # Slot order within a shard: heaviest row first, for readability of dumps.
@@ -295,8 +302,12 @@ def _micro_batches(trajs: Sequence[Trajectory], advs: list[np.ndarray], rows: li
                     arrays["versions"][row, span] = t.versions
                     placements.append(Placement(ti, row, start, n))
                     start += n
-        batches.append(PackedBatch(**arrays, placements=placements, minibatch_id=minibatch_id,
-                                   n_shards=n_shards))
+        batches.append(PackedBatch(
+            input_ids=arrays["input_ids"], positions=arrays["positions"],
+            segment_ids=arrays["segment_ids"], loss_mask=arrays["loss_mask"],
+            behav_logp=arrays["behav_logp"], advantages=arrays["advantages"],
+            versions=arrays["versions"], placements=placements, minibatch_id=minibatch_id,
+            n_shards=n_shards))
     return batches
 
 

@@ -11,6 +11,7 @@ from areal_jax.losses.advantages import (
     group_advantages,
     normalize_advantages,
     overlong_penalty,
+    packed_gae,
     shape_rewards,
 )
 from areal_jax.losses.behav_correction import BEHAV_CORRECTIONS, behav_correction
@@ -64,6 +65,7 @@ __all__ = [
     "mismatch_terms",
     "normalize_advantages",
     "overlong_penalty",
+    "packed_gae",
     "ppo_stats_from_terms",
     "ppo_value_loss",
     "shape_rewards",

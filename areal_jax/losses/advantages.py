@@ -3,6 +3,8 @@
 - :func:`group_advantages`: GRPO (group mean and std), RLOO (leave-one-out mean) and
   Dr.GRPO (mean only) advantages of one scalar reward per sample.
 - :func:`gae`: generalised advantage estimation over tokens (actor-critic), via ``lax.scan``.
+- :func:`packed_gae`: the same over packed rows (several sequences a row), restarting at
+  every sequence boundary.
 - :func:`normalize_advantages`: masked whole-batch normalisation.
 - :func:`shape_rewards`: bias, scale, then clip.
 - :func:`overlong_penalty`: DAPO's soft overlong punishment, counted in tokens.
@@ -111,6 +113,8 @@ def gae(
     the last one: the episode ends there). Masked tokens (padding, prompt, environment
     turns) are skipped as if absent; their rewards and values are ignored.
 
+    Every row is one sequence: this is :func:`packed_gae` with one segment per row.
+
     Args:
         rewards, values, mask: [B, T]. Put each sequence's reward on a valid token
             (usually the last generated one).
@@ -119,7 +123,42 @@ def gae(
     Returns:
         ``(advantages, returns)``, fp32 [B, T], 0 on masked tokens; returns = A + V.
     """
-    fn = "gae"
+    rewards_bt, values_bt, mask_bt = _gae_inputs("gae", rewards, values, mask, gamma, lam)
+    return _reverse_gae(rewards_bt, values_bt, mask_bt, None, gamma, lam)
+
+
+def packed_gae(
+    rewards: Any, values: Any, mask: Any, segment_ids: Any, gamma: float, lam: float
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`gae` over packed rows: several sequences one after another in each row.
+
+    ``segment_ids`` numbers the sequences of a row (1, 2, ...; 0 = padding), as the
+    learner's packing lays them out. The reverse scan restarts wherever the segment id
+    changes: the value and advantage after a sequence's last valid token are 0, so every
+    sequence gets exactly what :func:`gae` gives it in a row of its own. Within a
+    sequence, masked tokens (prompt, environment turns) are skipped as in :func:`gae`;
+    padding is never valid.
+
+    Args:
+        rewards, values, mask, segment_ids: [B, T]. Put each sequence's reward on one of
+            its valid tokens (usually its last generated one).
+        gamma, lam: discount and GAE lambda in [0, 1].
+
+    Returns:
+        ``(advantages, returns)``, fp32 [B, T], 0 on masked tokens and padding;
+        returns = A + V.
+    """
+    fn = "packed_gae"
+    rewards_bt, values_bt, mask_bt = _gae_inputs(fn, rewards, values, mask, gamma, lam)
+    segment_ids_bt = _checks.int_input(fn, "segment_ids", segment_ids)
+    _checks.same_shape(fn, "rewards", rewards_bt, segment_ids=segment_ids_bt)
+    return _reverse_gae(rewards_bt, values_bt, mask_bt & (segment_ids_bt > 0), segment_ids_bt,
+                        gamma, lam)
+
+
+def _gae_inputs(fn: str, rewards: Any, values: Any, mask: Any, gamma: float, lam: float
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(rewards, values) as fp32 and the mask as bool, all [B, T]; gamma and lam in [0, 1]."""
     rewards_bt = _checks.float_input(fn, "rewards", rewards)
     _checks.ndim(fn, "rewards", rewards_bt, 2, "[B, T]")
     values_bt = _checks.float_input(fn, "values", values)
@@ -127,20 +166,39 @@ def gae(
     _checks.same_shape(fn, "rewards", rewards_bt, values=values_bt, mask=mask_bt)
     _checks.in_range(fn, "gamma", gamma, 0.0, 1.0)
     _checks.in_range(fn, "lam", lam, 0.0, 1.0)
+    return rewards_bt, values_bt, mask_bt
 
-    def step(carry, xs):
+
+def _reverse_gae(rewards_bt: jax.Array, values_bt: jax.Array, valid_bt: jax.Array,
+                 segment_ids_bt: jax.Array | None, gamma: float, lam: float
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The reverse scan of :func:`gae`. With ``segment_ids_bt`` its carry restarts at 0
+    where a segment ends; without, a row is one sequence (``gae``'s own scan)."""
+    batch = rewards_bt.shape[0]
+    xs: tuple[jax.Array, ...] = (rewards_bt.T, values_bt.T, valid_bt.T)
+    if segment_ids_bt is not None:
+        # ends_bt[b, t]: token t is the last of its segment (the next token is another
+        # segment's, or t ends the row): after it, as after a row's last token, V = A = 0.
+        ends_bt = jnp.concatenate([segment_ids_bt[:, :-1] != segment_ids_bt[:, 1:],
+                                   jnp.ones((batch, 1), bool)], axis=1)
+        xs = (*xs, ends_bt.T)
+
+    def step(carry, xs_t):
         next_value_b, next_adv_b = carry
-        reward_b, value_b, valid_b = xs
+        reward_b, value_b, valid_b = xs_t[:3]
+        if segment_ids_bt is not None:
+            end_b = xs_t[3]
+            next_value_b = jnp.where(end_b, 0.0, next_value_b)
+            next_adv_b = jnp.where(end_b, 0.0, next_adv_b)
         delta_b = reward_b + gamma * next_value_b - value_b
         adv_b = delta_b + gamma * lam * next_adv_b
         carry = (jnp.where(valid_b, value_b, next_value_b), jnp.where(valid_b, adv_b, next_adv_b))
         return carry, jnp.where(valid_b, adv_b, 0.0)
 
-    batch = rewards_bt.shape[0]
     init = (jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.float32))
-    _, adv_tb = jax.lax.scan(step, init, (rewards_bt.T, values_bt.T, mask_bt.T), reverse=True)
+    _, adv_tb = jax.lax.scan(step, init, xs, reverse=True)
     advantages_bt = adv_tb.T
-    returns_bt = jnp.where(mask_bt, advantages_bt + values_bt, 0.0)
+    returns_bt = jnp.where(valid_bt, advantages_bt + values_bt, 0.0)
     return advantages_bt, returns_bt
 
 
