@@ -48,6 +48,7 @@ def benchmarks() -> dict[str, Benchmark]:
         gpu,
         longtail,
         losses,
+        memory,
         memory_run,
         process_rows,
         serve_load,
@@ -56,7 +57,6 @@ def benchmarks() -> dict[str, Benchmark]:
         train,
         trl,
     )
-    from areal_jax.plan import memory  # the planner's memory model; the benchmark prints it
 
     return {"forward": forward, "train": train, "generate": generate,
             "async-vs-sync": async_vs_sync, "staleness": staleness, "losses": losses,

@@ -251,7 +251,7 @@ def compiled_figures(cfg: Any, args: argparse.Namespace, mesh_spec: str, n_devic
     mesh = make_mesh(mesh_spec, devices=jax.devices()[:n_devices])
     shards = mesh.shape["fsdp"] * mesh.shape["tensor"]
     ns = argparse.Namespace(dtype=args.dtype, learner_seq=args.seq_len, learner_rows=args.rows)
-    got = memory._learner_bytes(cfg, ns, True, mesh, shards, lora_rank=0)
+    got = memory.learner_bytes(cfg, ns, True, mesh, shards, lora_rank=0)
     tokens = args.rows * args.seq_len // (mesh.shape["data"] * mesh.shape["fsdp"])
     predicted = memory.predicted_learner_bytes(cfg, got["n_params"], tokens, args.dtype, shards)
     return {**got, "predicted_peak": round(predicted["peak"] / got["n_params"], 2)}
