@@ -65,6 +65,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from areal_jax.engine.openai_api import Generated, OpenAIError, OpenAIRoutes, render_chat
 from areal_jax.engine.tool_calls import ToolSpec
 from areal_jax.plugins import import_callable
@@ -168,8 +170,10 @@ def assemble_trajectory(calls: list[RecordedCall], reward: float, **fields: Any
             "n_interruptions": sum(c.n_interruptions for c in calls),
             "assistant_mismatch": final.assistant_mismatch,
             "history_retokenized": int(final.history_retokenized), **fields.pop("info", {})}
-    traj = Trajectory(input_ids=ids, loss_mask=mask, behav_logp=logp, versions=versions,
-                      reward=float(reward), finish_reason=final.finish_reason, info=info, **fields)
+    traj = Trajectory(input_ids=np.asarray(ids, np.int32), loss_mask=np.asarray(mask, np.int32),
+                      behav_logp=np.asarray(logp, np.float32),
+                      versions=np.asarray(versions, np.int32), reward=float(reward),
+                      finish_reason=final.finish_reason, info=info, **fields)
     return traj, unmatched
 
 

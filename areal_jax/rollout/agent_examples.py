@@ -20,10 +20,13 @@ checkpoint, whose chat template writes calls in the task's vocabulary).
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from areal_jax.rewards.builtin import builtin_reward
 from areal_jax.rollout.tools import ToolRunner
+
+if TYPE_CHECKING:  # the agent extra's SDK; imported for real inside the agent
+    from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 
 async def arith_retry_agent(base_url: str, item: dict[str, Any], *, max_attempts: int = 2,
@@ -47,7 +50,7 @@ async def arith_retry_agent(base_url: str, item: dict[str, Any], *, max_attempts
 
 
 # ---------------------------------------------------------------------- tool calls
-CALCULATOR_TOOL = {"type": "function", "function": {
+CALCULATOR_TOOL: ChatCompletionToolParam = {"type": "function", "function": {
     "name": "calculator",
     "description": "Evaluates a chain of integer additions and subtractions, e.g. 17+5-8.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
@@ -82,10 +85,12 @@ async def arith_calculator_agent(base_url: str, item: dict[str, Any], *, max_cal
         for _ in range(max_calls + 1):
             try:
                 reply = await client.chat.completions.create(
-                    model="policy", messages=messages, tools=[CALCULATOR_TOOL],
+                    model="policy", messages=cast("list[ChatCompletionMessageParam]", messages),
+                    tools=[CALCULATOR_TOOL],
                     max_tokens=max_tokens)
             except openai.BadRequestError as e:
-                if (e.body or {}).get("code") == "context_length_exceeded":
+                body = e.body if isinstance(e.body, dict) else {}
+                if body.get("code") == "context_length_exceeded":
                     return 0.0  # the conversation no longer fits: the episode ends here
                 raise
             message = reply.choices[0].message

@@ -54,7 +54,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import aiohttp
 
@@ -205,8 +205,8 @@ def _checked_finish(finish_reason: object, server: ServerState, rid: str) -> str
     """stop, length or abort (an interruption to resume); an abort for a bad request (4xx
     status) or an unknown reason raises."""
     kind = _finish_type(finish_reason)
-    if kind == FINISH_ABORT:
-        status = finish_reason.get("status_code") if isinstance(finish_reason, dict) else None
+    if kind == FINISH_ABORT and isinstance(finish_reason, dict):
+        status = finish_reason.get("status_code")
         if isinstance(status, int) and 400 <= status < 500:
             raise RolloutRequestError(
                 f"{server.url} aborted request {rid}: {finish_reason.get('message')}")
@@ -380,7 +380,7 @@ class RolloutClient:
         latency = time.monotonic() - t0
         return [GenerateResponse(
             input_ids=list(r.input_ids), output_ids=out_ids[i], output_logprobs=out_logprobs[i],
-            output_versions=out_versions[i], finish_reason=finish[i],
+            output_versions=out_versions[i], finish_reason=cast(str, finish[i]),  # all set
             n_interruptions=interruptions[i], server=server.url if server is not None else None,
             latency_s=latency, rid=rids[i]) for i, r in enumerate(reqs)]
 
@@ -406,7 +406,7 @@ class RolloutClient:
         if not isinstance(meta, dict):
             raise RolloutError(f"{where} without a meta_info object")
         finish_reason = meta.get("finish_reason")
-        entries = meta.get("output_token_logprobs")
+        entries: Any = meta.get("output_token_logprobs")  # JSON; checked by iterating it
         output_ids = data.get("output_ids")
         if entries is None and not output_ids and _finish_type(finish_reason) == FINISH_ABORT:
             entries = []  # SGLang <= 0.5.3 aborting a queued request ("Abort before prefill")
@@ -426,7 +426,7 @@ class RolloutClient:
         version = self._parse_version(meta.get("weight_version")) if tokens else -1
         return tokens, logprobs, version, finish_reason
 
-    def _parse_version(self, version: object) -> int:
+    def _parse_version(self, version: Any) -> int:  # a reply's JSON value
         """SGLang's weight_version is a string; ours are decimal integers."""
         try:
             return int(version)

@@ -118,11 +118,13 @@ async def evaluate_prompts(client: GenerateClient, items: Sequence[PromptItem], 
     ``pass@k`` for each k in ``pass_at`` (each at most ``n_samples``)."""
     if not items:
         raise ValueError("evaluate_prompts got no prompts")
+    if tokenizer is None:
+        raise ValueError("evaluate_prompts needs a tokenizer to decode completions for the reward")
     check_pass_at(pass_at, n_samples)
     if not isinstance(reward_pool, RewardPool):
         raise TypeError(f"evaluate_prompts needs a RewardPool (rewards run under its timeout), "
                         f"got {type(reward_pool).__name__}")
-    if not sampling.stop_token_ids and getattr(tokenizer, "stop_token_ids", None):
+    if not sampling.stop_token_ids and tokenizer.stop_token_ids:
         sampling = replace(sampling, stop_token_ids=tuple(tokenizer.stop_token_ids))
     resolve_reward_fn(reward_fn)  # a bad spec fails here, not once per sample
     failures = 0

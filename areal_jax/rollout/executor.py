@@ -245,7 +245,7 @@ class RolloutExecutor:
         self._wake()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            frame = sys._current_frames().get(self._thread.ident)
+            frame = sys._current_frames().get(self._thread.ident or -1)
             where = "".join(traceback.format_stack(frame)) if frame is not None else "?"
             logger.warning("rollout executor thread did not stop within %ss; it is at:\n%s",
                            timeout, where)

@@ -30,7 +30,7 @@ import contextvars
 import inspect
 import json
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -63,6 +63,11 @@ def _bounded(text: str, limit: int) -> tuple[str, bool]:
         return text, False
     marker = TRUNCATED.format(shown=limit, total=len(text))
     return text[:limit] + marker, True
+
+
+async def _awaited(value: Awaitable[Any]) -> Any:
+    """Any awaitable as a coroutine (``asyncio.run`` takes only coroutines)."""
+    return await value
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -163,7 +168,7 @@ class ToolRunner:
             try:
                 value = tool(**args)
                 if inspect.isawaitable(value):
-                    value = asyncio.run(value)
+                    value = asyncio.run(_awaited(value))
             except Exception as e:  # noqa: BLE001 - a failing tool is the model's to read
                 out.append(self._message(call, self.error_text(e)))
                 continue

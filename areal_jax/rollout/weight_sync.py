@@ -28,13 +28,24 @@ import posixpath
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from areal_jax.interrupt import wait_future
 
 if TYPE_CHECKING:
     from areal_jax.rollout.executor import RolloutExecutor
     from model_defs import CausalLM, PyTree
+
+
+@runtime_checkable
+class ServerControl(Protocol):
+    """The server-control half of ``RolloutClient`` that a weight update drives (the
+    executor's client must have it; a generate-only client cannot take weight updates)."""
+
+    async def pause(self) -> Any: ...
+    async def continue_(self) -> Any: ...
+    async def update_weights_from_disk(self, path: str, version: int) -> Any: ...
+    async def load_lora_adapter(self, name: str, path: str, version: int) -> Any: ...
 
 
 class WeightSyncError(RuntimeError):
@@ -49,7 +60,12 @@ class WeightSync:
     def __init__(self, executor: RolloutExecutor, write: Callable[[PyTree | CausalLM, int], str],
                  *,
                  interruptible: bool = True, adapter_subdir: str | None = None) -> None:
+        if not isinstance(executor.client, ServerControl):
+            raise TypeError(f"WeightSync needs a client that controls its servers (pause, "
+                            f"update_weights_from_disk, load_lora_adapter, continue_), such "
+                            f"as RolloutClient; got {type(executor.client).__name__}")
         self.executor = executor
+        self.client: ServerControl = executor.client
         self.adapter_subdir = adapter_subdir
         self.write = write
         self.interruptible = interruptible
@@ -106,7 +122,7 @@ class WeightSync:
         """Runs on the executor's loop: pause, load ``path`` as ``version``, resume. Returns
         the seconds it took."""
         t0 = time.perf_counter()
-        ex, client = self.executor, self.executor.client
+        ex, client = self.executor, self.client
         ex.pause()  # no new runs until the servers have the new version
         try:
             if self.interruptible:

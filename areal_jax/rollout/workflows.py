@@ -32,6 +32,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+import numpy as np
+
 from areal_jax.rewards.pool import (
     DEFAULT_MAX_ABS,
     RewardFn,
@@ -150,10 +152,10 @@ def trajectory_from_response(resp: GenerateResponse, reward: float,
     info = {"n_interruptions": resp.n_interruptions, "server": resp.server,
             "latency_s": resp.latency_s, **fields.pop("info", {})}
     return Trajectory(
-        input_ids=list(resp.input_ids) + list(resp.output_ids),
-        loss_mask=[0] * n_prompt + [1] * n_out,
-        behav_logp=[0.0] * n_prompt + list(resp.output_logprobs),
-        versions=[-1] * n_prompt + list(resp.output_versions),
+        input_ids=np.asarray(list(resp.input_ids) + list(resp.output_ids), np.int32),
+        loss_mask=np.asarray([0] * n_prompt + [1] * n_out, np.int32),
+        behav_logp=np.asarray([0.0] * n_prompt + list(resp.output_logprobs), np.float32),
+        versions=np.asarray([-1] * n_prompt + list(resp.output_versions), np.int32),
         reward=float(reward), finish_reason=resp.finish_reason, info=info, **fields,
     )
 
@@ -218,11 +220,12 @@ class RLVRWorkflow:
         rewards = await asyncio.gather(*(
             compute_reward(ctx, self.reward_fn, text, item[self.answer_key], **self.reward_kwargs)
             for text in texts))
-        if any(r is None for r in rewards):
+        scored = [r for r in rewards if r is not None]
+        if len(scored) < len(rewards):
             ctx.count("reward_failed_groups")
             return None
         group = [trajectory_from_response(resp, reward, info={"sample_index": i})
-                 for i, (resp, reward) in enumerate(zip(responses, rewards, strict=True))]
+                 for i, (resp, reward) in enumerate(zip(responses, scored, strict=True))]
         if self.group_filter is not None and not self.group_filter(group):
             ctx.count("filtered_groups")
             return None
@@ -304,8 +307,11 @@ class MultiTurnWorkflow:
         close = getattr(env, "aclose", None) or getattr(env, "close", None)
         if close is not None:
             await _maybe_await(close())
-        return Trajectory(input_ids=ids, loss_mask=mask, behav_logp=logp, versions=versions,
-                          reward=total_reward, finish_reason=finish,
+        return Trajectory(input_ids=np.asarray(ids, np.int32),
+                          loss_mask=np.asarray(mask, np.int32),
+                          behav_logp=np.asarray(logp, np.float32),
+                          versions=np.asarray(versions, np.int32), reward=total_reward,
+                          finish_reason=finish,
                           info={"turns": turns, "sample_index": sample,
                                 "n_interruptions": n_interruptions})
 
