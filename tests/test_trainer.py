@@ -428,6 +428,25 @@ def test_publish_mode_is_checked():
         load_config(REPO / "configs" / "tiny_demo.yaml", ["checkpoint.publish_mode=later"])
 
 
+def test_ppo_trains_policy_and_critic_on_gae_advantages(tmp_path):
+    """algo.name=ppo end to end: each version's advantages come from the critic's values by
+    GAE on the packed rows, and both the policy and the critic take their steps on them."""
+    run_dir = tmp_path / "run"
+    res = _run([f"run_dir={run_dir}", "train.total_versions=2", "mode=sync", "algo.name=ppo",
+                "algo.gamma=0.99", "algo.lam=0.95", "algo.ppo_n_minibatches=2"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = _rows(run_dir)
+    assert [r["version"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["train/n_minibatches"] == r["train/critic_n_minibatches"] == 2
+        assert r["train/critic_n_loss_tokens"] == r["train/n_loss_tokens"] > 0
+        assert r["train/skipped_steps"] == r["train/critic_skipped_steps"] == 0
+        assert r["train/grad_norm"] > 0 and r["train/critic_grad_norm"] > 0
+        assert np.isfinite(r["train/loss"]) and r["train/critic_value_loss"] > 0
+    # The critic learns from its own start at 0: its values move off zero.
+    assert rows[0]["train/critic_value_mean"] != rows[1]["train/critic_value_mean"]
+
+
 def test_sync_mode_stays_on_policy_with_background_publishing(tmp_path):
     """mode=sync: every batch is generated entirely under the weights of its version,
     although the servers' weight update runs in the background of the learner."""

@@ -403,18 +403,28 @@ class Critic(TrainableModel):
 
 
 # ----------------------------------------------------------------------------- GAE, packed
+class _MicroBatchGAE(NamedTuple):
+    """One micro-batch's GAE, on device: the raw advantages and returns [R, L], and the
+    sums the batch-wide normalisation needs."""
+
+    advantages: jax.Array
+    returns: jax.Array
+    n_loss_tokens: jax.Array
+    advantage_sum: jax.Array  # over the loss tokens
+    values_finite: jax.Array  # every value of a real token (segment id > 0) is finite
+
+
 @functools.partial(jax.jit, static_argnames=("gamma", "lam"))
-def _gae_program(batch: dict[str, jax.Array], *, gamma: float, lam: float
-                 ) -> tuple[jax.Array, ...]:
-    """One micro-batch's GAE on its packed rows: (advantages, returns) [R, L], then its
-    loss-token count, the advantages' sum over them, and whether every value of a real
-    token is finite."""
+def _gae_program(batch: dict[str, jax.Array], *, gamma: float, lam: float) -> _MicroBatchGAE:
+    """GAE on one micro-batch's packed rows (``rewards``, ``values``, ``loss_mask``,
+    ``segment_ids``)."""
     values_rl, mask_rl = batch["values"], batch["loss_mask"] != 0
     advantages_rl, returns_rl = packed_gae(batch["rewards"], values_rl, mask_rl,
                                            batch["segment_ids"], gamma, lam)
-    finite = jnp.all(jnp.isfinite(values_rl) | (batch["segment_ids"] == 0))
-    return (advantages_rl, returns_rl, jnp.sum(mask_rl).astype(jnp.float32),
-            jnp.sum(jnp.where(mask_rl, advantages_rl, 0.0)), finite)
+    return _MicroBatchGAE(
+        advantages_rl, returns_rl, jnp.sum(mask_rl).astype(jnp.float32),
+        jnp.sum(jnp.where(mask_rl, advantages_rl, 0.0)),
+        jnp.all(jnp.isfinite(values_rl) | (batch["segment_ids"] == 0)))
 
 
 @jax.jit
@@ -492,31 +502,32 @@ def packed_gae_targets(micro_batches: Sequence[PackedBatch], values: Sequence[Ar
         x = np.asarray(x, dtype)
         return jnp.asarray(x) if mesh is None else put_batch(x, mesh)
 
-    outs = []
+    batches, gaes = [], []
     for i, (mb, values_rl) in enumerate(zip(micro_batches, values, strict=True)):
         if tuple(np.shape(values_rl)) != mb.shape:
             raise ValueError(f"{fn}: micro-batch {i}: values has shape {np.shape(values_rl)}, "
                              f"expected {mb.shape} like input_ids")
-        batch = {"rewards": on_device(terminal_rewards(mb, reward_n), np.float32),
-                 "values": on_device(values_rl, np.float32),
-                 "loss_mask": on_device(mb.loss_mask, np.int32),
-                 "segment_ids": on_device(mb.segment_ids, np.int32)}
-        outs.append((batch, _gae_program(batch, gamma=float(gamma), lam=float(lam))))
-    advantages = [adv for _, (adv, *_) in outs]
-    if normalize:
-        count = functools.reduce(jnp.add, [o[2] for _, o in outs])
-        mean = functools.reduce(jnp.add, [o[3] for _, o in outs]) / jnp.maximum(count, 1.0)
+        batches.append({"rewards": on_device(terminal_rewards(mb, reward_n), np.float32),
+                        "values": on_device(values_rl, np.float32),
+                        "loss_mask": on_device(mb.loss_mask, np.int32),
+                        "segment_ids": on_device(mb.segment_ids, np.int32)})
+        gaes.append(_gae_program(batches[-1], gamma=float(gamma), lam=float(lam)))
+    advantages = [g.advantages for g in gaes]
+    if normalize:  # the batch totals, summed on device
+        count = functools.reduce(jnp.add, [g.n_loss_tokens for g in gaes])
+        mean = functools.reduce(jnp.add, [g.advantage_sum for g in gaes]) / jnp.maximum(count, 1.0)
         sq_dev = functools.reduce(jnp.add, [
             _squared_deviation_program(adv, b["loss_mask"], mean)
-            for adv, (b, _) in zip(advantages, outs, strict=True)])
+            for adv, b in zip(advantages, batches, strict=True)])
         std = jnp.sqrt(sq_dev / jnp.maximum(count, 1.0))
         advantages = [_standardize_program(adv, b["loss_mask"], mean, std, eps=float(eps))
-                      for adv, (b, _) in zip(advantages, outs, strict=True)]
-    finite = np.asarray(jnp.stack([o[4] for _, o in outs]))  # the one value fetched
+                      for adv, b in zip(advantages, batches, strict=True)]
+    # The only fetch: one flag per micro-batch.
+    finite = np.asarray(jnp.stack([g.values_finite for g in gaes]))
     if not finite.all():
         raise ValueError(f"{fn}: the values of micro-batch {int(np.flatnonzero(~finite)[0])} "
                          "are not all finite")
     return ValueTargets(
         [dataclasses.replace(mb, advantages=adv)
          for mb, adv in zip(micro_batches, advantages, strict=True)],
-        [o[1] for _, o in outs], [b["values"] for b, _ in outs])
+        [g.returns for g in gaes], [b["values"] for b in batches])
