@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
+from jax.typing import DTypeLike
 from safetensors import safe_open
 
 from model_defs.config import ModelConfig
@@ -133,7 +134,8 @@ def _safetensors_files(path: Path) -> dict[str, Path]:
         raise CheckpointError(f"{single} is not a readable safetensors file: {e}") from None
 
 
-def _place(array: np.ndarray, dtype: Any, sharding: Any) -> jax.Array:
+def _place(array: np.ndarray, dtype: DTypeLike, sharding: jax.sharding.Sharding | None
+           ) -> jax.Array:
     """Puts a host array straight onto its target sharding (each device gets its slice)."""
     if sharding is None:
         return jnp.asarray(array, dtype=dtype)
@@ -143,7 +145,7 @@ def _place(array: np.ndarray, dtype: Any, sharding: Any) -> jax.Array:
 
 
 def load_hf(
-    path: str | os.PathLike, dtype: str | Any = "float32", mesh: Mesh | None = None
+    path: str | os.PathLike, dtype: DTypeLike = "float32", mesh: Mesh | None = None
 ) -> tuple[CausalLM, ModelConfig]:
     """Loads an HF Qwen2/Qwen2.5, Qwen3 or Llama-3 checkpoint directory.
 
@@ -218,7 +220,7 @@ DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
           "bf16": jnp.bfloat16}
 
 
-def parse_dtype(dtype: str | Any, what: str = "dtype") -> Any:
+def parse_dtype(dtype: DTypeLike, what: str = "dtype") -> np.dtype:
     """A float32 or bfloat16 dtype from its name (``DTYPES``) or a dtype; ValueError naming
     ``what`` for anything else."""
     if isinstance(dtype, str):

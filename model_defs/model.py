@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from model_defs.attention import attention
 from model_defs.config import ModelConfig
@@ -57,7 +58,7 @@ def rope_inv_freq(cfg: ModelConfig) -> Array:
     return inv_freq
 
 
-def rope_cos_sin(inv_freq: Array, positions_bt: Array, dtype: Any) -> tuple[Array, Array]:
+def rope_cos_sin(inv_freq: Array, positions_bt: Array, dtype: DTypeLike) -> tuple[Array, Array]:
     """cos, sin: [B, T, Dh] (the two halves repeated, HF convention)."""
     freqs_btf = positions_bt.astype(jnp.float32)[..., None] * inv_freq
     emb_btd = jnp.concatenate([freqs_btf, freqs_btf], axis=-1)
@@ -72,7 +73,7 @@ def apply_rope(x_btnd: Array, cos_btd: Array, sin_btd: Array) -> Array:
 
 # --------------------------------------------------------------------------- layers
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype: Any, param_dtype: Any):
+    def __init__(self, dim: int, eps: float, *, dtype: DTypeLike, param_dtype: DTypeLike):
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
         self.eps = eps
         self.dtype = dtype
@@ -93,13 +94,14 @@ def lora_delta(lora: nnx.Dict | None, name: str, x_bti: Array) -> Array | None:
     return adapter(x_bti) * jnp.asarray(adapter.scale, x_bti.dtype)
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any,
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype: DTypeLike,
            std: float = 0.02) -> nnx.Param:
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), logical_axes=axes)
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: DTypeLike,
+                 param_dtype: DTypeLike):
         d, h, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
         k = cfg.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
@@ -176,7 +178,8 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: DTypeLike,
+                 param_dtype: DTypeLike):
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.dtype = dtype
         self.gate_kernel_df = _param(rngs, (d, f), ("embed", "mlp"), param_dtype)
@@ -197,7 +200,8 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: DTypeLike,
+                 param_dtype: DTypeLike):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.attn = Attention(cfg, rngs=rngs, **kw)
@@ -401,8 +405,8 @@ class CausalLM(nnx.Module):
         cfg: ModelConfig,
         *,
         rngs: nnx.Rngs,
-        dtype: Any = jnp.float32,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike = jnp.float32,
+        param_dtype: DTypeLike = jnp.float32,
         remat: bool | str = False,
         attention_impl: str = "auto",
     ):

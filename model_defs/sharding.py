@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -43,7 +43,7 @@ MESH_AXES = ("data", "fsdp", "tensor")
 _state = threading.local()
 
 
-def current_mesh() -> Any:
+def current_mesh() -> Mesh | AbstractMesh | None:
     """The mesh set by :func:`use_mesh`, else the one set by ``jax.set_mesh``, else None."""
     mesh = getattr(_state, "mesh", None)
     if mesh is not None:
@@ -75,7 +75,7 @@ def auto_axes_mesh(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(mesh.axis_names))
 
 
-def _mesh_axis_size(mesh: Any, axes: MeshAxes) -> int:
+def _mesh_axis_size(mesh: Mesh | AbstractMesh, axes: MeshAxes) -> int:
     if axes is None:
         return 1
     if isinstance(axes, str):
@@ -86,7 +86,7 @@ def _mesh_axis_size(mesh: Any, axes: MeshAxes) -> int:
     return size
 
 
-def _present_axes(mesh: Any, axes: MeshAxes) -> MeshAxes:
+def _present_axes(mesh: Mesh | AbstractMesh, axes: MeshAxes) -> MeshAxes:
     """Drops mesh axes the mesh does not have (e.g. a mesh with only ``fsdp``)."""
     if axes is None:
         return None
@@ -98,7 +98,7 @@ def _present_axes(mesh: Any, axes: MeshAxes) -> MeshAxes:
 
 def logical_to_spec(
     logical_axes: Sequence[str | None],
-    mesh: Any,
+    mesh: Mesh | AbstractMesh,
     shape: Sequence[int] | None = None,
     rules: dict[str, MeshAxes] | None = None,
 ) -> PartitionSpec:

@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
 
 from areal_jax.cpu_affinity import usable_cpu_count
 from areal_jax.engine.forward import (
@@ -98,7 +99,7 @@ class ModelRunner:
         *,
         max_slots: int,
         max_seq_len: int,
-        cache_dtype: Any = jnp.float32,
+        cache_dtype: DTypeLike = jnp.float32,
         prefill_rows: int = 4,
         decode_steps: int = 1,
         data_parallel: int = 1,
