@@ -12,14 +12,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 
-def is_concrete(x: Any) -> bool:
+def is_concrete(x: ArrayLike) -> bool:
     """True when ``x`` holds actual values (not a tracer inside jit/grad/vmap)."""
     return not isinstance(x, jax.core.Tracer)
 
 
-def as_array(fn: str, name: str, x: Any) -> jax.Array:
+def as_array(fn: str, name: str, x: ArrayLike) -> jax.Array:
     """``jnp.asarray(x)`` with an error that names the argument."""
     if x is None:
         raise TypeError(f"{fn}: {name} is None; expected an array")
@@ -30,7 +31,7 @@ def as_array(fn: str, name: str, x: Any) -> jax.Array:
             f"{fn}: {name} is not convertible to an array ({type(x).__name__}): {e}") from None
 
 
-def float_input(fn: str, name: str, x: Any) -> jax.Array:
+def float_input(fn: str, name: str, x: ArrayLike) -> jax.Array:
     """A floating-point input (bf16, fp16, fp32, fp64), returned as fp32."""
     arr = as_array(fn, name, x)
     if not jnp.issubdtype(arr.dtype, jnp.floating):
@@ -40,7 +41,7 @@ def float_input(fn: str, name: str, x: Any) -> jax.Array:
     return arr.astype(jnp.float32)
 
 
-def mask_input(fn: str, name: str, x: Any) -> jax.Array:
+def mask_input(fn: str, name: str, x: ArrayLike) -> jax.Array:
     """A 0/1 mask of bool, int or float dtype, returned as bool (nonzero = valid)."""
     arr = as_array(fn, name, x)
     if not (
@@ -52,7 +53,7 @@ def mask_input(fn: str, name: str, x: Any) -> jax.Array:
     return arr != 0
 
 
-def int_input(fn: str, name: str, x: Any) -> jax.Array:
+def int_input(fn: str, name: str, x: ArrayLike) -> jax.Array:
     arr = as_array(fn, name, x)
     if not jnp.issubdtype(arr.dtype, jnp.integer):
         raise TypeError(f"{fn}: {name} has dtype {arr.dtype}; expected an integer dtype")

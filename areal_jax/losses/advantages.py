@@ -12,11 +12,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from areal_jax.losses import _checks
 
@@ -28,7 +27,7 @@ GROUP_MODES = {
 }
 
 
-def _numeric_input(fn: str, name: str, x: Any) -> jax.Array:
+def _numeric_input(fn: str, name: str, x: ArrayLike) -> jax.Array:
     arr = _checks.as_array(fn, name, x)
     if not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)
             or arr.dtype == jnp.bool_):
@@ -37,7 +36,7 @@ def _numeric_input(fn: str, name: str, x: Any) -> jax.Array:
 
 
 def group_advantages(
-    rewards: Any,
+    rewards: ArrayLike,
     group_size: int,
     mean_leave_one_out: bool = False,
     std_normalize: bool = True,
@@ -103,7 +102,7 @@ def group_advantages(
 
 
 def gae(
-    rewards: Any, values: Any, mask: Any, gamma: float, lam: float
+    rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, gamma: float, lam: float
 ) -> tuple[jax.Array, jax.Array]:
     """Generalised advantage estimation over tokens, by a reverse ``lax.scan`` over T.
 
@@ -128,7 +127,8 @@ def gae(
 
 
 def packed_gae(
-    rewards: Any, values: Any, mask: Any, segment_ids: Any, gamma: float, lam: float
+    rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, segment_ids: ArrayLike,
+    gamma: float, lam: float
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`gae` over packed rows: several sequences one after another in each row.
 
@@ -156,7 +156,8 @@ def packed_gae(
                         gamma, lam)
 
 
-def _gae_inputs(fn: str, rewards: Any, values: Any, mask: Any, gamma: float, lam: float
+def _gae_inputs(fn: str, rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, gamma: float,
+                lam: float
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(rewards, values) as fp32 and the mask as bool, all [B, T]; gamma and lam in [0, 1]."""
     rewards_bt = _checks.float_input(fn, "rewards", rewards)
@@ -203,7 +204,8 @@ def _reverse_gae(rewards_bt: jax.Array, values_bt: jax.Array, valid_bt: jax.Arra
 
 
 def normalize_advantages(
-    advantages: Any, mask: Any, *, eps: float = 1e-5, center: bool = True, unbiased: bool = False
+    advantages: ArrayLike, mask: ArrayLike, *, eps: float = 1e-5, center: bool = True,
+    unbiased: bool = False
 ) -> jax.Array:
     """Whole-batch normalisation over valid tokens: (A - mean) / (std + eps).
 
@@ -226,7 +228,7 @@ def normalize_advantages(
 
 
 def shape_rewards(
-    rewards: Any, *, scale: float = 1.0, bias: float = 0.0, clip: float | None = None
+    rewards: ArrayLike, *, scale: float = 1.0, bias: float = 0.0, clip: float | None = None
 ) -> jax.Array:
     """``clip((rewards + bias) * scale, -clip, clip)`` (AReaL's order), fp32."""
     fn = "shape_rewards"
@@ -241,7 +243,7 @@ def shape_rewards(
 
 
 def overlong_penalty(
-    response_lengths: Any,
+    response_lengths: ArrayLike,
     *,
     max_response_length: int,
     overlong_tokens: int,

@@ -6,22 +6,21 @@ Per token: ``v_clip = old_v + clip(v - old_v, -value_eps_clip, value_eps_clip)``
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from areal_jax.losses import _checks
 
 
 def ppo_value_loss(
-    values: Any,
-    old_values: Any,
-    returns: Any,
-    loss_mask: Any,
+    values: ArrayLike,
+    old_values: ArrayLike,
+    returns: ArrayLike,
+    loss_mask: ArrayLike,
     *,
     value_eps_clip: float | None = 0.2,
-    normalizer: Any = None,
+    normalizer: ArrayLike | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped value loss and its statistics.
 

@@ -13,10 +13,11 @@ coefficient and aggregate like the PPO loss) or as a reward penalty.
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from areal_jax.losses import _checks
 
@@ -24,7 +25,8 @@ KLEstimator = Literal["k1", "k2", "k3"]
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 
-def token_kl(logp: Any, ref_logp: Any, estimator: str = "k3", mask: Any = None) -> jax.Array:
+def token_kl(logp: ArrayLike, ref_logp: ArrayLike, estimator: str = "k3",
+             mask: ArrayLike | None = None) -> jax.Array:
     """Per-token KL estimate, fp32 with the inputs' shape (0 where ``mask`` is 0)."""
     fn = "token_kl"
     _checks.choice(fn, "estimator", estimator, KL_ESTIMATORS)

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from areal_jax.losses import _checks
 
@@ -247,7 +248,7 @@ def _static_options(fn: str, temperature: Any, chunk_size: Any) -> tuple[float, 
     return float(temperature), chunk_size
 
 
-def _labels(fn: str, labels: Any, lead_shape: tuple[int, ...], what: str) -> jax.Array:
+def _labels(fn: str, labels: ArrayLike, lead_shape: tuple[int, ...], what: str) -> jax.Array:
     labels_arr = _checks.int_input(fn, "labels", labels)
     if labels_arr.shape != lead_shape:
         raise ValueError(
@@ -258,7 +259,8 @@ def _labels(fn: str, labels: Any, lead_shape: tuple[int, ...], what: str) -> jax
 
 
 def logprobs_from_logits(
-    logits: Any, labels: Any, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE
+    logits: ArrayLike, labels: ArrayLike, temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of ``labels`` and entropy under softmax(logits / temperature).
 
@@ -286,7 +288,7 @@ def logprobs_from_logits(
 
 
 def entropy_from_logits(
-    logits: Any, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE
+    logits: ArrayLike, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> jax.Array:
     """Entropy of softmax(logits / temperature), fp32 [...] for logits [..., V]."""
     logits_arr = _checks.as_array("entropy_from_logits", "logits", logits)
@@ -298,9 +300,9 @@ def entropy_from_logits(
 
 
 def logprobs_from_hidden(
-    hidden: Any,
-    w_dv: Any,
-    labels: Any,
+    hidden: ArrayLike,
+    w_dv: ArrayLike,
+    labels: ArrayLike,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     *,

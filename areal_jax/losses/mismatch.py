@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from areal_jax.losses import _checks
 
@@ -39,11 +40,11 @@ def lag_bucket_names(n_buckets: int = DEFAULT_LAG_BUCKETS) -> list[str]:
 
 
 def mismatch_terms(
-    logp: Any,
-    behav_logp: Any,
-    loss_mask: Any,
-    versions: Any,
-    current_version: Any,
+    logp: ArrayLike,
+    behav_logp: ArrayLike,
+    loss_mask: ArrayLike,
+    versions: ArrayLike,
+    current_version: ArrayLike,
     *,
     n_buckets: int = DEFAULT_LAG_BUCKETS,
 ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:

@@ -10,11 +10,12 @@ upper bound on the ids, which keeps every reduction jit-friendly: reductions are
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from areal_jax.losses import _checks
 
@@ -37,7 +38,7 @@ class SequenceLayout(NamedTuple):
 
 def sequence_layout(
     shape: tuple[int, ...],
-    segment_ids: Any = None,
+    segment_ids: ArrayLike | None = None,
     max_segments: int | None = None,
     *,
     fn: str = "sequence_layout",
@@ -117,10 +118,10 @@ def sequence_count(mask_bt: jax.Array, layout: SequenceLayout) -> jax.Array:
 
 
 def loss_denominator(
-    loss_mask: Any,
+    loss_mask: ArrayLike,
     *,
     agg_mode: str = "token-mean",
-    segment_ids: Any = None,
+    segment_ids: ArrayLike | None = None,
     max_segments: int | None = None,
 ) -> jax.Array:
     """The local count that normalises the loss, as an fp32 scalar.
