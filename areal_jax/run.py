@@ -5,9 +5,12 @@ what can be checked up front (``run_inputs``), and registers their shutdown on a
 ExitStack. The loop itself is ``trainer.py``; signals and exit codes are ``process.py``.
 Nothing in the package imports this module: the arrows go down from here.
 
-With several JAX processes every process builds the learner, the checkpointer and the
-trajectory pipeline's receiving end; process 0 alone also the run files, servers,
-executor, weight sync and metrics writer.
+Every process builds the learner side (``build_learner_side`` -> ``LearnerSide``: the
+learner on the mesh, its reference model and critic, their checkpointers, the restored
+progress); process 0 alone also the rollout side (``RolloutSide``: the run files,
+servers, executor, weight sync and metrics writer) and the trajectory pipeline, whose
+rows reach the other processes' learners. An input that fails a check is a
+``TrainerError`` naming its config key (``run_inputs.input_error``).
 """
 
 from __future__ import annotations
