@@ -241,9 +241,8 @@ class Trainer:
         if self.critic is not None:  # PPO (one process): GAE advantages from the critic's values
             targets = gae_targets_for(cfg, self.critic, micro, batch.trajectories)
             micro = targets.micro_batches  # new micro-batches: the batch is not modified
-        if self.ref_learner is not None:
-            for mb, ref in zip(micro, self.ref_learner.compute_logp(micro), strict=True):
-                mb["ref_logp"] = ref
+        if self.ref_learner is not None:  # new micro-batches with the reference logprobs
+            micro = self.ref_learner.with_logp(micro, "ref_logp")
         metrics = self.learner.train_step(micro, current_version=version)
         finite = math.isfinite(float(metrics.get("loss", 0.0)))
         self._nonfinite = 0 if finite else self._nonfinite + 1

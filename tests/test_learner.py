@@ -267,6 +267,40 @@ def test_kl_penalty_to_reference_logprobs():
     assert second["kl_ref"] > 1e-6 and np.isfinite(second["loss"])
 
 
+def test_micro_batches_given_are_never_modified():
+    """A batch is not changed after packing: the reference model's logprobs and the prox_logp
+    recompute go into new micro-batches, and the step leaves the ones it is given as they
+    were (every array, and no array added)."""
+    learner = make_learner(one_device(), algo=AlgoConfig(ppo_n_minibatches=2, kl_coef=0.1))
+    reference = make_learner(one_device(), trainable=False)
+    trajs = random_trajectories(4, 8, 12)
+    packed = pack_trajectories(trajs, random_advantages(4, trajs), seq_len=32,
+                               rows_per_micro_batch=2, n_minibatches=2)
+
+    def snapshot(batches):
+        return [{k: np.array(v, copy=True) for k, v in b.arrays().items()} for b in batches]
+
+    def assert_unchanged(batches, before):
+        for b, arrays in zip(batches, before, strict=True):
+            assert b.arrays().keys() == arrays.keys()
+            for key, value in arrays.items():
+                np.testing.assert_array_equal(b[key], value, err_msg=key)
+
+    before = snapshot(packed)
+    with_ref = reference.with_logp(packed, "ref_logp")
+    assert_unchanged(packed, before)
+    assert all(b.ref_logp is not None and b.prox_logp is None for b in with_ref)
+    given = snapshot(with_ref)
+    metrics = learner.train_step(with_ref)  # recomputes prox_logp: 2 minibatches
+    assert metrics["prox_logp_recomputed"] == 1.0
+    learner.compute_gradients(with_ref)
+    assert_unchanged(with_ref, given)
+    assert_unchanged(packed, before)
+    dicts = [b.arrays() for b in with_ref]  # mapping micro-batches: new dicts too
+    learner.train_step(dicts)
+    assert all("prox_logp" not in d for d in dicts)
+
+
 def test_learners_with_the_same_graph_and_config_share_compiled_programs():
     """Programs are jitted once per learner, and jax's own cache (per function, jit options
     and static arguments) lets a second learner of the same model and config, e.g. a frozen

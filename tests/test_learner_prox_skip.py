@@ -37,8 +37,8 @@ def test_skipped_prox_recompute_gives_the_same_update(c_clip, cap):
     assert len(batches) > 1  # the gradient is accumulated over several micro-batches
     given = copy.deepcopy(batches)
     for version in range(2):  # the second step starts from the updated params
-        recompute.recompute_prox_logp(given)  # the old path: a separate logprob pass
-        m_recompute = recompute.train_step(given)
+        # the old path: a separate logprob pass
+        m_recompute = recompute.train_step(recompute.recompute_prox_logp(given))
         m_skip = train_version(skip, batches)
         assert m_skip["prox_logp_recomputed"] == 0.0 and m_recompute["prox_logp_recomputed"] == 1.0
         # The paths differ only in r = exp(logp - prox): exactly 1 when skipped, 1 +- the
@@ -58,5 +58,3 @@ def test_skipped_prox_recompute_gives_the_same_update(c_clip, cap):
         pairs = zip(jax.tree.leaves(skip.params), jax.tree.leaves(recompute.params), strict=True)
         for a, b in pairs:
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=atol)
-        for b in given:
-            b.prox_logp = None

@@ -6,9 +6,10 @@
                                 n_minibatches=learner.algo.ppo_n_minibatches)
     metrics = learner.train_step(batches)    # ppo_n_minibatches AdamW steps
 
-``train_step`` recomputes prox_logp under the current weights first (decoupled loss), except
-with one minibatch per version: the proximal policy is then the current params before the
-only step, and the loss takes prox_logp from its own forward pass instead of a separate one.
+``train_step`` recomputes prox_logp under the current weights first (decoupled loss), into
+new micro-batches (the ones given are never modified), except with one minibatch per
+version: the proximal policy is then the current params before the only step, and the
+loss takes prox_logp from its own forward pass instead of a separate one.
 
 One ``train_step`` is one learner version. Each minibatch's gradient is accumulated over
 its micro-batches (one jitted function per micro-batch shape, gradient buffers donated)
@@ -19,7 +20,7 @@ how sequences were packed into micro-batches or split over data shards.
 from __future__ import annotations
 
 import time
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -30,7 +31,7 @@ from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
 from areal_jax.learner.config import AlgoConfig, OptimConfig, check_positive
-from areal_jax.learner.packing import OPTIONAL_FIELDS, PACKED_FIELDS, PackedBatch
+from areal_jax.learner.packing import OPTIONAL_FIELDS, PACKED_FIELDS
 from areal_jax.learner.steps import (
     CompilerOptions,
     make_denominator_fn,
@@ -42,6 +43,7 @@ from areal_jax.learner.trainable import (
     MicroBatch,
     Program,
     TrainableModel,
+    with_arrays,
 )
 from areal_jax.losses.step_metrics import StepSums, finalise_step, step_timing
 from areal_jax.parallel.mesh import (
@@ -60,13 +62,6 @@ from model_defs import (
 
 LOGP_KEYS = ("input_ids", "positions", "segment_ids")
 TRAIN_KEYS = tuple(PACKED_FIELDS)
-def _set(mb: MicroBatch, key: str, value: np.ndarray) -> None:
-    if not isinstance(mb, PackedBatch | MutableMapping):
-        raise TypeError(f"cannot set {key} on a read-only micro-batch ({type(mb).__name__}); "
-                        "pass PackedBatch or dict micro-batches")
-    mb[key] = value
-
-
 def _logp_program(params, rest, batch, *, graphdef, compute_dtype, temperature, chunk_size):
     return make_logp_fn(graphdef, compute_dtype, temperature, chunk_size)(params, rest, batch)[0]
 
@@ -205,10 +200,17 @@ class Learner(TrainableModel):
             outs = [fn(self.params, self._rest, self._put(mb, LOGP_KEYS)) for mb in micro_batches]
         return [self._to_host(o) for o in outs]
 
-    def recompute_prox_logp(self, micro_batches: Sequence[MicroBatch]) -> None:
-        """Sets ``mb["prox_logp"]`` on every micro-batch from the current weights."""
-        for mb, logp in zip(micro_batches, self.compute_logp(micro_batches), strict=True):
-            _set(mb, "prox_logp", logp)
+    def with_logp(self, micro_batches: Sequence[MicroBatch], key: str) -> list[MicroBatch]:
+        """New micro-batches: those given, with ``key`` (``prox_logp``, or ``ref_logp`` from
+        a reference model) set to ``compute_logp``'s logprobs under the current weights.
+        The micro-batches given are not modified."""
+        logps = self.compute_logp(micro_batches)
+        return [with_arrays(mb, **{key: logp})
+                for mb, logp in zip(micro_batches, logps, strict=True)]
+
+    def recompute_prox_logp(self, micro_batches: Sequence[MicroBatch]) -> list[MicroBatch]:
+        """New micro-batches with ``prox_logp`` from the current weights (``with_logp``)."""
+        return self.with_logp(micro_batches, "prox_logp")
 
     def precompile(self, rows: int, seq_len: int) -> float:
         """Compiles, without running them, the programs that ``train_step`` (or, for a
@@ -261,15 +263,16 @@ class Learner(TrainableModel):
         forward pass (as a constant) instead of a separate logprob pass."""
         return self.algo.decoupled and self.algo.ppo_n_minibatches == 1
 
-    def _prepare_prox(self, micro_batches: Sequence[MicroBatch]) -> bool:
-        """Recomputes missing prox_logp where needed; True when the loss takes prox_logp
-        from its own forward pass instead (see ``_skips_prox_recompute``)."""
+    def _prepare_prox(self, micro_batches: list[MicroBatch]
+                      ) -> tuple[list[MicroBatch], bool]:
+        """The micro-batches to train on, with prox_logp recomputed where it is missing and
+        needed (new micro-batches; those given are not modified), and True when the loss
+        takes prox_logp from its own forward pass instead (see ``_skips_prox_recompute``)."""
         if not self.algo.decoupled or all(_has(mb, "prox_logp") for mb in micro_batches):
-            return False
+            return micro_batches, False
         if self._skips_prox_recompute():
-            return True
-        self.recompute_prox_logp(micro_batches)
-        return False
+            return micro_batches, True
+        return self.recompute_prox_logp(micro_batches), False
 
     def train_step(self, micro_batches: Sequence[MicroBatch], *,
                    current_version: int | None = None) -> dict[str, float]:
@@ -285,7 +288,7 @@ class Learner(TrainableModel):
         self._require_trainable("train_step")
         micro_batches = list(micro_batches)
         self._check_micro_batches(micro_batches, self._train_keys(prox_from_logp=True))
-        prox_from_logp = self._prepare_prox(micro_batches)
+        micro_batches, prox_from_logp = self._prepare_prox(micro_batches)
         keys = self._train_keys(prox_from_logp)
         groups = self.minibatches(micro_batches)
         version = jnp.asarray(self.version if current_version is None else current_version,
@@ -327,7 +330,7 @@ class Learner(TrainableModel):
         self._require_trainable("compute_gradients")
         micro_batches = list(micro_batches)
         self._check_micro_batches(micro_batches, self._train_keys(prox_from_logp=True))
-        prox_from_logp = self._prepare_prox(micro_batches)
+        micro_batches, prox_from_logp = self._prepare_prox(micro_batches)
         keys = self._train_keys(prox_from_logp)
         version = jnp.asarray(self.version if current_version is None else current_version,
                               jnp.float32)

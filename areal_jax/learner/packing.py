@@ -25,6 +25,7 @@ segment never carries a logprob and must not be a loss token.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from collections.abc import Sequence
@@ -79,7 +80,7 @@ class PackedBatch:
     # global normaliser of the token-mean loss.
     minibatch_loss_tokens: int = 0
     n_shards: int = 1
-    prox_logp: np.ndarray | None = None  # set by Learner.recompute_prox_logp
+    prox_logp: np.ndarray | None = None  # in the copies Learner.recompute_prox_logp returns
     ref_logp: np.ndarray | None = None  # reference-model logprobs, for a KL penalty
 
     def __getitem__(self, key: str) -> np.ndarray | jax.Array:
@@ -93,6 +94,22 @@ class PackedBatch:
         return value
 
     def __setitem__(self, key: str, value: np.ndarray) -> None:
+        """Sets one array in place: for building a micro-batch by hand (tests, benchmarks).
+        The learner and the trainer never change a batch they are given; they use
+        :meth:`with_arrays`."""
+        setattr(self, key, self._checked(key, value))
+
+    def with_arrays(self, **arrays: np.ndarray) -> PackedBatch:
+        """A new micro-batch with these arrays set (e.g. ``prox_logp=...``); this one is
+        not modified, and the new one shares its other arrays."""
+        checked = {k: self._checked(k, v) for k, v in arrays.items()}
+        new = copy.copy(self)  # shallow: the arrays not named are shared, not copied
+        for key, value in checked.items():
+            setattr(new, key, value)
+        return new
+
+    def _checked(self, key: str, value: np.ndarray) -> np.ndarray:
+        """``value`` as the host array of field ``key`` (its dtype, shape [R, L])."""
         if key not in PACKED_FIELDS and key not in OPTIONAL_FIELDS:
             raise KeyError(f"PackedBatch has no array {key!r}; arrays: "
                            f"{list(PACKED_FIELDS) + list(OPTIONAL_FIELDS)}")
@@ -100,7 +117,7 @@ class PackedBatch:
         if value.shape != self.shape:
             raise ValueError(f"PackedBatch[{key!r}] must have shape {self.shape}, "
                              f"got {value.shape}")
-        setattr(self, key, value)
+        return value
 
     def __contains__(self, key: str) -> bool:
         return (key in PACKED_FIELDS or key in OPTIONAL_FIELDS) and getattr(self, key) is not None

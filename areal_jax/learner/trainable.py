@@ -83,6 +83,15 @@ def _get(mb: MicroBatch, key: str, index: int) -> np.ndarray | jax.Array:
     return value if isinstance(value, jax.Array) else np.asarray(value)
 
 
+def with_arrays(mb: MicroBatch, **arrays: np.ndarray) -> MicroBatch:
+    """A new micro-batch holding ``mb``'s arrays and these ones (``PackedBatch.with_arrays``,
+    or a new dict for a mapping): ``mb`` itself is not modified, so a batch is never
+    changed after packing by the rooms it passes through."""
+    if isinstance(mb, PackedBatch):
+        return mb.with_arrays(**arrays)
+    return {**mb, **arrays}
+
+
 class Program:
     """A module-level function, jitted once, with its static arguments bound."""
 
