@@ -49,7 +49,7 @@ from areal_jax.config import TrainConfig, to_dict
 from areal_jax.data.advantages import gae_targets_for
 from areal_jax.data.trajectories import save_batch
 from areal_jax.interrupt import raise_if_interrupted
-from areal_jax.losses.step_metrics import headline, row_entries
+from areal_jax.losses.step_metrics import critic_entries, headline, row_entries
 from areal_jax.metrics import MismatchWarner
 from areal_jax.process import is_peer_gone
 from areal_jax.rollout.evaluate import evaluate_prompts, evaluate_workflow
@@ -260,7 +260,7 @@ class Trainer:
         if targets is not None:
             critic_metrics = self.critic.train_step(micro, returns=targets.returns,
                                                     old_values=targets.old_values)
-            metrics.update({f"critic_{k}": v for k, v in critic_metrics.items()})
+            metrics.update(critic_entries(critic_metrics))
         return metrics
 
     # ------------------------------------------------------------------ step 5

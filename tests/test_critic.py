@@ -469,3 +469,33 @@ def test_bad_input_gets_clear_errors(critic):
         make_critic(value_eps_clip=0.0)
     with pytest.raises(TypeError, match="must be a model_defs.CausalLM"):
         Critic(object(), TINY, OPTIM)
+
+
+def test_value_step_metrics_are_one_typed_table():
+    """The critic's metrics come from ValueSums finalised once (losses.step_metrics): the
+    names a row shows as train/critic_<name>, in order, and the means and explained
+    variance over the minibatches' sums."""
+    from areal_jax.losses.step_metrics import (
+        ValueStepMetrics,
+        ValueSums,
+        critic_entries,
+        finalise_value_step,
+        row_entries,
+    )
+
+    names = [f.name for f in dataclasses.fields(ValueStepMetrics)]
+    assert names == ["value_loss", "value_clip_frac", "value_mean", "value_abs_error",
+                     "returns_mean", "explained_variance", "grad_norm", "grad_norm_max",
+                     "n_tokens", "n_loss_tokens", "n_minibatches", "skipped_steps", "lr"]
+    one = ValueSums(*np.float32([0.5, 4, 6, 1, 2, 3, 4, 6, 1, 2]))
+    two = ValueSums(*np.float32([0.25, 4, 5, 0, 2, 1, 0, 2, 1, 2]))
+    assert one.add(ValueSums.zeros()) == one
+    m = finalise_value_step([one, two], [1.0, 3.0], [True, False], 0.1)
+    assert (m.value_loss, m.value_clip_frac, m.value_mean, m.value_abs_error) == (
+        0.375, 1 / 8, 4 / 8, 4 / 8)
+    returns_var, error_var = 8 / 8 - (4 / 8) ** 2, 4 / 8 - (2 / 8) ** 2
+    assert m.returns_mean == 0.5 and m.explained_variance == 1 - error_var / returns_var
+    assert (m.grad_norm, m.grad_norm_max, m.n_tokens, m.n_loss_tokens) == (2.0, 3.0, 11, 8)
+    assert (m.n_minibatches, m.skipped_steps, m.lr) == (2, 1, 0.1)
+    assert list(row_entries(critic_entries(m.as_dict()))) == [
+        f"train/critic_{n}" for n in names]

@@ -48,6 +48,7 @@ from areal_jax.learner.steps import CompilerOptions, cast_params
 from areal_jax.learner.token_logp import predicted_mask, shift_right
 from areal_jax.learner.trainable import MicroBatch, Program, TrainableModel, _get
 from areal_jax.losses import packed_gae, ppo_value_loss
+from areal_jax.losses.step_metrics import ValueSums, finalise_value_step
 from areal_jax.parallel.mesh import make_mesh, put_batch, replicated
 from areal_jax.trajectory import Trajectory
 from model_defs import (
@@ -61,8 +62,6 @@ from model_defs import (
 )
 
 VALUE_TRAIN_KEYS = (*LOGP_KEYS, "loss_mask", "returns", "old_values")
-VALUE_SUM_KEYS = ("value_loss", "token_count", "n_tokens", "value_clipped", "value_sum",
-                  "value_abs_error", "returns_sum", "returns_sq_sum", "error_sum", "error_sq_sum")
 
 
 # ----------------------------------------------------------------------------- the model
@@ -107,7 +106,7 @@ def make_values_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None
 
 def make_value_grad_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None,
                        value_eps_clip: float | None, value_coef: float
-                       ) -> Callable[..., tuple[PyTree, dict[str, jax.Array]]]:
+                       ) -> Callable[..., tuple[PyTree, ValueSums]]:
     """(params, rest, grads, sums, batch, denom, n_loss_tokens, version) -> (grads, sums).
 
     The signature of the learner's PPO grad function, so the learner's gradient
@@ -137,19 +136,19 @@ def make_value_grad_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None,
         def masked_sum(x_bt):
             return jnp.sum(jnp.where(mask_bt, x_bt, 0.0))
 
-        new = {
-            "value_loss": loss,
-            "token_count": count,
-            "n_tokens": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32),
-            "value_clipped": stats["value_clip_frac"] * count,
-            "value_sum": stats["value_mean"] * count,
-            "value_abs_error": stats["value_abs_error"] * count,
-            "returns_sum": masked_sum(returns_bt),
-            "returns_sq_sum": masked_sum(jnp.square(returns_bt)),
-            "error_sum": masked_sum(error_bt),
-            "error_sq_sum": masked_sum(jnp.square(error_bt)),
-        }
-        return grads, {k: sums[k] + new[k] for k in VALUE_SUM_KEYS}
+        new = ValueSums(
+            value_loss=loss,
+            token_count=count,
+            n_tokens=jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32),
+            value_clipped=stats["value_clip_frac"] * count,
+            value_sum=stats["value_mean"] * count,
+            value_abs_error=stats["value_abs_error"] * count,
+            returns_sum=masked_sum(returns_bt),
+            returns_sq_sum=masked_sum(jnp.square(returns_bt)),
+            error_sum=masked_sum(error_bt),
+            error_sq_sum=masked_sum(jnp.square(error_bt)),
+        )
+        return grads, sums.add(new)
 
     return grad_fn
 
@@ -357,20 +356,17 @@ class Critic(TrainableModel):
         views = self._value_micro_batches(micro_batches, returns, old_values)
         with use_mesh(self.mesh):
             grads, sums = self._accumulate(views, VALUE_TRAIN_KEYS, jnp.zeros((), jnp.float32))
-        return float(sums["value_loss"]), grads
-
-    def _zero_sums(self) -> dict[str, jax.Array]:
-        return {k: jnp.zeros((), jnp.float32) for k in VALUE_SUM_KEYS}
+        return float(sums.value_loss), grads
 
     def _accumulate(self, group: Sequence[MicroBatch], keys: Sequence[str], version: jax.Array,
-                    **_: bool) -> tuple[PyTree, dict[str, jax.Array]]:
+                    **_: bool) -> tuple[PyTree, ValueSums]:
         """Gradient of one minibatch: the value loss normalised by its global loss-token
         count."""
         batches = [self._put(mb, keys) for mb in group]
         n_loss = jnp.zeros((), jnp.float32)
         for b in batches:
             n_loss = n_loss + self._count(b)
-        grads, sums = self._zeros(self.params), self._zero_sums()
+        grads, sums = self._zeros(self.params), ValueSums.zeros()
         for b in batches:
             grads, sums = self._grad(self.params, self._rest, grads, sums, b, n_loss, n_loss,
                                      version)
@@ -378,28 +374,11 @@ class Critic(TrainableModel):
 
     @staticmethod
     def _metrics(per_step: list, lrs: list[float]) -> dict[str, float]:
-        total = {k: sum(float(s[k]) for s, _, _ in per_step) for k in VALUE_SUM_KEYS}
-        count = max(total["token_count"], 1.0)
-        grad_norms = [float(g) for _, g, _ in per_step]
-        returns_var = total["returns_sq_sum"] / count - (total["returns_sum"] / count) ** 2
-        error_var = total["error_sq_sum"] / count - (total["error_sum"] / count) ** 2
-        return {
-            "value_loss": total["value_loss"] / len(per_step),  # mean of the minibatch losses
-            "value_clip_frac": total["value_clipped"] / count,
-            "value_mean": total["value_sum"] / count,
-            "value_abs_error": total["value_abs_error"] / count,
-            "returns_mean": total["returns_sum"] / count,
-            # 1 - Var(R - V) / Var(R) over loss tokens, V as predicted before each update.
-            "explained_variance": (1.0 - error_var / returns_var if returns_var > 1e-8
-                                   else float("nan")),
-            "grad_norm": float(np.mean(grad_norms)),
-            "grad_norm_max": float(np.max(grad_norms)),
-            "n_tokens": total["n_tokens"],
-            "n_loss_tokens": total["token_count"],
-            "n_minibatches": float(len(per_step)),
-            "skipped_steps": float(sum(1 for _, _, ok in per_step if not bool(ok))),
-            "lr": lrs[-1],
-        }
+        """The step's metrics (``losses.step_metrics.ValueStepMetrics``) from each
+        minibatch's (sums, grad norm, applied)."""
+        sums, grad_norms, applied = zip(*per_step, strict=True)
+        return finalise_value_step(sums, [float(g) for g in grad_norms],
+                                   [bool(ok) for ok in applied], lrs[-1]).as_dict()
 
 
 # ----------------------------------------------------------------------------- GAE, packed

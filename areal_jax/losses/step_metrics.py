@@ -10,6 +10,11 @@ under the names ``metrics.jsonl`` shows. This module is the one table of those n
 (every name, in the order a row lists them), :func:`step_timing` (the step's
 wall-clock entries after them), :func:`row_entries` (the trainer's prefixes)
 and :data:`HEADLINE` (the top-level copies plots and warnings read).
+
+The critic's value loss (``algo.name: ppo``) has the same kind of structure:
+:class:`ValueSums` per micro-batch, :func:`finalise_value_step` into
+:class:`ValueStepMetrics`, with :data:`VALUE_TOKEN_MEANS` its token means and
+:data:`CRITIC_PREFIX` the prefix its names take in a row (``train/critic_<name>``).
 """
 
 from __future__ import annotations
@@ -214,3 +219,102 @@ def row_entries(metrics: Mapping[str, float]) -> dict[str, float]:
 def headline(metrics: Mapping[str, float]) -> dict[str, float]:
     """The top-level copies of ``HEADLINE`` (NaN for a metric the step lacks)."""
     return {key: metrics.get(name, float("nan")) for key, name in HEADLINE}
+
+
+# ----------------------------------------------------------------------------- the critic
+# The critic's token means: metric name -> the ValueSums field it divides by the count of
+# valid (loss) tokens.
+VALUE_TOKEN_MEANS: dict[str, str] = {
+    "value_clip_frac": "value_clipped",
+    "value_mean": "value_sum",
+    "value_abs_error": "value_abs_error",
+    "returns_mean": "returns_sum",
+}
+CRITIC_PREFIX = "critic_"  # the critic's metrics in a row: train/critic_<name>
+
+
+class ValueSums(NamedTuple):
+    """Sums of micro-batches of the critic's value loss (fp32 scalars; a pytree its
+    gradient program carries).
+
+    ``value_loss`` sums each micro-batch's share of its minibatch's value loss;
+    ``token_count`` counts valid (loss) tokens, ``n_tokens`` the tokens of sequences; the
+    rest are sums over valid tokens: of the value-clip indicator, the values, |R - V|, the
+    returns R and R², and the errors R - V and (R - V)² (V as predicted before the update).
+    """
+
+    value_loss: jax.Array
+    token_count: jax.Array
+    n_tokens: jax.Array
+    value_clipped: jax.Array
+    value_sum: jax.Array
+    value_abs_error: jax.Array
+    returns_sum: jax.Array
+    returns_sq_sum: jax.Array
+    error_sum: jax.Array
+    error_sq_sum: jax.Array
+
+    @classmethod
+    def zeros(cls) -> ValueSums:
+        """The sums of no micro-batch: the identity of :meth:`add` (each leaf its own buffer)."""
+        return cls(*(jnp.zeros((), jnp.float32) for _ in cls._fields))
+
+    def add(self, other: ValueSums) -> ValueSums:
+        """Field-wise sums (on device, fp32)."""
+        return ValueSums(*(a + b for a, b in zip(self, other, strict=True)))
+
+
+@dataclass(frozen=True)
+class ValueStepMetrics:
+    """One critic step's metrics, finalised (host floats). The fields are the metric names,
+    in the order :meth:`as_dict` lists them (a row shows them as ``train/critic_<name>``)."""
+
+    value_loss: float  # mean over minibatches of the minibatch value loss
+    value_clip_frac: float
+    value_mean: float
+    value_abs_error: float
+    returns_mean: float
+    # 1 - Var(R - V) / Var(R) over loss tokens, V as predicted before each update (NaN
+    # when the returns do not vary).
+    explained_variance: float
+    grad_norm: float  # mean over minibatches
+    grad_norm_max: float
+    n_tokens: float
+    n_loss_tokens: float
+    n_minibatches: float
+    skipped_steps: float  # minibatches whose update was skipped (non-finite gradient)
+    lr: float
+
+    def as_dict(self) -> dict[str, float]:
+        """Name -> value, in field order."""
+        return dataclasses.asdict(self)
+
+
+def finalise_value_step(per_step: Sequence[ValueSums], grad_norms: Sequence[float],
+                        applied: Sequence[bool], lr: float) -> ValueStepMetrics:
+    """The critic's metrics of a step from each minibatch's sums, gradient norm and whether
+    its update was applied. Minibatches add on the host in float64; token means divide by
+    the step's valid-token count (at least 1)."""
+    total = {k: sum(float(getattr(s, k)) for s in per_step) for k in ValueSums._fields}
+    count = max(total["token_count"], 1.0)
+    returns_var = total["returns_sq_sum"] / count - (total["returns_sum"] / count) ** 2
+    error_var = total["error_sq_sum"] / count - (total["error_sum"] / count) ** 2
+    return ValueStepMetrics(
+        value_loss=total["value_loss"] / len(per_step),
+        **{name: total[src] / count for name, src in VALUE_TOKEN_MEANS.items()},
+        explained_variance=(1.0 - error_var / returns_var if returns_var > 1e-8
+                            else float("nan")),
+        grad_norm=float(np.mean(grad_norms)),
+        grad_norm_max=float(np.max(grad_norms)),
+        n_tokens=total["n_tokens"],
+        n_loss_tokens=total["token_count"],
+        n_minibatches=float(len(per_step)),
+        skipped_steps=float(sum(1 for ok in applied if not ok)),
+        lr=lr,
+    )
+
+
+def critic_entries(metrics: Mapping[str, float]) -> dict[str, float]:
+    """The critic's step metrics under their names in the learner's metrics
+    (``critic_<name>``; :func:`row_entries` then adds ``train/``)."""
+    return {CRITIC_PREFIX + k: v for k, v in metrics.items()}
