@@ -18,13 +18,25 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Literal,
+    TypeVar,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 import yaml
 
 from model_defs import ConfigError  # one class: a bad run-config key or model config.json
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")  # a config section
 
 
 def _type_name(tp: Any) -> str:
@@ -61,7 +73,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value not in allowed:
             raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {list(allowed)}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):

@@ -155,7 +155,8 @@ def rng_from_json(data: list[int], *, typed: bool = True) -> jax.Array:
     raw = np.asarray(data, dtype=np.uint32)
     if raw.shape != (2,):
         raise CheckpointError(f"meta rng must be 2 uint32 words (threefry), got {list(data)!r}")
-    return jax.random.wrap_key_data(raw) if typed else jax.numpy.asarray(raw)
+    words = jax.numpy.asarray(raw)
+    return jax.random.wrap_key_data(words) if typed else words
 
 
 class _DropReadOnlyNotice(logging.Filter):
@@ -415,7 +416,8 @@ def _back_to_target(restored_pure: PyTree, target: PyTree | None) -> PyTree:
         return restored_pure
     leaves = jax.tree.leaves(restored_pure)
     structure = jax.tree.structure(target)
-    if structure.num_leaves != len(leaves):
+    n_target = len(jax.tree.leaves(target))
+    if n_target != len(leaves):
         raise CheckpointError(f"internal: restored {len(leaves)} arrays for a target with "
-                              f"{structure.num_leaves}")
+                              f"{n_target}")
     return jax.tree.unflatten(structure, leaves)

@@ -203,7 +203,7 @@ def params_to_model(params: Weights, model_cfg: ModelConfig | JsonDict) -> Causa
         if have[key] != shape:
             raise PublishError(f"param {'.'.join(key)} has shape {have[key]}, but the model "
                                f"config expects {shape}")
-    nnx.replace_by_pure_dict(state, pure)
+    nnx.replace_by_pure_dict(state, dict(pure))
     return nnx.merge(graphdef, state)
 
 

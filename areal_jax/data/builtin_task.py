@@ -135,7 +135,8 @@ def make_split(
     cfg = cfg or task
     eval_rng = random.Random(1234)
     n_eval = 256 if split != "eval" or n is None else n
-    eval_items, seen = [], set()
+    eval_items: list[dict] = []
+    seen: set[str] = set()
     while len(eval_items) < n_eval:
         p = make_problem(eval_rng, cfg)
         if p["question"] not in seen:

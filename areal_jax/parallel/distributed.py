@@ -87,10 +87,10 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         raise ValueError(f"num_processes ({ENV_NUM_PROCESSES}) must be >= 1, got {n}")
     if n == 1 and pid in (None, 0):
         return False
-    missing = [name for name, v in ((f"coordinator_address ({ENV_COORDINATOR})", address),
-                                    (f"num_processes ({ENV_NUM_PROCESSES})", n),
-                                    (f"process_id ({ENV_PROCESS_ID})", pid)) if v is None]
-    if missing:
+    if address is None or n is None or pid is None:
+        missing = [name for name, v in ((f"coordinator_address ({ENV_COORDINATOR})", address),
+                                        (f"num_processes ({ENV_NUM_PROCESSES})", n),
+                                        (f"process_id ({ENV_PROCESS_ID})", pid)) if v is None]
         raise ValueError(f"multi-process JAX needs all of coordinator_address, num_processes and "
                          f"process_id; missing: {', '.join(missing)}")
     if not 0 <= pid < n:

@@ -36,6 +36,7 @@ def parse_mesh_spec(spec: str | Mapping[str, int], n_devices: int | None = None)
     resolving it needs ``n_devices`` (default: all devices). When ``n_devices`` is given
     (or a ``-1`` is present) the product must equal it.
     """
+    items: list[tuple[str, int | str]]  # a size as given: checked below
     if isinstance(spec, Mapping):
         items = [(str(k), v) for k, v in spec.items()]
         text = ",".join(f"{k}={v}" for k, v in items)
@@ -49,8 +50,8 @@ def parse_mesh_spec(spec: str | Mapping[str, int], n_devices: int | None = None)
             if part.count("=") != 1:
                 raise MeshSpecError(
                     f"mesh spec {text!r}: entry {part!r} is not axis=size; {_SPEC_HELP}")
-            name, value = (s.strip() for s in part.split("="))
-            items.append((name, value))
+            axis, size_text = (s.strip() for s in part.split("="))
+            items.append((axis, size_text))
 
     sizes: dict[str, int] = {}
     for name, value in items:
@@ -128,8 +129,9 @@ def local_batch_rows(mesh: Mesh, global_rows: int) -> slice:
     """The contiguous rows of a [global_rows, ...] batch that this process's devices hold."""
     sharding = batch_sharding(mesh, 1)
     index_map = sharding.addressable_devices_indices_map((global_rows,))
-    starts = [idx[0].start or 0 for idx in index_map.values()]
-    stops = [global_rows if idx[0].stop is None else idx[0].stop for idx in index_map.values()]
+    indices = [idx for idx in index_map.values() if idx is not None]  # a 1-d batch: all set
+    starts = [idx[0].start or 0 for idx in indices]
+    stops = [global_rows if idx[0].stop is None else idx[0].stop for idx in indices]
     lo, hi = min(starts), max(stops)
     covered = {r for s, e in zip(starts, stops, strict=True) for r in range(s, e)}
     if len(covered) != hi - lo:
@@ -144,9 +146,11 @@ def process_batch_rows(mesh: Mesh, global_rows: int) -> dict[int, slice]:
     index_map = batch_sharding(mesh, 1).devices_indices_map((global_rows,))
     spans: dict[int, set[int]] = {}
     for device, idx in index_map.items():
+        assert idx is not None  # a 1-d batch sharding gives every device an index
         start = idx[0].start or 0
         stop = global_rows if idx[0].stop is None else idx[0].stop
-        spans.setdefault(device.process_index, set()).update(range(start, stop))
+        pid = device.process_index  # type: ignore[attr-defined]  # jaxlib's Device: no stub
+        spans.setdefault(pid, set()).update(range(start, stop))
     out = {}
     for pid, rows in sorted(spans.items()):
         lo, hi = min(rows), max(rows) + 1
@@ -173,7 +177,8 @@ def put_batch(array: np.ndarray, mesh: Mesh, *, process_local: bool = False) -> 
     n_shards = n_batch_shards(mesh)
     if process_local:
         local_shards = len({idx[0].start for idx in
-                            sharding.addressable_devices_indices_map((n_shards,)).values()})
+                            sharding.addressable_devices_indices_map((n_shards,)).values()
+                            if idx is not None})
         global_rows = array.shape[0] * n_shards // local_shards
         local = array
     else:

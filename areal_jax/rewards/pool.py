@@ -128,6 +128,7 @@ def _worker_main(fd: int, parent_pid: int, preload: tuple[str, ...] = (),
             conn.send(("err", f"{type(e).__name__}: {e}"))
             continue
         conn.send(("started", None))  # the timeout runs from here: loading is not counted
+        reply: tuple[str, float | str]  # ("ok", reward) or ("err", what failed)
         try:
             reply = ("ok", check_reward_value(fn(*args, **kwargs), max_abs))
         except BaseException as e:  # noqa: BLE001 - report every failure to the parent
@@ -377,7 +378,11 @@ async def _recv(worker: _Worker, timeout_s: float) -> tuple[str, Any]:
     loop = asyncio.get_running_loop()
     readable: asyncio.Future = loop.create_future()
     fd = worker.conn.fileno()
-    loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+
+    def ready() -> None:
+        if not readable.done():
+            readable.set_result(None)
+    loop.add_reader(fd, ready)
     try:
         await asyncio.wait_for(readable, timeout_s)
     finally:
