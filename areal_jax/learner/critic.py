@@ -46,7 +46,13 @@ from areal_jax.learner.learner import LOGP_KEYS
 from areal_jax.learner.packing import PackedBatch
 from areal_jax.learner.steps import CompilerOptions, cast_params
 from areal_jax.learner.token_logp import predicted_mask, shift_right
-from areal_jax.learner.trainable import MicroBatch, Program, TrainableModel, _get
+from areal_jax.learner.trainable import (
+    MicroBatch,
+    Program,
+    TrainableModel,
+    _get,
+    configure_model,
+)
 from areal_jax.losses import packed_gae, ppo_value_loss
 from areal_jax.losses.step_metrics import ValueSums, finalise_value_step
 from areal_jax.parallel.mesh import make_mesh, put_batch, replicated
@@ -57,7 +63,6 @@ from model_defs import (
     PyTree,
     fp32_matmuls,
     load_hf,
-    remat_policy_name,
     use_mesh,
 )
 
@@ -187,7 +192,7 @@ class ValueTargets(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- the critic
-class Critic(TrainableModel):
+class Critic(TrainableModel[ValueModel]):
     """A value model's training state on a mesh (fp32 master weights + AdamW) and its update.
 
     Args:
@@ -220,14 +225,8 @@ class Critic(TrainableModel):
             raise ValueError(f"critic value_coef must be > 0, got {value_coef!r}")
         self.value_eps_clip = None if value_eps_clip is None else float(value_eps_clip)
         self.value_coef = float(value_coef)
-        if remat is not None:
-            model.remat = remat_policy_name(remat)
-        if attention is not None:
-            model.attention_impl = attention
-        # TrainableModel is typed for a CausalLM; of the model it uses only what ValueModel
-        # has too (its NNX graph and params, dtype; remat and attention are set above).
-        super().__init__(ValueModel(model),  # type: ignore[arg-type]
-                         model_cfg, optim, n_minibatches=ppo_n_minibatches,
+        configure_model(model, remat=remat, attention=attention)  # the backbone's
+        super().__init__(ValueModel(model), model_cfg, optim, n_minibatches=ppo_n_minibatches,
                          mesh=mesh, compute_dtype=compute_dtype,
                          compiler_options=compiler_options)
 

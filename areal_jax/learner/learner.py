@@ -43,6 +43,7 @@ from areal_jax.learner.trainable import (
     MicroBatch,
     Program,
     TrainableModel,
+    configure_model,
     with_arrays,
 )
 from areal_jax.losses.step_metrics import StepSums, finalise_step, step_timing
@@ -78,7 +79,7 @@ def _grad_program(params, rest, grads, sums, batch, denom, n_loss_tokens, versio
     return fn(params, rest, grads, sums, batch, denom, n_loss_tokens, version)
 
 
-class Learner(TrainableModel):
+class Learner(TrainableModel[CausalLM]):
     """Training state (params, AdamW state, step, version) on a mesh, and the PPO update.
 
     Args:
@@ -138,10 +139,11 @@ class Learner(TrainableModel):
         self.algo = algo
         self.temperature, self.logp_chunk_size = float(temperature), int(logp_chunk_size)
         self.seq_token_sum_normalizer = seq_token_sum_normalizer
+        configure_model(model, remat=remat, attention=attention)
         super().__init__(model, model_cfg, optim, n_minibatches=algo.ppo_n_minibatches,
-                         mesh=mesh, compute_dtype=compute_dtype, remat=remat,
+                         mesh=mesh, compute_dtype=compute_dtype,
                          compiler_options=compiler_options, trainable=trainable,
-                         process_local_batches=process_local_batches, attention=attention)
+                         process_local_batches=process_local_batches)
 
     @classmethod
     def from_hf(cls, path: str, optim: OptimConfig, algo: AlgoConfig, *,

@@ -4,9 +4,10 @@
 state on a device mesh, places micro-batches on it, groups them into minibatches, runs
 one optimizer step per minibatch and saves/restores its state. It knows no loss: a
 subclass compiles its own gradient program and supplies ``_accumulate`` (one minibatch's
-gradient and statistic sums) and ``_metrics``. ``Learner`` (the PPO policy) and
-``Critic`` (the value model) are its two subclasses, siblings rather than one a variant
-of the other.
+gradient and statistic sums) and ``_metrics``. ``Learner`` (the PPO policy, a
+``TrainableModel[CausalLM]``) and ``Critic`` (the value model, a
+``TrainableModel[ValueModel]``) are its two subclasses, siblings rather than one a
+variant of the other; it is generic over the model, so each types its own.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypedDict
+from typing import Any, Generic, TypedDict, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,8 @@ from model_defs.fused_attention import ATTENTION_IMPLS
 logger = logging.getLogger(__name__)
 
 MicroBatch = PackedBatch | Mapping[str, np.ndarray]  # Mapping: of [R, L] arrays by field
+# The NNX model a TrainableModel trains: the policy's CausalLM, the critic's ValueModel.
+ModelT = TypeVar("ModelT", bound=nnx.Module)
 
 
 class TrainState(TypedDict):
@@ -69,6 +72,29 @@ def _set_compute_dtype(model: nnx.Module, dtype: DTypeLike | None) -> None:
     for _, module in nnx.iter_modules(model):
         if hasattr(module, "dtype"):
             module.dtype = dtype
+
+
+def configure_model(model: CausalLM, *, remat: bool | str | None = None,
+                    attention: str | None = None) -> None:
+    """Sets a ``CausalLM``'s gradient checkpointing (a bool or a policy name of
+    ``model_defs.model.REMAT_POLICIES``) and its attention kernel; None keeps the model's.
+    The learner does it to its policy, the critic to its value model's backbone."""
+    if remat is not None:
+        model.remat = remat_policy_name(remat)
+    if attention is not None:
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}; "
+                             f"got {attention!r}")
+        model.attention_impl = attention
+
+
+def _model_dtype(model: nnx.Module) -> DTypeLike:
+    """The model's own ``dtype`` (its compute dtype; CausalLM and ValueModel carry one)."""
+    dtype = getattr(model, "dtype", None)
+    if dtype is None:
+        raise TypeError(f"{type(model).__name__} has no dtype attribute: a TrainableModel's "
+                        "model carries its compute dtype (as CausalLM and ValueModel do)")
+    return dtype
 
 
 def _get(mb: MicroBatch, key: str, index: int) -> np.ndarray | jax.Array:
@@ -120,31 +146,26 @@ def _zeros_program(params):
     return jax.tree.map(jnp.zeros_like, params)
 
 
-class TrainableModel(ABC):
-    """A model's training state on a mesh (see the module doc). Arguments as for
-    :class:`~areal_jax.learner.Learner`; ``n_minibatches``: optimizer steps per train step."""
+class TrainableModel(ABC, Generic[ModelT]):
+    """A model's training state on a mesh (see the module doc), generic over the NNX model
+    it trains (``ModelT``: ``Learner`` is a ``TrainableModel[CausalLM]``, ``Critic`` a
+    ``TrainableModel[ValueModel]``). Arguments as for :class:`~areal_jax.learner.Learner`
+    (a subclass sets remat and attention on its model first, :func:`configure_model`);
+    ``n_minibatches``: optimizer steps per train step."""
 
-    def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim: OptimConfig, *,
+    def __init__(self, model: ModelT, model_cfg: ModelConfig, optim: OptimConfig, *,
                  n_minibatches: int = 1, mesh: Mesh | None = None,
-                 compute_dtype: DTypeLike | None = None, remat: bool | str | None = None,
+                 compute_dtype: DTypeLike | None = None,
                  compiler_options: CompilerOptions | None = None,
-                 trainable: bool = True, process_local_batches: bool = False,
-                 attention: str | None = None):
+                 trainable: bool = True, process_local_batches: bool = False):
         if not isinstance(optim, OptimConfig):
             raise TypeError(f"optim must be an OptimConfig, got {type(optim).__name__}")
         self.mesh = make_mesh("data=-1") if mesh is None else mesh
         self.model_cfg, self.optim = model_cfg, optim
         self.n_minibatches = int(n_minibatches)
-        if remat is not None:
-            model.remat = remat_policy_name(remat)
-        if attention is not None:
-            if attention not in ATTENTION_IMPLS:
-                raise ValueError(f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}; "
-                                 f"got {attention!r}")
-            model.attention_impl = attention
         if compute_dtype is not None:
             _set_compute_dtype(model, parse_dtype(compute_dtype, "compute_dtype"))
-        self.compute_dtype = jnp.dtype(model.dtype)
+        self.compute_dtype = jnp.dtype(_model_dtype(model))
         self.n_batch_shards = n_batch_shards(self.mesh)
         self.process_local_batches = process_local_batches
         # Batch shards whose rows this process feeds (all of them unless process-local).
@@ -156,7 +177,8 @@ class TrainableModel(ABC):
         options = learner_compiler_options(platform, compiler_options)
         self._jit_options = {"compiler_options": options} if options else {}
 
-        self.lora = lora_config(model)
+        # LoRA adapters sit on a CausalLM (model_defs.add_lora); a ValueModel has none.
+        self.lora = lora_config(model) if isinstance(model, CausalLM) else None
         # What the optimizer differentiates and updates: the adapters only under LoRA.
         self.trainable_filter = nnx.LoRAParam if self.lora is not None else nnx.Param
         graphdef, params, rest = nnx.split(model, self.trainable_filter, ...)  # type: ignore[misc]
@@ -350,7 +372,7 @@ class TrainableModel(ABC):
 
     # ------------------------------------------------------------------ state
     @property
-    def model(self) -> CausalLM:
+    def model(self) -> ModelT:
         """An NNX model view of the current weights (for ``save_hf``). Its arrays are
         donated by the next ``train_step``: use it before training on."""
         return nnx.merge(self._graphdef, self.params, self._rest)
