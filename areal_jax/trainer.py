@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from areal_jax.data.trajectories import TrainBatch
     from areal_jax.learner import Learner
     from areal_jax.learner.critic import Critic
+    from areal_jax.learner.trainable import MicroBatch
     from areal_jax.metrics import MetricsWriter
     from areal_jax.rewards.pool import RewardPool
     from areal_jax.rollout.executor import RolloutExecutor
@@ -154,14 +155,22 @@ class Trainer:
     def is_main(self) -> bool:
         return self.rollout is not None
 
+    @property
+    def rollout_side(self) -> RolloutSide:
+        """The rollout side; only process 0 (``is_main``) has one and reads it."""
+        if self.rollout is None:
+            raise RuntimeError("the rollout side exists on process 0 only")
+        return self.rollout
+
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
-        cfg, row = self.cfg, {}
+        cfg = self.cfg
+        row: dict[str, Any] = {}
         start = self.progress.start_version
-        if self.is_main and start == 0 and cfg.eval.at_start and self.rollout.eval_items:
+        if self.is_main and start == 0 and cfg.eval.at_start and self.rollout_side.eval_items:
             t0 = time.perf_counter()
             evaluated = self.evaluate()
-            row = self.rollout.writer.log({"version": 0, "step": 0, **evaluated,
+            row = self.rollout_side.writer.log({"version": 0, "step": 0, **evaluated,
                                            "eval_s": time.perf_counter() - t0})
         for version in range(start, cfg.train.total_versions):
             raise_if_interrupted()  # SIGINT/SIGTERM are acted on at safe points like this
@@ -199,16 +208,16 @@ class Trainer:
                                publish_s=publish_s)
         is_last = version + 1 == cfg.train.total_versions
         every = cfg.eval.every_versions
-        if self.rollout.eval_items and ((every and (version + 1) % every == 0)
+        if self.rollout_side.eval_items and ((every and (version + 1) % every == 0)
                                         or (is_last and cfg.eval.at_end)):
             t0 = time.perf_counter()
             row.update(self.evaluate())
             row["eval_s"] = time.perf_counter() - t0
             raise_if_interrupted()
-        row = self.rollout.writer.log(row)
+        row = self.rollout_side.writer.log(row)
         self._mismatch_warner(row)
         if version + 1 == self.progress.last_saved_version:
-            self.rollout.run_files.sync()  # gs:// run dirs: the checkpointed row is uploaded
+            self.rollout_side.run_files.sync()  # gs:// run dirs: the checkpointed row is uploaded
         return row
 
     # ------------------------------------------------------------------ steps 1-3
@@ -226,21 +235,23 @@ class Trainer:
                              f"(train.seq_len={self.cfg.train.seq_len})") from None
         if self.is_main:
             if self.cfg.train.record_batches:
-                folder = os.path.join(self.rollout.run_files.local, "batches")
+                folder = os.path.join(self.rollout_side.run_files.local, "batches")
                 os.makedirs(folder, exist_ok=True)
                 save_batch(os.path.join(folder, f"v{version + 1}.npz"), batch)
-            self.rollout.writer.log_consumed(version + 1, [g[0].prompt_id for g in batch.groups])
+            self.rollout_side.writer.log_consumed(version + 1,
+                                                  [g[0].prompt_id for g in batch.groups])
         return batch
 
     # ------------------------------------------------------------------ step 4
     def train(self, batch: TrainBatch, version: int) -> dict[str, float]:
         """The learner's update (and the critic's, for PPO); stops the run after
         ``watchdog.max_nonfinite_versions`` non-finite losses in a row."""
-        cfg, micro = self.cfg, batch.micro_batches
+        cfg, packed = self.cfg, batch.micro_batches
         targets = None
         if self.critic is not None:  # PPO (one process): GAE advantages from the critic's values
-            targets = gae_targets_for(cfg, self.critic, micro, batch.trajectories)
-            micro = targets.micro_batches  # new micro-batches: the batch is not modified
+            targets = gae_targets_for(cfg, self.critic, packed, batch.trajectories)
+            packed = targets.micro_batches  # new micro-batches: the batch is not modified
+        micro: list[MicroBatch] = list(packed)
         if self.ref_learner is not None:  # new micro-batches with the reference logprobs
             micro = self.ref_learner.with_logp(micro, "ref_logp")
         metrics = self.learner.train_step(micro, current_version=version)
@@ -257,7 +268,7 @@ class Trainer:
                 f"skipped those updates, so the run is not learning. Check the rewards' scale "
                 f"(reward.max_abs, reward.scale) and optim.lr, then resume from the last "
                 f"checkpoint (watchdog.max_nonfinite_versions={limit})")
-        if targets is not None:
+        if targets is not None and self.critic is not None:
             critic_metrics = self.critic.train_step(micro, returns=targets.returns,
                                                     old_values=targets.old_values)
             metrics.update(critic_entries(critic_metrics))
@@ -279,17 +290,17 @@ class Trainer:
                 join_inline_publish(weights, self.learner.model_cfg, self.cfg.serving_dtype)
                 return
             with _weight_sync_stops_the_run():
-                self.rollout.weights.publish_inline(weights, version)
+                self.rollout_side.weights.publish_inline(weights, version)
             return
         params = serving_copy(self.learner.model, self.cfg.model, self.cfg.serving_dtype)
         if self.is_main:
-            self.rollout.weights.publish(params, version)
+            self.rollout_side.weights.publish(params, version)
 
     def wait_published(self) -> None:
         """The last publish has reached the servers (before an eval, a checkpoint, the end)."""
         if self.is_main:
             with _weight_sync_stops_the_run():
-                self.rollout.weights.wait()
+                self.rollout_side.weights.wait()
 
     # ------------------------------------------------------------------ step 6
     def save_checkpoint(self) -> None:
@@ -299,7 +310,7 @@ class Trainer:
         meta = CheckpointMeta(  # every process saves; process 0 writes meta (it has the executor)
             step=int(st["step"]),
             version=version,
-            executor=self.rollout.executor.state_dict() if self.is_main else {},
+            executor=self.rollout_side.executor.state_dict() if self.is_main else {},
             model_config=self.learner.model_cfg.to_hf_dict(),
             run_config=to_dict(self.cfg),  # eval.py/convert.py: tokenizer, reward, keys
             consumed_tokens=self.progress.consumed_tokens,
@@ -307,7 +318,7 @@ class Trainer:
             rng=rng_to_json(jax.random.key(self.cfg.seed + version)),
         )
         self.checkpointer.save(version, st["params"], st["opt_state"], meta)
-        if self.critic is not None:
+        if self.critic is not None and self.critic_checkpointer is not None:
             cs = self.critic.state_dict()
             self.critic_checkpointer.save(version, cs["params"], cs["opt_state"],
                                           CheckpointMeta(step=int(cs["step"]),
@@ -335,7 +346,7 @@ class Trainer:
     # ------------------------------------------------------------------ eval and metrics
     def evaluate(self, prefix: str = "eval_") -> dict[str, float]:
         self.wait_published()  # evaluate the latest weights
-        e, ro = self.cfg.eval, self.rollout
+        e, ro = self.cfg.eval, self.rollout_side
         sampling = SamplingParams(
             max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
             temperature=e.temperature, top_p=1.0)
@@ -362,7 +373,7 @@ class Trainer:
         trajs, groups = batch.trajectories, batch.groups
         rewards = np.array([t.reward for t in trajs], np.float32)
         self.progress.consumed_tokens += int(sum(t.num_tokens for t in trajs))
-        weights = self.rollout.weights
+        weights = self.rollout_side.weights
         row = {
             "version": version + 1,
             "step": self.learner.step,
@@ -383,7 +394,7 @@ class Trainer:
             "start_staleness_max": float(max(version - min(g[0].start_version for g in groups),
                                              0)),
             **row_entries(train_metrics),  # train/*, and mismatch/* in their own section
-            **{f"rollout/{k}": v for k, v in self.rollout.executor.metrics().items()
+            **{f"rollout/{k}": v for k, v in self.rollout_side.executor.metrics().items()
                if isinstance(v, int | float)},
         }
         if version == self.progress.start_version:  # seconds from process start

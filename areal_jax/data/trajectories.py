@@ -36,7 +36,7 @@ from areal_jax.learner.packing import PackedBatch, pack_trajectories
 from areal_jax.rollout.executor import PromptsExhausted, RolloutExecutor
 from areal_jax.trajectory import Trajectory
 
-AdvantagesFn = Callable[[list[list[Trajectory]]], Sequence[float | np.ndarray]]
+AdvantagesFn = Callable[[list[list[Trajectory]]], Sequence[float | np.ndarray] | np.ndarray]
 
 
 @dataclass
@@ -123,7 +123,8 @@ class TrajectoryBatchDataset(grain.IterDataset):
         self.batch_size = executor.batch_size if batch_size is None else batch_size
         self.advantages_fn = advantages_fn
         self.timeout = timeout
-        self.pack_kwargs = dict(seq_len=seq_len, rows_per_micro_batch=rows_per_micro_batch,
+        self.pack_kwargs: dict[str, Any] = dict(
+                                seq_len=seq_len, rows_per_micro_batch=rows_per_micro_batch,
                                 n_shards=n_shards, n_minibatches=n_minibatches,
                                 max_segments_per_row=max_segments_per_row,
                                 min_micro_batches=min_micro_batches, row_lengths=row_lengths)
@@ -136,19 +137,25 @@ class TrajectoryBatchDataset(grain.IterDataset):
 
 
 # ----------------------------------------------------------------------------- several processes
+def _rows_of(mb: PackedBatch, rows: slice) -> dict[str, Any]:
+    """The arrays of ``mb`` (by field name) cut to ``rows``."""
+    return {k: v[rows] for k, v in mb.arrays().items()}
+
+
 def encode_rows(batch: TrainBatch, rows: slice) -> bytes:
     """``rows`` of every micro-batch of ``batch`` (plus what the learner needs) as npz bytes."""
     arrays: dict[str, np.ndarray] = {}
-    header = {"version": batch.version, "stats": batch.stats, "micro_batches": []}
+    micro_meta: list[dict[str, int]] = []
+    header = {"version": batch.version, "stats": batch.stats, "micro_batches": micro_meta}
     for i, mb in enumerate(batch.micro_batches):
-        header["micro_batches"].append({"minibatch_id": mb.minibatch_id,
-                                        "minibatch_loss_tokens": mb.minibatch_loss_tokens,
-                                        "n_shards": mb.n_shards})
+        micro_meta.append({"minibatch_id": mb.minibatch_id,
+                           "minibatch_loss_tokens": mb.minibatch_loss_tokens,
+                           "n_shards": mb.n_shards})
         for key, value in mb.arrays().items():
             arrays[f"{i}/{key}"] = np.ascontiguousarray(value[rows])
     arrays["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
     buf = io.BytesIO()
-    np.savez(buf, **arrays)
+    np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy's stub: a key may be allow_pickle
     return buf.getvalue()
 
 
@@ -205,7 +212,7 @@ class ProcessRowsIterator(grain.DatasetIterator):
         scatter_from_main(key, {pid: encode_rows(batch, rows) for pid, rows in rows_of.items()
                                 if pid != ds.process_id})
         own = rows_of[ds.process_id]
-        local = [PackedBatch(**{k: v[own] for k, v in mb.arrays().items()},
+        local = [PackedBatch(**_rows_of(mb, own),
                              minibatch_id=mb.minibatch_id,
                              minibatch_loss_tokens=mb.minibatch_loss_tokens, n_shards=mb.n_shards)
                  for mb in batch.micro_batches]

@@ -81,7 +81,7 @@ class WeightSync:
         self._pending = (version, self.executor.submit_coroutine(self._write_and_update(
             params, version)))
 
-    def publish_inline(self, model: CausalLM, version: int) -> None:
+    def publish_inline(self, model: PyTree | CausalLM, version: int) -> None:
         """Writes ``model`` (e.g. the learner's ``CausalLM``, read one tensor at a time)
         as ``version`` in the calling thread, then starts the servers' update as
         :meth:`publish` does. A failed write raises :class:`WeightSyncError` here."""
