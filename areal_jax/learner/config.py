@@ -44,10 +44,6 @@ def _check_choice(section: str, key: str, value: object, allowed: tuple) -> None
         raise ValueError(f"{section}.{key}={value!r}; expected one of {list(allowed)}")
 
 
-def _float_or_none(value: str | float | None) -> float | None:
-    return None if value is None else float(value)
-
-
 @dataclass(frozen=True)
 class OptimConfig:
     """AdamW with linear warmup, then a constant or cosine learning rate.
@@ -180,32 +176,36 @@ class AlgoConfig:
             return self.behav_correction
         return "cap" if self.behav_imp_weight_cap is not None else "none"
 
+    def _correction(self) -> tuple[str, float | None, float | None, float | None]:
+        """(mode, C, low, high) of the behaviour correction as the loss takes them: C only
+        for the capped modes (default 2.0), the band only for the band modes."""
+        mode = self.resolved_behav_correction
+        cap = 2.0 if self.behav_correction_cap is None else self.behav_correction_cap
+        band = mode in BAND_CORRECTIONS
+        return (mode, cap if mode in CAPPED_CORRECTIONS else None,
+                self.behav_correction_low if band else None,
+                self.behav_correction_high if band else None)
+
     @property
     def behav_correction_kwargs(self) -> dict[str, str | float | None]:
         """The correction's arguments of ``areal_jax.losses.decoupled_ppo_loss``."""
         if self.behav_imp_weight_cap is not None:  # as before: caps exp(prox - behav)
             return {"behav_imp_weight_cap": self.behav_imp_weight_cap}
-        mode = self.resolved_behav_correction
-        cap = 2.0 if self.behav_correction_cap is None else self.behav_correction_cap
-        band = mode in BAND_CORRECTIONS
-        return {"behav_correction": mode,
-                "behav_correction_cap": cap if mode in CAPPED_CORRECTIONS else None,
-                "behav_correction_low": self.behav_correction_low if band else None,
-                "behav_correction_high": self.behav_correction_high if band else None}
+        mode, cap, low, high = self._correction()
+        return {"behav_correction": mode, "behav_correction_cap": cap,
+                "behav_correction_low": low, "behav_correction_high": high}
 
     def ppo_loss_config(self, seq_token_sum_normalizer: float | None = None) -> PPOLossConfig:
         """The PPO loss's config (``areal_jax.losses.PPOLossConfig``) of this algorithm;
-        ``seq_token_sum_normalizer``: the constant L of agg_mode seq-mean-token-sum."""
-        kw = self.behav_correction_kwargs
-        mode, cap, low, high = (kw.get(k) for k in (
-            "behav_correction", "behav_correction_cap", "behav_correction_low",
-            "behav_correction_high"))
+        ``seq_token_sum_normalizer``: the constant L of agg_mode seq-mean-token-sum. With
+        ``behav_imp_weight_cap`` the loss caps exp(prox - behav) itself, as before, and the
+        correction's own fields stay unset."""
+        capped = self.behav_imp_weight_cap is not None
+        mode, cap, low, high = (None, None, None, None) if capped else self._correction()
         return PPOLossConfig(eps_clip=self.eps_clip, eps_clip_higher=self.eps_clip_higher,
                              c_clip=self.c_clip, behav_imp_weight_cap=self.behav_imp_weight_cap,
-                             behav_correction=None if mode is None else str(mode),
-                             behav_correction_cap=_float_or_none(cap),
-                             behav_correction_low=_float_or_none(low),
-                             behav_correction_high=_float_or_none(high),
+                             behav_correction=mode, behav_correction_cap=cap,
+                             behav_correction_low=low, behav_correction_high=high,
                              agg_mode=self.agg_mode,
                              seq_token_sum_normalizer=seq_token_sum_normalizer,
                              ratio_level=self.resolved_ratio_level)
