@@ -167,6 +167,16 @@ class StepMetrics:
         return out
 
 
+def _optimizer_entries(grad_norms: Sequence[float], applied: Sequence[bool],
+                       lr: float) -> dict[str, float]:
+    """What a step's optimizer updates add to the policy's and the critic's metrics alike:
+    the grad norm's mean and max over minibatches, their count, the skipped updates
+    (non-finite gradient) and the last learning rate."""
+    return {"grad_norm": float(np.mean(grad_norms)), "grad_norm_max": float(np.max(grad_norms)),
+            "n_minibatches": float(len(grad_norms)),
+            "skipped_steps": float(sum(1 for ok in applied if not ok)), "lr": lr}
+
+
 def finalise_step(per_step: Sequence[StepSums], grad_norms: Sequence[float],
                   applied: Sequence[bool], lr: float) -> StepMetrics:
     """The metrics of a step from each minibatch's sums, gradient norm and whether its
@@ -185,15 +195,11 @@ def finalise_step(per_step: Sequence[StepSums], grad_norms: Sequence[float],
     return StepMetrics(
         loss=total["loss"] / n_steps,
         kl_ref=total["kl_ref"] / n_steps,
-        grad_norm=float(np.mean(grad_norms)),
-        grad_norm_max=float(np.max(grad_norms)),
         **means,
         **{name: total[name] for name in MAXIMA},
         n_tokens=total["n_tokens"] / 1.0,
         n_loss_tokens=total["token_count"],
-        n_minibatches=float(n_steps),
-        skipped_steps=float(sum(1 for ok in applied if not ok)),
-        lr=lr,
+        **_optimizer_entries(grad_norms, applied, lr),
         mismatch=mismatch_stats(mismatch, mismatch),
     )
 
@@ -304,13 +310,9 @@ def finalise_value_step(per_step: Sequence[ValueSums], grad_norms: Sequence[floa
         **{name: total[src] / count for name, src in VALUE_TOKEN_MEANS.items()},
         explained_variance=(1.0 - error_var / returns_var if returns_var > 1e-8
                             else float("nan")),
-        grad_norm=float(np.mean(grad_norms)),
-        grad_norm_max=float(np.max(grad_norms)),
         n_tokens=total["n_tokens"],
         n_loss_tokens=total["token_count"],
-        n_minibatches=float(len(per_step)),
-        skipped_steps=float(sum(1 for ok in applied if not ok)),
-        lr=lr,
+        **_optimizer_entries(grad_norms, applied, lr),
     )
 
 
