@@ -214,7 +214,8 @@ class ModelRunner:
         """None if ``new_state`` can replace the params without recompiling, else why not."""
         old_leaves = jax.tree_util.tree_leaves_with_path(self.state)
         new_leaves = jax.tree_util.tree_leaves_with_path(new_state)
-        if operator.ne(jax.tree.structure(self.state), jax.tree.structure(new_state)):  # typed
+        # operator.ne: jaxlib's PyTreeDef has no stub, so mypy rejects a plain !=.
+        if operator.ne(jax.tree.structure(self.state), jax.tree.structure(new_state)):
             old_keys = {jax.tree_util.keystr(p) for p, _ in old_leaves}
             new_keys = {jax.tree_util.keystr(p) for p, _ in new_leaves}
             missing = sorted(old_keys - new_keys)[:3]

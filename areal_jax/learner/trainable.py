@@ -389,7 +389,8 @@ class TrainableModel(ABC, Generic[ModelT]):
                    step: int | None = None, version: int | None = None) -> None:
         """Replace the training state (e.g. after an Orbax restore), resharding onto the mesh."""
         want = jax.tree.structure(self.params)
-        if operator.ne(jax.tree.structure(params), want):  # PyTreeDef: untyped for mypy
+        # operator.ne: jaxlib's PyTreeDef has no stub, so mypy rejects a plain != (here too).
+        if operator.ne(jax.tree.structure(params), want):
             raise ValueError("load_state: params do not have this model's structure; "
                              f"expected {want}")
         for (path, new), old in zip(jax.tree_util.tree_flatten_with_path(params)[0],
