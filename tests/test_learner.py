@@ -16,7 +16,7 @@ from _learner_data import (
     train_version,
 )
 from hf_fixtures import logit_tolerance, make_hf_model, make_tiny_hf_checkpoint
-from tolerance import decoder_path_length, logprob_tolerance, network_tolerance
+from tolerance import decoder_path_length, logprob_tolerance, network_tolerance, unit_roundoff
 
 from areal_jax.learner import (
     AlgoConfig,
@@ -265,6 +265,29 @@ def test_kl_penalty_to_reference_logprobs():
     assert first["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # measured before the update
     second = train_version(learner, batches)
     assert second["kl_ref"] > 1e-6 and np.isfinite(second["loss"])
+
+
+def test_kl_penalty_has_its_known_value_and_pulls_the_policy_to_the_reference():
+    """algo.kl_coef reaches the loss with its sign. With zero advantages the PPO term is 0, so
+    the loss is kl_coef * KL exactly. With ref_logp = logp + c on every loss token, the k3
+    estimate is e^c - 1 - c per token; training on the penalty alone must make it fall (a
+    flipped sign makes the loss negative and the KL grow)."""
+    c, coef = -0.5, 0.5
+    learner = make_learner(one_device(), algo=AlgoConfig(ppo_n_minibatches=1, kl_coef=coef))
+    trajs = random_trajectories(3, 4, 12)
+    batches = pack_trajectories(trajs, [0.0] * len(trajs), seq_len=32, rows_per_micro_batch=2)
+    batches = [b.with_arrays(ref_logp=np.where(b.loss_mask != 0, np.asarray(logp) + c, 0.0)
+                             .astype(np.float32))
+               for b, logp in zip(batches, learner.compute_logp(batches), strict=True)]
+    want = np.expm1(c) - c  # 0.1065...
+    first = learner.train_step(batches)  # measured before the update
+    # The step's forward pass recomputes logp (|logp| < log(vocab) + a few, in float32) that
+    # compute_logp gave; k3's slope |e^c - 1| < 1 carries that difference into the KL.
+    tol = 256 * unit_roundoff("float32") * 16
+    assert first["kl_ref"] == pytest.approx(want, abs=tol)
+    assert first["loss"] == pytest.approx(coef * first["kl_ref"], rel=8 * unit_roundoff("float32"))
+    kls = [first["kl_ref"]] + [train_version(learner, batches)["kl_ref"] for _ in range(3)]
+    assert np.all(np.diff(kls) < 0), kls
 
 
 def test_micro_batches_given_are_never_modified():

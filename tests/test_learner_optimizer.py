@@ -89,6 +89,25 @@ def test_grad_norm_clipping():
     np.testing.assert_allclose(updates["w"][:2], [-1.0, -1.0], rtol=rounding)  # Adam, b=0: sign
 
 
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0, 0.5])
+def test_max_grad_norm_scales_a_known_gradient_by_its_effect_on_the_update(max_grad_norm):
+    """optim.max_grad_norm reaches the update: with b1 = b2 = 0 and eps = 1, Adam's update is
+    g / (|g| + 1), which depends on the gradient's scale (unlike sign(g) at eps ~ 0). The
+    gradient (30, 40, 0) has norm 50: clipped to c it is (0.6c, 0.8c, 0); unclipped it stays."""
+    params = {"w": jnp.ones((3,))}
+    tx = make_optimizer(OptimConfig(lr=1.0, max_grad_norm=max_grad_norm, b1=0.0, b2=0.0,
+                                    eps=1.0, weight_decay=0.0))
+    grads = {"w": jnp.array([30.0, 40.0, 0.0])}
+    scale = 1.0 if max_grad_norm is None else max_grad_norm / 50.0
+    g = np.array([30.0, 40.0, 0.0]) * scale
+    want = -g / (np.abs(g) + 1.0)  # (-0.375, -0.444.., 0) at c = 1; (-0.968, -0.976, 0) unclipped
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    # A handful of float32 roundings (the norm, the clip's scale and product, a square, a
+    # sqrt, an add and a division) on values of magnitude <= 1.
+    np.testing.assert_allclose(np.asarray(updates["w"]), want, rtol=0,
+                               atol=16 * unit_roundoff("float32"))
+
+
 def test_a_non_finite_gradient_leaves_params_and_optimizer_state_unchanged():
     """``make_apply_fn`` skips the update (a ``lax.cond``) when the gradient norm is not
     finite: params and every optimizer-state leaf (moments and step count) keep their
