@@ -129,3 +129,31 @@ def test_stream_composes_with_grain_and_checks_advantages():
                                        timeout=30)
     with too_short.executor, pytest.raises(ValueError, match="longer than seq_len=8"):
         next(iter(too_short))
+
+
+def test_reward_section_shapes_rewards_by_its_known_numbers():
+    """reward.scale/bias ((r + bias) * scale, AReaL's order) and the DAPO overlong penalty
+    reach the advantages with their numbers: the penalty counts generated tokens only (a
+    10-token prompt adds nothing). max_new_tokens 20, a penalty zone of 8 tokens, factor
+    0.5: 4 and 12 generated tokens are free, 16 cost
+    (20 - 8 - 16) / 8 * 0.5 = -0.25, 20 cost the whole 0.5."""
+    from areal_jax.config import load_config
+    from areal_jax.data.advantages import group_advantages_for, shaped_rewards
+
+    cfg = load_config(None, ["model.path=unused", "rollout.max_new_tokens=20",
+                             "reward.overlong_penalty_tokens=8",
+                             "reward.overlong_penalty_factor=0.5", "reward.scale=2.0",
+                             "reward.bias=0.5", "algo.name=grpo"])
+    n_prompt = 10
+    trajs = [Trajectory(input_ids=[3] * (n_prompt + n), loss_mask=[0] * n_prompt + [1] * n,
+                        behav_logp=[0.0] * (n_prompt + n), versions=[-1] * n_prompt + [0] * n,
+                        reward=1.0)
+             for n in (4, 12, 16, 20)]
+    want = np.float32((1.0 + 0.5) * 2.0) + np.float32([0.0, 0.0, -0.25, -0.5])
+    # Exact in binary: the penalties are multiples of 1/8 and the shaped rewards of 1/4 (the
+    # product, division and sums of small integers and powers of two round nothing).
+    np.testing.assert_array_equal(shaped_rewards(cfg, trajs), want)
+    r = want.astype(np.float64)
+    adv = group_advantages_for(cfg, [trajs])
+    np.testing.assert_allclose(adv, (r - r.mean()) / (r.std(ddof=1) + 1e-5),
+                               rtol=0, atol=16 * UNIT_ROUNDOFF_F32)
