@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="the embedded engine's weights dtype")
     p.add_argument("--platform", default="cpu",
                    help="JAX_PLATFORMS of the embedded engine (cpu, cuda, tpu); auto: JAX picks")
+    p.add_argument("--compilation-cache-dir", default=None,
+                   help="the embedded engine's JAX persistent compilation cache (default: "
+                        "$AREAL_JAX_COMPILATION_CACHE_DIR, else "
+                        "~/.cache/areal_jax/jax_compilation_cache; 'off' turns it off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reward-workers", type=int, default=2, help="reward worker processes")
     p.add_argument("--reward-timeout", type=float, default=10.0,
@@ -191,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
 
         handles.append(launch_server(
             model_dir, max_slots=args.max_slots, max_seq_len=args.max_seq_len, dtype=args.dtype,
-            jax_platforms=None if args.platform == "auto" else args.platform))
+            jax_platforms=None if args.platform == "auto" else args.platform,
+            compilation_cache_dir=(args.compilation_cache_dir
+                                   if args.compilation_cache_dir is not None else "default")))
         servers = [handles[0].url]
     try:
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
@@ -201,10 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         async def run() -> dict:
             client = RolloutClient(servers)
             try:
-                return await evaluate_prompts(client, items, tokenizer=tokenizer, reward_fn=reward,
-                                              reward_pool=pool, sampling=sampling,
-                                              n_samples=args.n_samples, seed=args.seed,
-                                              pass_at=pass_at)
+                out = await evaluate_prompts(client, items, tokenizer=tokenizer,
+                                             reward_fn=reward, reward_pool=pool,
+                                             sampling=sampling, n_samples=args.n_samples,
+                                             seed=args.seed, pass_at=pass_at)
+                if handles:  # the embedded engine's compiles and persistent-cache traffic
+                    info = (await client.server_infos())[0]
+                    out["engine_compilation_cache"] = info.get("compilation_cache")
+                    out["engine_num_compilations"] = info.get("num_compilations")
+                return out
             finally:
                 await client.aclose()
                 pool.close()

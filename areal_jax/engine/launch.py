@@ -184,7 +184,7 @@ def launch_server(
     jax_platforms: str | None = "cpu",
     env: dict[str, str] | None = None,
     log_path: str | os.PathLike | None = None,
-    compilation_cache_dir: str | os.PathLike | None = None,
+    compilation_cache_dir: str | os.PathLike | None = "default",
     startup_timeout: float = 180.0,
     wait: bool = True,
     die_with_parent: bool = True,
@@ -206,7 +206,9 @@ def launch_server(
       log_path: where stdout/stderr go (default: a temp file).
       wait: False returns at once; call ``wait_healthy([handle])`` later.
       compilation_cache_dir: JAX persistent compilation cache shared by servers that
-        serve the same shapes (a restart or a second server then skips most compiling).
+        serve the same shapes (a restart or a second server then skips most compiling);
+        ``"default"``: the server's default (``$AREAL_JAX_COMPILATION_CACHE_DIR``, else
+        ``~/.cache/areal_jax/jax_compilation_cache``); None: off.
       die_with_parent: the server shuts down when the launching process dies (also by
         SIGKILL; it watches its parent pid), so a killed trainer leaves no orphan
         servers. Launching from a thread that later exits is fine.
@@ -231,8 +233,10 @@ def launch_server(
         cmd += ["--allowed-weight-dir", str(d)]
     if warmup:
         cmd.append("--warmup")
-    if compilation_cache_dir is not None:
-        cmd += ["--compilation-cache-dir", str(compilation_cache_dir)]
+    if compilation_cache_dir is None:
+        cmd += ["--compilation-cache-dir", "off"]
+    elif compilation_cache_dir != "default":
+        cmd += ["--compilation-cache-dir", os.fspath(compilation_cache_dir)]
     cmd += list(extra_args)
 
     # Affinity and the parent watch are set up by the server itself at start-up (no

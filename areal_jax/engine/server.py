@@ -39,7 +39,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import areal_jax
-from areal_jax.compile_cache import enable_compilation_cache
+from areal_jax.compile_cache import (
+    DEFAULT_DIR,
+    ENV_VAR,
+    cache_stats,
+    enable_compilation_cache,
+    resolve_cache_dir,
+)
 from areal_jax.cpu_affinity import pin_process_to_cpus
 from areal_jax.engine.config import (
     LAYER_LOOPS,
@@ -396,7 +402,8 @@ def create_app(engine: GenerationEngine, *, api_key: str | None = None,
 
     @app.get("/get_server_info")
     async def get_server_info():
-        return {**engine.info(), "engine": "areal-jax", "version": areal_jax.__version__}
+        return {**engine.info(), "compilation_cache": cache_stats(), "engine": "areal-jax",
+                "version": areal_jax.__version__}
 
     register_engine_routes(app, engine)  # /v1/completions, /v1/chat/completions, /v1/models
     return app
@@ -444,7 +451,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="0", help="initial weight_version (a string)")
     p.add_argument("--warmup", action="store_true", help="compile all shapes at start-up")
     p.add_argument("--compilation-cache-dir", default=None,
-                   help="JAX persistent compilation cache: restarts reuse compiled steps")
+                   help="JAX persistent compilation cache: restarts reuse compiled steps "
+                        f"(default: ${ENV_VAR}, else {DEFAULT_DIR}; 'off' turns it off)")
     p.add_argument("--cpu-affinity", default=None,
                    help="comma-separated CPU ids to run on (set before JAX starts its threads)")
     p.add_argument("--parent-pid", type=int, default=None,
@@ -513,8 +521,13 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("serving on %s without an API key: anyone who can reach the port can "
                        "generate and pause or update weights (set %s)", args.host, API_KEY_ENV)
     request_cpu_devices(args.data_parallel)  # CPU devices for the slot shards
-    if args.compilation_cache_dir:
-        enable_compilation_cache(args.compilation_cache_dir)
+    cache_dir = resolve_cache_dir(args.compilation_cache_dir)
+    try:
+        enable_compilation_cache(cache_dir)
+    except OSError as e:
+        print(f"error: --compilation-cache-dir {cache_dir} cannot be created ({e}); give a "
+              "writable directory or 'off'", file=sys.stderr)
+        return 2
     try:
         try:  # a Hugging Face hub id (org/name): its snapshot in the hub cache
             args.model_path = local_model_dir(args.model_path, args.revision, "--model-path")
