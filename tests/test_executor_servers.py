@@ -317,6 +317,58 @@ def test_rlvr_workflow_sends_n_concurrent_requests_and_scores_them(fleet, ckpts,
     assert m["rejected"] == 2 and m["reward_failed_groups"] == 2
 
 
+def constant_reward(completion: str, answer: str) -> float:
+    return 1.0
+
+
+def test_dynamic_filter_from_the_config_drops_all_equal_groups_and_names_itself(
+        fleet, ckpts, tokenizer, reward_pool):
+    """algo.dynamic_filter, as the run builds its workflow: a group whose rewards are all equal
+    is dropped (counted), and when every group is, the watchdog's stop names the filter; a
+    group with two different rewards is kept; with the filter off the same group is kept.
+    rollout.n_samples=1 with the filter can never progress: refused when the config loads."""
+    import contextlib
+
+    from areal_jax.config import load_config
+    from areal_jax.config_io import ConfigError
+    from areal_jax.rollout.executor import NoProgressError
+    from areal_jax.run import make_workflow
+    from areal_jax.trajectory import Trajectory
+
+    reset_fleet(fleet, ckpts[0])
+    base = ["model.path=unused", "rollout.n_samples=2", "rollout.max_new_tokens=4"]
+    items = [{"prompt_id": f"q{i}", "prompt": "Q:1+1=", "answer": "2"} for i in range(4)]
+
+    def run_one(overrides, max_attempts):
+        cfg = load_config(None, base + overrides)
+        with contextlib.ExitStack() as stack:
+            wf = make_workflow(cfg, tokenizer, "tests.test_executor_servers:constant_reward",
+                               stack)
+            ex = RolloutExecutor(RolloutClient([fleet[0].url]), wf, items, batch_size=1,
+                                 reward_pool=reward_pool,
+                                 max_attempts_without_progress=max_attempts)
+            with ex:
+                try:
+                    return wf, ex.prepare_batch(timeout=120), ex.metrics()
+                except NoProgressError as e:
+                    return wf, e, ex.metrics()
+                finally:
+                    ex.stop(close_client=True)
+
+    wf, err, m = run_one(["algo.dynamic_filter=true"], max_attempts=2)
+    assert isinstance(err, NoProgressError), err
+    assert "algo.dynamic_filter dropped the group: all 2 samples got reward 1.0" in str(err)
+    assert m["filtered_groups"] >= 2 and m["accepted"] == 0
+    differ = [Trajectory(input_ids=[1, 2], loss_mask=[0, 1], behav_logp=[0.0, -1.0],
+                         versions=[-1, 0], reward=r) for r in (0.0, 1.0)]
+    assert wf.group_filter(differ) and not wf.group_filter([differ[1], differ[1]])
+
+    _, (group,), m = run_one([], max_attempts=2)  # the filter off: the same group is kept
+    assert [t.reward for t in group] == [1.0, 1.0] and m.get("filtered_groups", 0) == 0
+    with pytest.raises(ConfigError, match=r"algo.dynamic_filter needs rollout.n_samples >= 2"):
+        load_config(None, base + ["algo.dynamic_filter=true", "rollout.n_samples=1"])
+
+
 class CountingEnv:
     """Answers every model turn with the tokens of ';' + turn number; done after 3 turns."""
 

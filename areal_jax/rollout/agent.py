@@ -73,7 +73,7 @@ from areal_jax.plugins import import_callable
 from areal_jax.rewards.pool import check_reward_value
 from areal_jax.rollout.tools import TOOL_COUNTS, counting_tools
 from areal_jax.rollout.types import FINISH_LENGTH, FINISH_STOP
-from areal_jax.rollout.workflows import WorkflowContext, sample_request
+from areal_jax.rollout.workflows import WorkflowContext, keep_group, sample_request
 from areal_jax.sampling_params import SamplingParams
 from areal_jax.trajectory import FINISH_CONTEXT, Trajectory
 
@@ -480,7 +480,6 @@ class AgenticWorkflow:
                 ctx.count("agent_history_retokenized")
             ctx.count("agent_turns", len(ep.calls))
             group.append(traj)
-        if self.group_filter is not None and not self.group_filter(group):
-            ctx.count("filtered_groups")
+        if not keep_group(self.group_filter, group, ctx):
             return None
         return group

@@ -102,6 +102,39 @@ class WorkflowContext:
             self._note(cause)
 
 
+GroupFilter = Callable[[list[Trajectory]], bool]
+
+
+@dataclass(frozen=True)
+class DistinctRewards:
+    """DAPO's dynamic filter: keeps a group only if its rewards are not all equal (such a
+    group's advantages are all 0, so it would train nothing). ``name`` is what the
+    progress watchdog calls it when it rejects every group (the run's config key)."""
+
+    name: str = "the dynamic filter"
+
+    def __call__(self, group: list[Trajectory]) -> bool:
+        return len({t.reward for t in group}) > 1
+
+    def reason(self, group: list[Trajectory]) -> str:
+        return (f"{self.name} dropped the group: all {len(group)} samples got reward "
+                f"{group[0].reward if group else None!r}")
+
+
+def keep_group(group_filter: GroupFilter | None, group: list[Trajectory],
+               ctx: WorkflowContext) -> bool:
+    """False (counted as ``filtered_groups``, the cause noted for the progress watchdog)
+    when ``group_filter`` rejects ``group``; True with no filter."""
+    if group_filter is None or group_filter(group):
+        return True
+    ctx.count("filtered_groups")
+    reason = getattr(group_filter, "reason", None)
+    ctx.note_problem(reason(group) if callable(reason) else
+                     f"group_filter {getattr(group_filter, '__name__', group_filter)!r} "
+                     f"dropped the group")
+    return False
+
+
 async def compute_reward(ctx: WorkflowContext, reward_fn: RewardFn, *args: Any,
                          **kwargs: Any) -> float | None:  # Any: the reward fn's own arguments
     """A reward via the context's pool; None (and counted) when it raises or times out.
@@ -179,14 +212,14 @@ class RLVRWorkflow:
     ``reward_fn(completion_text, item[answer_key], **reward_kwargs)`` in the reward pool.
     If any sample's reward fails or times out the whole group is rejected (counted as
     ``reward_failed_groups``): group advantages need a fixed group size. ``group_filter``
-    may reject a finished group too, e.g. ``lambda g: len({t.reward for t in g}) > 1``
-    drops groups whose samples all got the same reward (counted as ``filtered_groups``).
+    may reject a finished group too, e.g. :class:`DistinctRewards` drops groups whose
+    samples all got the same reward (counted as ``filtered_groups``).
     """
 
     def __init__(self, reward_fn: RewardFn, *, n_samples: int = 1,
                  gconfig: SamplingParams | None = None, tokenizer: ChatTokenizer | None = None,
                  answer_key: str = "answer", reward_kwargs: PromptItem | None = None,
-                 group_filter: Callable[[list[Trajectory]], bool] | None = None) -> None:
+                 group_filter: GroupFilter | None = None) -> None:
         if n_samples < 1:
             raise ValueError(f"RLVRWorkflow n_samples must be >= 1, got {n_samples}")
         if isinstance(reward_fn, str):
@@ -226,8 +259,7 @@ class RLVRWorkflow:
             return None
         group = [trajectory_from_response(resp, reward, info={"sample_index": i})
                  for i, (resp, reward) in enumerate(zip(responses, scored, strict=True))]
-        if self.group_filter is not None and not self.group_filter(group):
-            ctx.count("filtered_groups")
+        if not keep_group(self.group_filter, group, ctx):
             return None
         return group
 
