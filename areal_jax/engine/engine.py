@@ -224,6 +224,18 @@ class GenerationEngine:
             raise TimeoutError(f"request {req.rid} did not finish within {timeout}s")
         return req
 
+    def score(self, sequences: Sequence[Sequence[int]], timeout: float | None = None
+              ) -> tuple[list[list[float]], str]:
+        """Input-token logprobs of each sequence under the served weights, and their weight
+        version (``areal_jax.engine.scoring``); runs on the engine thread between steps, so
+        a weight swap never lands mid-forward."""
+        def run() -> tuple[list[list[float]], str]:
+            from areal_jax.engine.scoring import token_logprobs
+
+            return (token_logprobs(self.runner.graphdef, self.runner.state, sequences),
+                    self.weight_version)
+        return self._call(run, timeout)
+
     def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
         """Aborts one request (or all); they return their partial output. Returns the count."""
         return self._call(lambda: self._abort_matching(

@@ -62,6 +62,10 @@ class GenerateCall:
     return_logprob: bool
     return_text_in_logprobs: bool
     lora_name: str | None = None  # SGLang's lora_path: the name of a loaded adapter
+    # SGLang's logprob_start_len: with return_logprob, input_token_logprobs from this
+    # position (-1: none). score_only: max_new_tokens 0, the input is scored, not continued.
+    logprob_start_len: int = -1
+    score_only: bool = False
 
 
 def parse_json_body(raw: bytes, route: str, *, allow_empty: bool = False) -> JsonDict:
@@ -173,7 +177,8 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
         max_new = DEFAULT_MAX_NEW_TOKENS
     if not _is_int(max_new) or not 0 < max_new <= INT32_MAX:
         raise ProtocolError(
-            f"{where}max_new_tokens must be an integer in [1, {INT32_MAX}], got {max_new!r}")
+            f"{where}max_new_tokens must be an integer in [1, {INT32_MAX}], got {max_new!r} "
+            "(0 only scores the input: with return_logprob true and logprob_start_len >= 0)")
 
     temperature = sp.get("temperature", 1.0)
     if temperature is None:
@@ -245,19 +250,29 @@ def parse_generate(body: JsonDict, vocab_size: int, max_seq_len: int) -> Generat
         if not 0 <= t < vocab_size:
             raise ProtocolError(
                 f"input_ids[{i}]={t} is outside the vocabulary [0, {vocab_size})")
-    if len(ids) >= max_seq_len:
+    start = body.get("logprob_start_len")
+    if start is not None and (not _is_int(start) or not -1 <= start <= INT32_MAX):
+        raise ProtocolError(f"logprob_start_len must be an integer in [-1, {INT32_MAX}], "
+                            f"got {start!r}")
+    return_logprob = _get_bool(body, "return_logprob", False, "")
+    sp = body.get("sampling_params")
+    # SGLang's scoring request: max_new_tokens 0 with input logprobs asked for.
+    score_only = (isinstance(sp, dict) and _is_int(sp.get("max_new_tokens"))
+                  and sp["max_new_tokens"] == 0 and return_logprob
+                  and start is not None and start >= 0)
+    if score_only:
+        assert isinstance(sp, dict)
+        sp = {**sp, "max_new_tokens": 1}  # the other fields are checked as usual
+    if len(ids) > max_seq_len or (len(ids) == max_seq_len and not score_only):
         raise ProtocolError(
             f"prompt has {len(ids)} tokens but the context length is {max_seq_len}; "
-            f"prompts may have at most {max_seq_len - 1} tokens")
+            f"prompts may have at most {max_seq_len - 1} tokens ({max_seq_len} to score "
+            "with max_new_tokens 0)")
     if body.get("stream"):
         raise ProtocolError("stream=true is not supported by this server; omit it")
     top_logprobs = body.get("top_logprobs_num")
     if top_logprobs not in (None, 0):
         raise ProtocolError(f"top_logprobs_num={top_logprobs!r} is not supported (only 0)")
-    start = body.get("logprob_start_len")
-    if start is not None and (not _is_int(start) or not -1 <= start <= INT32_MAX):
-        raise ProtocolError(f"logprob_start_len must be an integer in [-1, {INT32_MAX}], "
-                            f"got {start!r}")
     rid = body.get("rid")
     if rid is not None and (not isinstance(rid, str) or not rid):
         raise ProtocolError(f"rid must be a non-empty string, got {type(rid).__name__}")
@@ -269,11 +284,13 @@ def parse_generate(body: JsonDict, vocab_size: int, max_seq_len: int) -> Generat
     _check_length(lora_name, "lora_path", MAX_LORA_NAME_CHARS, "")
     return GenerateCall(
         input_ids=ids,
-        params=parse_sampling_params(body.get("sampling_params"), vocab_size),
+        params=parse_sampling_params(sp, vocab_size),
         rid=rid,
-        return_logprob=_get_bool(body, "return_logprob", False, ""),
+        return_logprob=return_logprob,
         return_text_in_logprobs=_get_bool(body, "return_text_in_logprobs", False, ""),
         lora_name=lora_name,
+        logprob_start_len=-1 if start is None else int(start),
+        score_only=score_only,
     )
 
 

@@ -76,6 +76,7 @@ from areal_jax.engine.protocol import (
     parse_update_weights_from_disk,
 )
 from areal_jax.engine.request import EngineRequest
+from areal_jax.engine.scoring import add_input_logprobs, score_calls
 from areal_jax.hub import HubError, local_model_dir
 
 logger = logging.getLogger("areal_jax.engine.server")
@@ -267,6 +268,12 @@ def create_app(engine: GenerationEngine, *, api_key: str | None = None,
         batched = is_batch(body)
         calls = (parse_generate_batch(body, engine.vocab_size, engine.max_seq_len) if batched
                  else [parse_generate(body, engine.vocab_size, engine.max_seq_len)])
+        if any(call.score_only for call in calls):  # max_new_tokens 0: score the input
+            if not all(call.score_only for call in calls):
+                return _error("a batch mixes max_new_tokens 0 (scoring) with generation; "
+                              "send them as separate requests")
+            scored = await score_calls(engine, calls)
+            return scored if batched else scored[0]
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[EngineRequest]] = []
 
@@ -304,6 +311,7 @@ def create_app(engine: GenerationEngine, *, api_key: str | None = None,
             return _error(failed[0].error or "", failed[0].error_status)
         replies = [generate_reply(req, call, engine.decode_text)
                    for req, call in zip(reqs, calls, strict=True)]
+        await add_input_logprobs(engine, calls, replies)  # logprob_start_len >= 0
         return replies if batched else replies[0]
 
     # ------------------------------------------------------------------ control
