@@ -128,6 +128,56 @@ def test_commit_marker_mode_on_local_disk(tmp_path, tiny_model):
     np.testing.assert_array_equal(got, 5.0 * np.asarray(model.final_norm.scale[...]))
 
 
+def test_commit_marker_mode_writes_the_marker_only_after_every_file(tmp_path, tiny_model,
+                                                                  monkeypatch):
+    """The object-store path's ordering promise, by a fault injected between the steps: a
+    write that fails part-way (a full disk, a dropped connection) leaves the version
+    invisible, never a COMMIT over missing files; the versions before it stay served. And
+    in a whole publish COMMIT is the last thing written."""
+    from etils.epath import gpath
+
+    _, model, cfg = tiny_model
+    pub = WeightPublisher(tmp_path / "weights", keep=3)
+    pub.use_rename = False
+    pub.publish(_scaled_params(model, 1.0), cfg, 1)
+    written, real_write_bytes = [], gpath._GPath.write_bytes
+
+    def faulty_write_bytes(self, data):
+        written.append(self.name)
+        if self.name == "model.safetensors":
+            raise OSError(28, "No space left on device")
+        return real_write_bytes(self, data)
+
+    monkeypatch.setattr(gpath._GPath, "write_bytes", faulty_write_bytes)
+    for version in (2, 1):  # a new version, and one replacing a committed version
+        with pytest.raises(OSError, match="No space left"):
+            pub.publish(_scaled_params(model, 2.0), cfg, version)
+        assert not (tmp_path / "weights" / f"v{version}" / COMMIT_MARKER).exists()
+        assert pub.versions() == ([1] if version == 2 else [])  # v1 was taken down first
+        with pytest.raises(PublishError, match=f"version {version} is not published"):
+            pub.path_for(version)
+    assert "model.safetensors" in written and COMMIT_MARKER not in written
+
+    monkeypatch.setattr(gpath._GPath, "write_bytes", real_write_bytes)
+    order = []
+    real_write_text = gpath._GPath.write_text
+
+    def spy_bytes(self, data):
+        order.append(self.name)
+        return real_write_bytes(self, data)
+
+    def spy_text(self, data, *args, **kwargs):
+        order.append(self.name)
+        return real_write_text(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(gpath._GPath, "write_bytes", spy_bytes)
+    monkeypatch.setattr(gpath._GPath, "write_text", spy_text)
+    pub.publish(_scaled_params(model, 3.0), cfg, 3)
+    assert order[-1] == COMMIT_MARKER and order.count(COMMIT_MARKER) == 1
+    assert {"model.safetensors", "config.json"} <= set(order[:-1])
+    assert pub.versions() == [3]
+
+
 def test_params_to_hf_dir_from_state_and_restored_dict(tmp_path, tiny_model):
     _, model, cfg = tiny_model
     state = nnx.state(model, nnx.Param)
