@@ -21,12 +21,15 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EvalConfig",
+    "JudgeSection",
+    "ModelServerSection",
     "LoraSection",
     "ModelSection",
     "OptimConfig",
     "RewardConfig",
     "RolloutConfig",
     "StorageConfig",
+    "TeacherSection",
     "TrainConfig",
     "TrainLoopConfig",
     "WatchdogConfig",
@@ -133,8 +136,106 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class ModelServerSection:
+    """A model server a run asks besides its rollout servers (``reward.judge``,
+    ``teacher``): an external one at ``url`` (SGLang, vLLM, a hosted API) or an embedded
+    server of ``model_path`` that the run starts and stops itself."""
+
+    url: str | None = None  # http://host:port (a trailing /v1 is accepted)
+    # Or: a checkpoint (local, gs:// or hub id, like model.path) the run serves itself.
+    model_path: str | None = None
+    api_key_env: str | None = None  # the environment variable holding the bearer key
+    max_concurrency: int = 16  # requests in flight to it
+    timeout_s: float = 60.0  # per request
+    retries: int = 2  # more tries after a timeout, lost connection, 429/5xx or bad reply
+    backoff_s: float = 0.5  # before the first retry; doubled each time
+    # The embedded server (model_path) only:
+    max_slots: int = 32
+    max_seq_len: int | None = None  # default: rollout.max_seq_len + 1 (scores whole rows)
+    dtype: Literal["float32", "bfloat16"] | None = None  # default: the rollout engines' dtype
+    cpu_cores: list[int] | None = None  # CPU ids to pin it to (like rollout.server_cpu_cores)
+    platform: str | None = None  # JAX platform (default: rollout.engine_platform's)
+    devices: list[int] | None = None  # accelerator ids (like rollout.engine_devices)
+
+    def __post_init__(self) -> None:
+        name = type(self).SECTION
+        if (self.url is None) == (self.model_path is None):
+            raise ValueError(f"{name} needs exactly one of url (a running server) and "
+                             "model_path (a checkpoint the run serves itself)")
+        check_positive(name, max_concurrency=self.max_concurrency, timeout_s=self.timeout_s,
+                       max_slots=self.max_slots, max_seq_len=self.max_seq_len)
+        check_non_negative(name, retries=self.retries, backoff_s=self.backoff_s)
+        if self.platform is not None and self.platform not in ENGINE_PLATFORMS:
+            raise ValueError(f"{name}.platform must be one of {ENGINE_PLATFORMS}, got "
+                             f"{self.platform!r}")
+
+    SECTION = "server"
+
+
+@dataclass(frozen=True)
+class JudgeSection(ModelServerSection):
+    """``reward.judge``: the LLM judge of ``reward.fn: judge`` (areal_jax/rewards/judge.py)."""
+
+    # {question}, {reference} and {answer} are filled in; literal braces are {{ and }}.
+    template: str | None = None  # default: rewards.judge.DEFAULT_TEMPLATE ("Score: 1"/"0")
+    model: str = "default"  # the requests' "model" (a hosted API needs its model id)
+    endpoint: Literal["chat", "completions"] = "chat"  # /v1/chat/completions or /v1/completions
+    system_prompt: str | None = None
+    score_pattern: str = r"(?i)score\s*[:=]?\s*(-?\d+(?:\.\d+)?)"  # group 1: the score
+    score_min: float = 0.0  # a score outside [score_min, score_max] is unparsable
+    score_max: float = 1.0
+    max_tokens: int = 64
+    temperature: float = 0.0
+    cache_size: int = 10000  # identical judgments kept (LRU); 0: none
+    # What a judgment that still failed after its retries becomes: "reject" drops the
+    # sample's group (counted as rollout/reward_failed_groups); "fallback" scores it
+    # fallback_score (counted as rollout/judge_fallbacks). Never a silent 0.
+    on_failure: Literal["reject", "fallback"] = "reject"
+    fallback_score: float | None = None
+
+    SECTION = "reward.judge"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.endpoint not in ("chat", "completions"):
+            raise ValueError(f"reward.judge.endpoint must be chat or completions, got "
+                             f"{self.endpoint!r}")
+        if self.on_failure not in ("reject", "fallback"):
+            raise ValueError(f"reward.judge.on_failure must be reject or fallback, got "
+                             f"{self.on_failure!r}")
+        if self.on_failure == "fallback" and self.fallback_score is None:
+            raise ValueError("reward.judge.on_failure: fallback needs reward.judge.fallback_score")
+        check_positive("reward.judge", max_tokens=self.max_tokens)
+        check_non_negative("reward.judge", temperature=self.temperature,
+                           cache_size=self.cache_size)
+
+
+@dataclass(frozen=True)
+class TeacherSection(ModelServerSection):
+    """``teacher``: on-policy distillation. The teacher scores each sample's tokens and every
+    completion token's advantage gets ``kl_coef * (teacher_logp - behav_logp)``, the negative
+    per-token reverse KL (docs/distillation.md), plus ``reward_weight`` times the algorithm's
+    own advantage (0: pure distillation, the reward only measured)."""
+
+    kl_coef: float = 1.0
+    reward_weight: float = 0.0
+    timeout_s: float = 120.0
+
+    SECTION = "teacher"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("teacher", kl_coef=self.kl_coef)
+        check_non_negative("teacher", reward_weight=self.reward_weight)
+
+
+@dataclass(frozen=True)
 class RewardConfig:
-    fn: str = "builtin"  # builtin | math | code | package.module:function
+    fn: str = "builtin"  # builtin | math | code | judge | package.module:function
+    judge: JudgeSection | None = None  # the judge of fn: judge
+    # What evals score with (a verifier: builtin | math | code | module:function); default
+    # fn. Needed when fn is judge, whose scores evals do not use.
+    eval_fn: str | None = None
     num_workers: int = 1
     timeout_s: float = 10.0
     scale: float = 1.0
@@ -150,6 +251,12 @@ class RewardConfig:
         check_positive("reward", num_workers=self.num_workers, timeout_s=self.timeout_s,
                   clip=self.clip, overlong_penalty_tokens=self.overlong_penalty_tokens,
                   max_abs=self.max_abs)
+        if (self.fn == "judge") != (self.judge is not None):
+            raise ValueError("reward.fn: judge needs a reward.judge section (url or model_path), "
+                             "and reward.judge is used only with reward.fn: judge")
+        if self.eval_fn == "judge":
+            raise ValueError("reward.eval_fn: evals score with a verifier (builtin, math, code or "
+                             "module:function), not the judge")
 
 
 ENGINE_PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
@@ -398,6 +505,7 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    teacher: TeacherSection | None = None  # on-policy distillation (TeacherSection)
     log_every: int = 1
     progress_bar: bool = True
     # JAX's persistent compilation cache, shared by the learner and the embedded servers:

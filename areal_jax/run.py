@@ -38,7 +38,6 @@ from areal_jax.checkpoint.orbax_ckpt import CheckpointError
 from areal_jax.checkpoint.publish import ADAPTER_SUBDIR, serving_copy
 from areal_jax.config import RolloutConfig, TrainConfig, to_dict
 from areal_jax.cpu_affinity import check_cpus_available, pin_process_to_cpus
-from areal_jax.data.advantages import group_advantages_for
 from areal_jax.data.prompts import load_prompt_dataset
 from areal_jax.data.trajectories import ProcessRowsDataset, TrainBatch, TrajectoryBatchDataset
 from areal_jax.engine.launch import (
@@ -89,6 +88,7 @@ from areal_jax.run_inputs import (
     resolve_dataset,
     resolve_model_path,
 )
+from areal_jax.run_models import ModelServers, advantages_fn, eval_reward_name
 from areal_jax.sampling_params import SamplingParams
 from areal_jax.tokenizer import ChatTokenizer, load_tokenizer
 from areal_jax.trainer import LearnerSide, Progress, RolloutSide, Trainer
@@ -344,7 +344,7 @@ def _rollout_inputs(cfg: TrainConfig, run_dir: str, tokenizer_dir: Path,
         tokenizer = load_tokenizer(tokenizer_dir)
     with input_error("reward.fn", ValueError, ImportError, AttributeError,
                      what=f"reward.fn {cfg.reward.fn!r}"):
-        reward_fn = reward_fn_spec(cfg.reward.fn)
+        reward_fn = reward_fn_spec(eval_reward_name(cfg))  # the pool's (evals'); see run_models
         resolve_reward_fn(reward_fn)
     with input_error("data.train", ValueError, KeyError, FileNotFoundError):
         check_prompt_lengths(cfg, tokenizer, train_path)
@@ -383,15 +383,21 @@ def _rollout_side(cfg: TrainConfig, stack: contextlib.ExitStack, inputs: _Rollou
     version, meta = side.progress.start_version, side.meta
     reward_pool = RewardPool.from_config(cfg.reward)
     stack.callback(reward_pool.close)
-    workflow = make_workflow(cfg, inputs.tokenizer, inputs.reward_fn, stack)
+    # The judge and teacher servers (run_models.py): the judge is the training reward, the
+    # teacher scores the training workflow's samples.
+    models = ModelServers.start(cfg, inputs.run_files.local, stack, cfg.compilation_cache_dir)
+    workflow = make_workflow(cfg, inputs.tokenizer, models.reward(inputs.reward_fn, stack),
+                             stack)
     writer = MetricsWriter.from_config(cfg, inputs.run_files.local, version,
                                        resumed=meta is not None)
     stack.callback(writer.close)
-    executor = _executor(cfg, workflow, inputs.tokenizer, reward_pool, inputs.train_path,
+    train_workflow = models.wrap(workflow, stack)  # the teacher scores training samples only
+    executor = _executor(cfg, train_workflow, inputs.tokenizer, reward_pool, inputs.train_path,
                          list(cfg.rollout.servers) or [h.url for h in handles], meta)
     if handles:
         _wait_for_servers(cfg, handles)
         _mark(startup, "servers_ready_s")
+    models.wait()
     executor.set_version(version)
     raise_if_interrupted()  # a safe point for SIGINT/SIGTERM
     load_first = bool(cfg.rollout.servers) or _serves_adapters(cfg)
@@ -433,14 +439,14 @@ def _trajectory_batches(cfg: TrainConfig, executor: RolloutExecutor | None,
             row_lengths=cfg.train.row_lengths,
             n_minibatches=cfg.algo.ppo_n_minibatches,
             advantages_fn=(None if side.critic is not None  # PPO: GAE after packing
-                           else lambda groups: group_advantages_for(cfg, groups)))
+                           else advantages_fn(cfg)))
     if jax.process_count() > 1:
         return iter(ProcessRowsDataset(stream, side.mesh, start_step=side.progress.start_version))
     assert stream is not None  # one process: process 0
     return iter(stream)
 
 
-def make_workflow(cfg: TrainConfig, tokenizer: Any, reward_fn: str,
+def make_workflow(cfg: TrainConfig, tokenizer: Any, reward_fn: Any,  # a pool spec or a judge
                   stack: contextlib.ExitStack) -> Any:
     """The run's workflow from its config (single-turn RLVR or the agent's), its sampling,
     group size and ``algo.dynamic_filter``."""

@@ -46,7 +46,7 @@ from areal_jax.checkpoint.meta import CheckpointMeta
 from areal_jax.checkpoint.orbax_ckpt import rng_to_json
 from areal_jax.checkpoint.publish import join_inline_publish, serving_copy
 from areal_jax.config import TrainConfig, to_dict
-from areal_jax.data.advantages import gae_targets_for
+from areal_jax.data.advantages import distill_metrics, gae_targets_for
 from areal_jax.data.trajectories import save_batch
 from areal_jax.interrupt import raise_if_interrupted
 from areal_jax.losses.step_metrics import critic_entries, headline, row_entries
@@ -394,6 +394,7 @@ class Trainer:
             "start_staleness_max": float(max(version - min(g[0].start_version for g in groups),
                                              0)),
             **row_entries(train_metrics),  # train/*, and mismatch/* in their own section
+            **distill_metrics(trajs),  # distill/*: with a teacher only
             **{f"rollout/{k}": v for k, v in self.rollout_side.executor.metrics().items()
                if isinstance(v, int | float)},
         }

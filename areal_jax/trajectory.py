@@ -38,16 +38,21 @@ class Trajectory:
     start_version: int = 0  # learner version when the workflow was submitted
     finish_reason: str = FINISH_STOP
     info: dict[str, Any] = field(default_factory=dict)
+    # float32 [T] or None: on-policy distillation's teacher logprob of each token (0 where
+    # loss_mask is 0), set by the teacher-scored workflow (rollout/distill.py)
+    teacher_logp: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.input_ids = np.asarray(self.input_ids, dtype=np.int32)
         self.loss_mask = np.asarray(self.loss_mask, dtype=np.int32)
         self.behav_logp = np.asarray(self.behav_logp, dtype=np.float32)
         self.versions = np.asarray(self.versions, dtype=np.int32)
+        if self.teacher_logp is not None:
+            self.teacher_logp = np.asarray(self.teacher_logp, dtype=np.float32)
         n = self.input_ids.shape[0]
-        for name in ("loss_mask", "behav_logp", "versions"):
+        for name in ("loss_mask", "behav_logp", "versions", "teacher_logp"):
             arr = getattr(self, name)
-            if arr.shape != (n,):
+            if arr is not None and arr.shape != (n,):
                 raise ValueError(f"Trajectory.{name} has shape {arr.shape}, expected ({n},)")
 
     @property
@@ -60,8 +65,8 @@ class Trajectory:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for k in ("input_ids", "loss_mask", "behav_logp", "versions"):
-            d[k] = getattr(self, k).tolist()
+        for k in ("input_ids", "loss_mask", "behav_logp", "versions", "teacher_logp"):
+            d[k] = None if getattr(self, k) is None else getattr(self, k).tolist()
         return d
 
     @classmethod

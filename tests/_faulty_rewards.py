@@ -31,3 +31,20 @@ def returns_numpy_half(completion: str, answer: str) -> np.float32:
 
 def returns_one(completion: str, answer: str) -> float:
     return 1.0
+
+
+def fork_echo(completion: str, answer: str) -> float:
+    """Forks and returns in both processes (the child's value is off by 100)."""
+    import os
+
+    child = os.fork() == 0
+    return float(completion) + (100.0 if child else 0.0)
+
+
+def fork_then_raise_in_child(completion: str, answer: str) -> float:
+    """A sandbox that forks and whose child fails before it reaches ``os._exit``."""
+    import os
+
+    if os.fork() == 0:
+        raise RuntimeError("the sandboxed child failed")
+    return float(completion)

@@ -257,3 +257,29 @@ def test_a_waiter_cancelled_after_its_worker_arrived_gives_it_back_without_hangi
     thread.join(timeout=60)
     assert not thread.is_alive(), "the pool hung: its lock was taken twice"
     assert result["again"] == 16.0
+
+
+@pytest.mark.parametrize("fn", ["fork_echo", "fork_then_raise_in_child"])
+def test_a_reward_that_forks_never_answers_for_another_sample(fn):
+    """A reward function that forks and comes back in the child too (returning, or raising
+    as a sandbox that fails before its os._exit) made the child a second worker on the same
+    socket: later rewards reached the wrong samples (echo(5) -> 2.0), all reported "ok"."""
+    with RewardPool(num_workers=1, timeout_s=10.0) as pool:
+        async def main():
+            return [await pool.score(f"_faulty_rewards:{fn}", str(x), "") for x in (2, 5, 7, 11)]
+
+        assert asyncio.run(main()) == [2.0, 5.0, 7.0, 11.0]
+        m = pool.metrics()
+        assert m["ok"] == 4 and m["errors"] == m["crashes"] == 0
+
+
+def test_an_import_that_hangs_is_reported_as_such_not_as_the_call_timeout(tmp_path, monkeypatch):
+    (tmp_path / "hanging_import_reward.py").write_text(
+        "import time\ntime.sleep(3600)\n\ndef fast(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with RewardPool(num_workers=1, timeout_s=30.0, startup_timeout_s=2.0) as pool:
+        reward, why = asyncio.run(pool.score_or_error("hanging_import_reward:fast", 1.0))
+        assert reward is None
+        assert "loading hanging_import_reward:fast" in why and "2s" in why
+        assert "ran past" not in why
+        assert pool.score_sync(square, 3.0) == 9.0  # the hung worker was replaced

@@ -4,6 +4,9 @@
 - ``areal_jax.rewards.math.math_reward(completion, answer)``: math-verify.
 - ``areal_jax.rewards.code.code_reward(completion, tests, timeout_s, memory_mb)``: sandboxed tests.
 - ``areal_jax.rewards.builtin.builtin_reward(completion, answer)``: the built-in synthetic task.
+- ``areal_jax.rewards.judge.JudgeReward``: an LLM judge behind an OpenAI-compatible endpoint
+  (``reward.fn: judge``), awaited on the event loop rather than run in the pool.
+- ``areal_jax.rewards.teacher.TeacherScorer``: the distillation teacher's per-token logprobs.
 
 Submodules are imported on demand so reward workers stay light.
 """
@@ -14,6 +17,10 @@ REWARD_FUNCTIONS: dict[str, str] = {
     "code": "areal_jax.rewards.code:code_reward",
     "builtin": "areal_jax.rewards.builtin:builtin_reward",
 }
+
+
+# reward.fn names that a model server gives (over HTTP, not in the pool): see rewards/judge.py.
+MODEL_REWARDS = ("judge",)
 
 
 def reward_fn_spec(name: str) -> str:

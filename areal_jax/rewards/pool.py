@@ -9,7 +9,14 @@ that is not a real finite number within ``[-max_abs, max_abs]`` (a string such a
 ``"1.0"`` included; bools count as 0/1), a worker that dies (segfault, ``os._exit``) or a call that
 runs past ``timeout_s`` all give None and are counted in :meth:`RewardPool.metrics`.
 The timeout covers the call itself; importing the function's module in a fresh worker
-(at most ``startup_timeout_s``) is not counted against it.
+(at most ``startup_timeout_s``) is not counted against it, and an import that runs past
+that limit is reported as such, not as the call's timeout.
+
+Every request carries an id that its answers repeat, and a worker answers only from its
+own process: a reward function that forks and returns (or raises) in the child too, as a
+sandbox that fails before its ``os._exit`` does, has the child end silently when it comes
+back, so one sample's reward can never reach another sample. An answer to another request
+is treated as a crash (the worker is replaced).
 A worker that times out is SIGKILLed and replaced. Reward functions must be picklable
 (defined at module level) or given as ``"module:function"`` strings.
 
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import itertools
 import logging
 import math
 import os
@@ -99,9 +107,16 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 def _worker_main(fd: int, parent_pid: int, preload: tuple[str, ...] = (),
                  max_abs: float = DEFAULT_MAX_ABS) -> None:
-    """Runs in the worker process: (fn, args, kwargs) in, ("ok", float) | ("err", str) out."""
+    """Runs in the worker process: ``(request id, pickled (fn, args, kwargs))`` in;
+    ``("started", id)`` then ``("ok", id, float)`` | ``("err", id, str)`` out.
+
+    A reward function that forks and returns (or raises) in both processes must not leave
+    two workers on one socket: the process that is not this worker ends at once, without
+    answering, whenever the function comes back in it (see the module doc).
+    """
     if os.getppid() != parent_pid:
         return
+    my_pid = os.getpid()
     # Die with the parent, even when it is SIGKILLed. (PR_SET_PDEATHSIG would fire when the
     # *thread* that started this worker exits, e.g. an executor loop thread being restarted.)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
@@ -111,32 +126,43 @@ def _worker_main(fd: int, parent_pid: int, preload: tuple[str, ...] = (),
     conn.send(("ready", None))
     while True:
         try:
-            msg = conn.recv()  # unpickling imports the reward function's module
+            request_id, payload = conn.recv()
         except (EOFError, OSError):
             return
-        except Exception as e:  # noqa: BLE001 - e.g. the function's module cannot be imported
-            conn.send(("started", None))
-            conn.send(("err", f"cannot load the reward function: {type(e).__name__}: {e}"))
-            continue
-        if msg is None:
+        except Exception:  # noqa: BLE001 - not a message of the parent: nothing to answer
             return
-        fn_spec, args, kwargs = msg
+        if payload is None:
+            return
         try:
+            fn_spec, args, kwargs = pickle.loads(payload)  # imports the function's module
             fn = resolve_reward_fn(fn_spec)
-        except Exception as e:  # noqa: BLE001
-            conn.send(("started", None))
-            conn.send(("err", f"{type(e).__name__}: {e}"))
+        except BaseException as e:  # noqa: BLE001 - e.g. the module cannot be imported
+            if os.getpid() != my_pid:
+                os._exit(0)  # a fork made while importing: never answer from it
+            conn.send(("started", request_id))
+            conn.send(("err", request_id, f"cannot load the reward function: "
+                                          f"{type(e).__name__}: {_describe(e)}"))
             continue
-        conn.send(("started", None))  # the timeout runs from here: loading is not counted
-        reply: tuple[str, float | str]  # ("ok", reward) or ("err", what failed)
+        conn.send(("started", request_id))  # the timeout runs from here: loading is not counted
+        reply: tuple[str, int, float | str]  # ("ok", id, reward) or ("err", id, what failed)
         try:
-            reply = ("ok", check_reward_value(fn(*args, **kwargs), max_abs))
+            reply = ("ok", request_id, check_reward_value(fn(*args, **kwargs), max_abs))
         except BaseException as e:  # noqa: BLE001 - report every failure to the parent
-            reply = ("err", f"{type(e).__name__}: {e}")
+            reply = ("err", request_id, f"{type(e).__name__}: {_describe(e)}")
+        if os.getpid() != my_pid:  # the function forked and came back in the child
+            os._exit(0)
         try:
             conn.send(reply)
         except (BrokenPipeError, OSError):
             return
+
+
+def _describe(error: BaseException) -> str:
+    """``str(error)``, even when the exception's ``__str__`` itself raises."""
+    try:
+        return str(error)
+    except BaseException:  # noqa: BLE001 - a hostile __str__
+        return f"<{type(error).__name__} whose str() raised>"
 
 
 class _Worker:
@@ -172,7 +198,7 @@ class _Worker:
 
     def stop(self) -> None:
         try:
-            self.conn.send(None)
+            self.conn.send((0, None))
             self.process.wait(timeout=2)
         except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
             self.kill()
@@ -206,6 +232,7 @@ class RewardPool:
         self._idle: list[_Worker] = []
         self._waiters: list[asyncio.Future] = []
         self._num_started = 0
+        self._request_ids = itertools.count(1)  # every reply names the request it answers
         self._closed = False
         self._counts = {"calls": 0, "ok": 0, "errors": 0, "timeouts": 0, "crashes": 0,
                         "workers_replaced": 0}
@@ -294,19 +321,32 @@ class RewardPool:
         self._counts["calls"] += 1
         worker = await self._acquire()
         t0 = time.monotonic()
+        request_id = next(self._request_ids)
+        loading = True
         try:
             if not worker.ready:
                 await self._start(worker)
-            worker.conn.send_bytes(payload)
+            worker.conn.send((request_id, payload))
             # first "started" (after the worker has imported the function), then the result
-            status, value = await _recv(worker, self.startup_timeout_s)
+            status, value = await _recv(worker, self.startup_timeout_s, request_id)
             if status == "started":
-                status, value = await _recv(worker, self.timeout_s)
+                loading = False
+                status, value = await _recv(worker, self.timeout_s, request_id)
         except TimeoutError:
-            message = f"{_name(fn)} ran past {self.timeout_s}s; worker killed"
+            if loading:
+                message = (f"loading {_name(fn)} (importing its module) did not finish within "
+                           f"the reward workers' start-up limit of {self.startup_timeout_s:g}s; "
+                           "worker killed")
+            else:
+                message = f"{_name(fn)} ran past {self.timeout_s}s; worker killed"
             self._record_error("timeouts", message)
             self._replace(worker)
             return None, f"reward timeout: {message}"
+        except _CrossedReply as e:  # e.g. a forked copy of the worker answered
+            message = f"{_name(fn)}: {e}; worker killed"
+            self._record_error("crashes", message)
+            self._replace(worker)
+            return None, f"reward crash: {message}"
         except (EOFError, OSError) as e:
             message = (f"{_name(fn)}: worker died ({type(e).__name__}, "
                        f"exit code {worker.process.poll()})")
@@ -373,8 +413,14 @@ def _name(fn: RewardFn) -> str:
     return fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
 
 
-async def _recv(worker: _Worker, timeout_s: float) -> tuple[str, Any]:
-    """The worker's next message, waiting on its socket without blocking the event loop."""
+class _CrossedReply(RuntimeError):
+    """A worker answered another request than the one it was given."""
+
+
+async def _recv(worker: _Worker, timeout_s: float, request_id: int | None = None
+                ) -> tuple[str, Any]:
+    """The worker's next message ``(status, value)``, waiting on its socket without blocking
+    the event loop; with ``request_id``, the message must answer that request."""
     loop = asyncio.get_running_loop()
     readable: asyncio.Future = loop.create_future()
     fd = worker.conn.fileno()
@@ -387,7 +433,13 @@ async def _recv(worker: _Worker, timeout_s: float) -> tuple[str, Any]:
         await asyncio.wait_for(readable, timeout_s)
     finally:
         loop.remove_reader(fd)
-    return worker.conn.recv()
+    message = worker.conn.recv()
+    if request_id is None:
+        return message
+    if (not isinstance(message, tuple) or len(message) not in (2, 3)
+            or message[1] != request_id):
+        raise _CrossedReply(f"the worker answered {message!r:.120} to request {request_id}")
+    return message[0], (message[2] if len(message) == 3 else None)
 
 
 def _cancel(fut: asyncio.Future) -> None:

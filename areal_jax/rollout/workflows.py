@@ -161,6 +161,30 @@ async def compute_reward(ctx: WorkflowContext, reward_fn: RewardFn, *args: Any,
     return None
 
 
+class ModelReward(Protocol):
+    """A reward a model gives over HTTP (``areal_jax.rewards.judge.JudgeReward``): awaited on
+    the event loop, not run in the reward pool. ``(score, None)`` or ``(None, why)``."""
+
+    async def ascore(self, completion: str, reference: Any, *, question: Any = "",
+                     count: Callable[[str, int], None] | None = None
+                     ) -> tuple[float | None, str | None]: ...
+
+
+def is_model_reward(reward_fn: object) -> bool:
+    return callable(getattr(reward_fn, "ascore", None))
+
+
+async def compute_model_reward(ctx: WorkflowContext, reward: ModelReward, completion: str,
+                               reference: Any, question: Any) -> float | None:
+    """A model-judged reward; None (the cause noted, every event counted as ``judge_*``)
+    when the judgment failed and the judge rejects failures."""
+    value, problem = await reward.ascore(completion, reference, question=question,
+                                         count=ctx.count)
+    if problem is not None:
+        ctx.note_problem(problem)
+    return value
+
+
 def prompt_token_ids(item: PromptItem, tokenizer: ChatTokenizer | None) -> list[int]:
     """``item["input_ids"]`` if given, else the tokenizer's chat-templated ``item["prompt"]``."""
     if "input_ids" in item:
@@ -216,7 +240,7 @@ class RLVRWorkflow:
     samples all got the same reward (counted as ``filtered_groups``).
     """
 
-    def __init__(self, reward_fn: RewardFn, *, n_samples: int = 1,
+    def __init__(self, reward_fn: RewardFn | ModelReward, *, n_samples: int = 1,
                  gconfig: SamplingParams | None = None, tokenizer: ChatTokenizer | None = None,
                  answer_key: str = "answer", reward_kwargs: PromptItem | None = None,
                  group_filter: GroupFilter | None = None) -> None:
@@ -224,7 +248,7 @@ class RLVRWorkflow:
             raise ValueError(f"RLVRWorkflow n_samples must be >= 1, got {n_samples}")
         if isinstance(reward_fn, str):
             resolve_reward_fn(reward_fn)  # fail now on a bad "module:function"
-        elif not callable(reward_fn):
+        elif not callable(reward_fn) and not is_model_reward(reward_fn):
             raise TypeError(f"reward_fn must be callable or 'module:function', got {reward_fn!r}")
         self.reward_fn = reward_fn
         self.n_samples = n_samples
@@ -250,9 +274,19 @@ class RLVRWorkflow:
                     for i in range(self.n_samples)]
         responses = await generate_all(client, requests)
         texts = [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in responses]
-        rewards = await asyncio.gather(*(
-            compute_reward(ctx, self.reward_fn, text, item[self.answer_key], **self.reward_kwargs)
-            for text in texts))
+        reward_fn = self.reward_fn
+        if is_model_reward(reward_fn):  # a judge: awaited here, with the prompt's question
+            assert not isinstance(reward_fn, str) and not callable(reward_fn)
+            rewards = await asyncio.gather(*(
+                compute_model_reward(ctx, reward_fn, text, item[self.answer_key],
+                                     item.get("prompt", ""))
+                for text in texts))
+        else:
+            assert isinstance(reward_fn, str) or callable(reward_fn)
+            rewards = await asyncio.gather(*(
+                compute_reward(ctx, reward_fn, text, item[self.answer_key],
+                               **self.reward_kwargs)
+                for text in texts))
         scored = [r for r in rewards if r is not None]
         if len(scored) < len(rewards):
             ctx.count("reward_failed_groups")
