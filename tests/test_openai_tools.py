@@ -196,6 +196,21 @@ def test_deeply_nested_call_arguments_are_a_400(server, client, depth):
     assert r.choices[0].message.content == TOOL_CALL_TEXT
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("arguments", ['{"city": "\\ud800"}', '{"\\udcff": "Paris"}'])
+def test_a_lone_surrogate_in_call_arguments_is_a_400_not_a_500(server, client, stream,
+                                                               arguments):
+    """The arguments string is plain ASCII JSON whose escape decodes to a lone surrogate:
+    not text, so it cannot be rendered or tokenized. A 400 naming the field, streamed or
+    not (it was a 500 UnicodeEncodeError)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=history(arguments),
+                                       tools=[WEATHER_TOOL], max_tokens=4, stream=stream)
+    err = e.value.body
+    assert err["param"] == "messages" and "lone UTF-16 surrogate" in err["message"], err
+    assert "messages[1].tool_calls[0].function.arguments" in err["message"], err
+
+
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
 def test_an_oversized_body_on_an_openai_route_is_an_openai_413(server, route):
     big = {"model": "m", "messages": [{"role": "user", "content": "x" * 2_000_000}],

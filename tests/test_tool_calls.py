@@ -10,6 +10,7 @@ import pytest
 from areal_jax.engine.tool_calls import (
     HERMES,
     LLAMA3_JSON,
+    MAX_ARGUMENT_DEPTH,
     ToolCallStream,
     ToolSpecError,
     check_tools,
@@ -133,6 +134,43 @@ def test_assistant_calls_become_template_dicts():
                 [{"function": {"name": "f", "arguments": "[1, 2]"}}], "x"]:
         with pytest.raises(ToolSpecError, match=r"messages\[1\]"):
             template_tool_calls(1, bad)
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON])
+def test_the_server_emits_only_calls_it_accepts_back(fmt):
+    """One limit both ways: a call the model writes is returned as ``tool_calls`` exactly
+    when the same call, sent back in the next turn's messages, is accepted. Arguments nested
+    past MAX_ARGUMENT_DEPTH (81 levels) or holding a lone surrogate (the JSON escape
+    \\ud800, in a value or a key) stay text, and are a 400 in a request."""
+    key = "arguments" if fmt == HERMES else "parameters"
+
+    def written(args_json):
+        body = '{"name": "get_weather", "' + key + '": ' + args_json + '}'
+        return f"<tool_call>\n{body}\n</tool_call>" if fmt == HERMES else body
+
+    def nested(depth):
+        return '{"a": ' * depth + "1" + "}" * depth
+
+    cases = {nested(d): d <= MAX_ARGUMENT_DEPTH
+             for d in (1, MAX_ARGUMENT_DEPTH - 1, MAX_ARGUMENT_DEPTH, MAX_ARGUMENT_DEPTH + 1, 81)}
+    cases.update({'{"city": "\\ud800"}': False, '{"\\udcff": 1}': False,
+                  '{"city": ["ok", {"x": "\\ud83d"}]}': False,
+                  '{"city": "\\ud83d\\ude00"}': True})  # a surrogate pair is text
+    for args_json, ok in cases.items():
+        parsed = parse_tool_calls(written(args_json), fmt, NAMES)
+        assert (parsed is not None) == ok, args_json[:40]
+        sent_back = [{"id": "call_1", "type": "function",
+                      "function": {"name": "get_weather", "arguments": args_json}}]
+        if ok:
+            (call,) = parsed[1]
+            sent_back[0]["function"]["arguments"] = call["function"]["arguments"]
+            assert template_tool_calls(2, sent_back)[0]["function"]["arguments"] == \
+                json.loads(args_json)
+        else:
+            with pytest.raises(ToolSpecError, match=r"messages\[2\].tool_calls\[0\].function"
+                                                    r".arguments (is nested too deeply|holds a"
+                                                    r" lone UTF-16 surrogate)"):
+                template_tool_calls(2, sent_back)
 
 
 def test_forced_prefix_starts_a_call_the_parser_completes():

@@ -12,7 +12,10 @@ Two textual forms are understood, picked from the model's chat template
   separated by ``;``.
 
 A reply whose calls do not all parse (bad JSON, a missing name, a function that is not in
-``tools``) is not a tool call: it stays text, with the normal finish reason.
+``tools``, arguments nested deeper than ``MAX_ARGUMENT_DEPTH`` or holding a lone surrogate)
+is not a tool call: it stays text, with the normal finish reason. The same limits refuse
+such a call in a request's messages (a 400), so every call the server writes can be sent
+back.
 """
 
 from __future__ import annotations
@@ -46,6 +49,28 @@ def _depth_over(value: Any, limit: int) -> bool:
                 return True
             stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
     return False
+
+
+def _arguments_problem(args: Any) -> str | None:
+    """Why parsed call ``args`` cannot be a call's arguments, else None: nested more than
+    ``MAX_ARGUMENT_DEPTH`` levels, or a string or key holding a lone UTF-16 surrogate
+    (valid JSON as an escape, but not text: it cannot be encoded, tokenized or sent back).
+    The server emits only calls that pass, and refuses calls in a request that do not, so
+    every call it writes can be sent back on the next turn."""
+    if _depth_over(args, MAX_ARGUMENT_DEPTH):
+        return f"is nested too deeply (at most {MAX_ARGUMENT_DEPTH} levels)"
+    stack = [args]
+    while stack:
+        v = stack.pop()
+        texts = [v] if isinstance(v, str) else list(v) if isinstance(v, dict) else []
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return "holds a lone UTF-16 surrogate (not text)"
+        if isinstance(v, dict | list):
+            stack.extend(v.values() if isinstance(v, dict) else v)
+    return None
 
 
 class ToolSpecError(ValueError):
@@ -156,9 +181,9 @@ def template_tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
                 raise ToolSpecError(f"{where}.function.arguments is nested too deeply "
                                     f"(at most {MAX_ARGUMENT_DEPTH} levels)",
                                     "messages") from None
-        if _depth_over(args, MAX_ARGUMENT_DEPTH):
-            raise ToolSpecError(f"{where}.function.arguments is nested too deeply (at most "
-                                f"{MAX_ARGUMENT_DEPTH} levels)", "messages")
+        problem = _arguments_problem(args)
+        if problem is not None:
+            raise ToolSpecError(f"{where}.function.arguments {problem}", "messages")
         if not isinstance(args, dict):
             raise ToolSpecError(f"{where}.function.arguments must be a JSON object",
                                 "messages")
@@ -186,7 +211,9 @@ def _named_call(obj: Any, names: set[str], args_key: str) -> dict[str, Any] | No
             args = json.loads(args)
         except (ValueError, RecursionError):
             return None
-    return _call(obj["name"], args) if isinstance(args, dict) else None
+    if not isinstance(args, dict) or _arguments_problem(args) is not None:
+        return None  # what the next turn would refuse is not a call: it stays text
+    return _call(obj["name"], args)
 
 
 def parse_tool_calls(text: str, fmt: str, names: set[str]
