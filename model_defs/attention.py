@@ -121,6 +121,54 @@ def attention(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, *,
     return _blockwise_self_attention(q_bkgtd, k_bksd, v_bksd, seg_bt, BLOCK)
 
 
+def cache_attention(q_bkgtd: Array, k_cache: Array, v_bksd: Array, kv_limit_bt: Array,
+                    kv_len: Array | int, *, block: int, keys_transposed: bool = True,
+                    rows_b: Array | None = None) -> tuple[Array, Array]:
+    """Attention of the queries to the first ``kv_len`` keys of a cache, read ``block`` keys
+    at a time in a loop that stops after the block holding key ``kv_len - 1``: one program
+    serves every filled length (``kv_len`` is traced), and a call reads what the live
+    sequences hold, not the whole cache. Returns the fp32 output and log-sum-exp (for
+    ``merge_attention``; a query that reads nothing gets zeros and -inf).
+
+    Args:
+      q_bkgtd: queries, pre-scaled.
+      k_cache: keys [B, K, Dh, S] if ``keys_transposed`` else [B, K, S, Dh]; v_bksd: values.
+      kv_limit_bt: the last key index each query may read (also bounded by ``kv_len``).
+      kv_len: keys [0, kv_len) may be read; a traced int32 scalar.
+      block: keys per loop step. S need not be a multiple: the last block is read from
+        ``S - block`` and its keys already read are skipped.
+      rows_b: the cache row each query row reads (default: row b reads row b); indices
+        out of range are clipped (give such rows a limit of -1).
+    """
+    s_axis = 3 if keys_transposed else 2
+    s = k_cache.shape[s_axis]
+    block = min(block, s)
+    b, kh, g, t, dh = q_bkgtd.shape
+    kv_len = jnp.minimum(jnp.asarray(kv_len, jnp.int32), s)
+    n_blocks = (kv_len + block - 1) // block
+    limit_bt = jnp.minimum(jnp.asarray(kv_limit_bt, jnp.int32), kv_len - 1)
+    never = jnp.iinfo(jnp.int32).max  # a key index no query reaches
+
+    def body(i, carry):
+        nominal = i * block
+        start = jnp.minimum(nominal, s - block)
+        k_blk = jax.lax.dynamic_slice_in_dim(k_cache, start, block, axis=s_axis)
+        v_blk = jax.lax.dynamic_slice_in_dim(v_bksd, start, block, axis=2)
+        if rows_b is not None:
+            k_blk = jnp.take(k_blk, rows_b, axis=0, mode="clip")
+            v_blk = jnp.take(v_blk, rows_b, axis=0, mode="clip")
+        idx_s = start + jnp.arange(block, dtype=jnp.int32)
+        kv_idx_bs = jnp.broadcast_to(jnp.where(idx_s >= nominal, idx_s, never), (b, block))
+        return _block(q_bkgtd, k_blk.astype(q_bkgtd.dtype), v_blk.astype(q_bkgtd.dtype),
+                      limit_bt, kv_idx_bs, None, None, keys_transposed, carry)
+
+    carry = (jnp.zeros((b, kh, g, t, dh), jnp.float32),
+             jnp.full((b, kh, g, t), MASK_VALUE, jnp.float32),
+             jnp.zeros((b, kh, g, t), jnp.float32))
+    acc, m, l_sum = jax.lax.fori_loop(0, n_blocks, body, carry)
+    return _finish(acc, m, l_sum, q_bkgtd.dtype, return_lse=True)
+
+
 def merge_attention(parts: list[tuple[Array, Array]], dtype: Any) -> Array:
     """Combines ``(out, lse)`` pairs of attention over disjoint key sets into attention
     over their union (exact: softmax weights are renormalised by the joint lse)."""

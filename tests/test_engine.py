@@ -13,13 +13,13 @@ import pytest
 from areal_jax.engine.config import EngineConfig
 from areal_jax.engine.engine import EngineRequestError, GenerationEngine, ModelPathError
 from areal_jax.engine.request import SamplingParams
-from areal_jax.engine.runner import bucket_for, prefill_buckets
+from areal_jax.engine.runner import chunk_plan, prefill_chunks
 from areal_jax.engine.sampling import first_argmax, sample_tokens
 from model_defs import load_hf
 from tests.hf_fixtures import make_tiny_hf_checkpoint, token_logprob_tolerance
 from tests.tolerance import UNIT_ROUNDOFF_F32, sum_tolerance
 
-MAX_SEQ_LEN = 48  # prefill buckets 16, 32, 48; the tests touch only 16 and 32
+MAX_SEQ_LEN = 48  # prefill chunks 16 and 48
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +75,14 @@ def greedy(n, **kw):
     return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
-def test_buckets():
-    assert prefill_buckets(128) == [16, 32, 64, 128]
-    assert prefill_buckets(100) == [16, 32, 64, 100]
-    assert bucket_for(17, [16, 32]) == 32
-    with pytest.raises(ValueError, match="exceeds the largest bucket"):
-        bucket_for(33, [16, 32])
+def test_prefill_chunks_and_plans():
+    assert prefill_chunks(2048) == prefill_chunks(100_000) == [16, 64, 256]
+    assert prefill_chunks(40) == [16, 40]
+    # (start, tokens, chunk length): the shortest chunk that holds the rest, else full ones.
+    assert chunk_plan(5, [16, 64, 256]) == [(0, 5, 16)]
+    assert chunk_plan(17, [16, 64, 256]) == [(0, 17, 64)]
+    assert chunk_plan(300, [16, 64, 256]) == [(0, 256, 256), (256, 44, 64)]
+    assert chunk_plan(40, [16]) == [(0, 16, 16), (16, 16, 16), (32, 8, 16)]
 
 
 def test_first_argmax_and_greedy_logprob_match_the_reference_ops():
@@ -109,7 +111,7 @@ def test_first_argmax_and_greedy_logprob_match_the_reference_ops():
 
 
 def test_greedy_matches_transformers_generate(engine, ckpt_a):
-    for prompt in ([5, 9, 17, 3, 44], list(range(3, 23))):  # buckets 16 and 32
+    for prompt in ([5, 9, 17, 3, 44], list(range(3, 23))):  # chunks 16 and 48
         req = engine.generate(prompt, greedy(24))
         assert req.finish_reason == {"type": "length", "length": 24}
         assert req.output_ids == hf_greedy(ckpt_a, prompt, 24)
@@ -251,7 +253,7 @@ def test_submit_rejects_bad_prompts(engine):
 
 def test_no_recompilation_after_warmup_and_weight_swap(engine, ckpt_a, ckpt_b, tmp_path):
     count = engine.warmup()
-    assert count >= 2 * len(engine.runner.buckets)  # a prefill and a decode per bucket
+    assert count >= len(engine.runner.program_keys())  # the decode and a prefill per chunk
     variants = [greedy(6), SamplingParams(max_new_tokens=6, top_k=5),
                 SamplingParams(max_new_tokens=6, top_p=0.5, temperature=0.3),
                 SamplingParams(max_new_tokens=9, stop_token_ids=(1, 2, 3))]

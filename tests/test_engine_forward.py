@@ -125,8 +125,55 @@ def test_the_runner_serves_the_same_tokens_with_scanned_layers(model):
                              decode_steps=4, scan_layers=scan)
         assert runner.cache.stacked == scan
         first = runner.prefill(16, rows, any_truncation=True, any_random=True)
-        tokens, logprobs = runner.decode(runner.kv_bucket(6), True, True)
+        tokens, logprobs = runner.decode(runner.kv_len(6), True, True)
         out[scan] = (first, np.asarray(tokens)[:, [1, 3]], np.asarray(logprobs)[:, [1, 3]])
     np.testing.assert_array_equal(out[False][0][0], out[True][0][0])
     np.testing.assert_array_equal(out[False][1], out[True][1])
     np.testing.assert_allclose(out[False][2], out[True][2], atol=_tol(out[False][2]), rtol=0)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_chunked_prefill_and_the_key_block_loop_match_the_full_forward(model, scan,
+                                                                       monkeypatch):
+    """A prompt prefilled in two chunks (the second attending to the first in the cache,
+    next to a fresh prompt in the same call), then decoded with the cache read in key
+    blocks of 8 up to a length that is not a multiple of 8, in a cache of 30 positions
+    (not one either): the full forward's logits at every position."""
+    from areal_jax.engine import forward
+
+    monkeypatch.setattr(forward, "DECODE_KV_BLOCK", 8)
+    max_len = 30
+    rng = np.random.default_rng(1)
+    long_prompt = rng.integers(3, 256, 21).astype(np.int32)
+    short_prompt = rng.integers(3, 256, 3).astype(np.int32)
+    cache = init_slot_cache(model.cfg, SLOTS, max_len, jnp.float32, stacked=scan)
+    prefill = jax.jit(lambda m, c, ids, lens, slots, starts, kv_len: prefill_forward(
+        m, ids, lens, slots, c, starts, kv_len))
+    # Chunk 1: the long prompt's first 16 tokens into slot 1 (and a dummy row, dropped).
+    ids = np.zeros((2, 16), np.int32)
+    ids[0] = long_prompt[:16]
+    _, cache = prefill(model, cache, ids, np.array([16, 1], np.int32),
+                       np.array([1, SLOTS], np.int32), np.zeros(2, np.int32), np.int32(0))
+    # Chunk 2 (8 long): its last 5 tokens at positions 16..20, and the short prompt in slot 3.
+    ids = np.zeros((2, 8), np.int32)
+    ids[0, :5], ids[1, :3] = long_prompt[16:], short_prompt
+    logits_pv, cache = prefill(model, cache, ids, np.array([5, 3], np.int32),
+                               np.array([1, 3], np.int32), np.array([16, 0], np.int32),
+                               np.int32(16))
+    fed = rng.integers(3, 256, (STEPS, SLOTS)).astype(np.int32)
+    position_b = np.array([0, 21, 0, 3], np.int32)
+
+    def choose(logits_bv, step, _position_b):
+        return jnp.asarray(fed)[jnp.minimum(step + 1, STEPS - 1)], logits_bv
+
+    logits_kbv, cache = jax.jit(lambda m, c, kv_len: decode_chunk(
+        m, jnp.asarray(fed[0]), jnp.asarray(position_b), c, kv_len, STEPS, choose))(
+        model, cache, np.int32(22))
+    full = np.asarray(model(jnp.asarray(np.concatenate([long_prompt, fed[:, 1]])[None])))[0]
+    np.testing.assert_allclose(np.asarray(logits_pv)[0], full[20], atol=_tol(full), rtol=0)
+    np.testing.assert_allclose(np.asarray(logits_kbv)[:, 1], full[21:24], atol=_tol(full),
+                               rtol=0)
+    short = np.asarray(model(jnp.asarray(np.concatenate([short_prompt, fed[:, 3]])[None])))[0]
+    np.testing.assert_allclose(np.asarray(logits_pv)[1], short[2], atol=_tol(short), rtol=0)
+    np.testing.assert_allclose(np.asarray(logits_kbv)[:, 3], short[3:6], atol=_tol(short),
+                               rtol=0)

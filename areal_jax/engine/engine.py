@@ -46,7 +46,7 @@ from areal_jax.engine.adapters import load_adapter_update
 from areal_jax.engine.config import EngineConfig
 from areal_jax.engine.model_dir import ModelPathError, check_model_dir, read_eos_token_ids
 from areal_jax.engine.request import EngineRequest
-from areal_jax.engine.runner import ModelRunner, bucket_for
+from areal_jax.engine.runner import ModelRunner, chunk_plan, program_name
 from areal_jax.engine.weight_check import WeightCheckError, check_probe_forward, load_update
 from areal_jax.sampling_params import SamplingParams
 from areal_jax.tokenizer import ChatTokenizer, load_tokenizer
@@ -136,16 +136,22 @@ class GenerationEngine:
         self.stats = {"decode_calls": 0, "prefill_calls": 0, "generated_tokens": 0,
                       "finished_requests": 0, "aborted_requests": 0}
 
+        # With warmup: the programs any request can be served with are compiled now, the
+        # larger prefill chunks in the background (used once compiled).
+        self._compile_thread: threading.Thread | None = None
         if config.warmup:
             t0 = time.perf_counter()
-            self.runner.warmup()
+            self.runner.compile_programs(self.runner.essential_keys())
             if config.check_weights:  # compiles the updates' probe now; the start weights pass it
                 try:
                     check_probe_forward(self.runner.state, self.runner)
                 except WeightCheckError as e:
                     raise ModelPathError(f"model_path {path}: {e}") from None
-            logger.info("warm-up compiled %d functions in %.1fs", self.runner.num_compilations,
-                        time.perf_counter() - t0)
+            logger.info("warm-up compiled %d programs in %.1fs (%s)", self.runner.num_compilations,
+                        time.perf_counter() - t0, self.runner.program_stats)
+            rest = [k for k in self.runner.program_keys() if not self.runner.ready(k)]
+            if rest:
+                self._compile_thread = self.runner.compile_in_background(rest)
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -416,8 +422,12 @@ class GenerationEngine:
             "decode_steps": self.config.decode_steps,
             "layer_loop": "scan" if self.runner.stacked_cache else "unrolled",
             "data_parallel": self.config.data_parallel,
-            "prefill_buckets": list(self.runner.buckets),
+            "prefill_chunks": list(self.runner.chunks),
             "num_compilations": self.num_compilations,
+            # compiled ahead of time: seconds and HLO size each; those still to come
+            "programs": dict(self.runner.program_stats),
+            "programs_pending": [program_name(k) for k in self.runner.program_keys()
+                                 if not self.runner.ready(k)],
             "compiled_functions": list(self.runner.compiled),
             "num_running_reqs": running,
             "num_waiting_reqs": waiting,
@@ -522,39 +532,62 @@ class GenerationEngine:
         batch = [req for req in batch if self._adapter_still_served(req)]
         if not batch:
             return
-        by_bucket: dict[int, list[tuple[int, EngineRequest]]] = {}
-        for slot, req in zip(free, batch, strict=False):
-            by_bucket.setdefault(bucket_for(req.prompt_len, self.runner.buckets), []).append(
-                (slot, req))
+        # Each prompt in chunks of the prefill programs at hand (while the longer chunks
+        # compile in the background, a long prompt takes more calls of the shortest), one
+        # round per chunk index; a prompt's last chunk samples its first token.
+        sizes = self._usable_chunks()
+        plans = [(slot, req, chunk_plan(req.prompt_len, sizes))
+                 for slot, req in zip(free, batch, strict=False)]
+        failed: set[int] = set()
         rows_per_call = self.runner.prefill_rows
-        for bucket, group in sorted(by_bucket.items()):
-            for start in range(0, len(group), rows_per_call):
-                chunk = group[start : start + rows_per_call]
-                rows = [{"input_ids": r.input_ids, "slot": slot,
-                         "temperature": r.params.temperature, "top_p": r.params.top_p,
-                         "top_k": r.params.top_k, "seed": r.seed}
-                        for slot, r in chunk]
-                try:
-                    tokens, logprobs = self.runner.prefill(
-                        bucket, rows,
-                        any_truncation=any(r.params.truncates for _, r in chunk),
-                        any_random=any(not r.params.greedy for _, r in chunk))
-                except Exception as e:
-                    if not self.runner.state_intact():
-                        raise  # the donated cache is gone: the engine cannot go on
-                    # Failed before touching device state: these requests fail alone.
-                    logger.exception("prefill failed for requests %s", [r.rid for _, r in chunk])
-                    for _, req in chunk:
-                        self._release(req, {"type": "abort", "message": "internal error"},
-                                      error=f"prefill failed: {type(e).__name__}: {e}")
-                    continue
-                self.stats["prefill_calls"] += 1
-                now = time.perf_counter()
-                for (slot, req), token, logprob in zip(chunk, tokens, logprobs, strict=True):
-                    self._slots[slot] = req
-                    req.first_token_time = now
-                    self._append_token(slot, int(token), float(logprob))
-                self._notify_tokens(req for _, req in chunk)
+        for round_ in range(max(len(plan) for _, _, plan in plans)):
+            by_size: dict[int, list[tuple[int, EngineRequest, int, int, bool]]] = {}
+            for slot, req, plan in plans:
+                if round_ < len(plan) and id(req) not in failed:
+                    start, n, size = plan[round_]
+                    by_size.setdefault(size, []).append(
+                        (slot, req, start, n, round_ == len(plan) - 1))
+            for size, group in sorted(by_size.items()):
+                for first in range(0, len(group), rows_per_call):
+                    call = group[first : first + rows_per_call]
+                    rows = [{"input_ids": r.input_ids[start : start + n], "start": start,
+                             "slot": slot, "temperature": r.params.temperature,
+                             "top_p": r.params.top_p, "top_k": r.params.top_k, "seed": r.seed}
+                            for slot, r, start, n, _ in call]
+                    try:
+                        tokens, logprobs = self.runner.prefill(
+                            size, rows,
+                            any_truncation=any(r.params.truncates for _, r, *_ in call),
+                            any_random=any(not r.params.greedy for _, r, *_ in call))
+                    except Exception as e:
+                        if not self.runner.state_intact():
+                            raise  # the donated cache is gone: the engine cannot go on
+                        # Failed before touching device state: these requests fail alone.
+                        logger.exception("prefill failed for requests %s",
+                                         [r.rid for _, r, *_ in call])
+                        for _, req, *_ in call:
+                            failed.add(id(req))
+                            self._release(req, {"type": "abort", "message": "internal error"},
+                                          error=f"prefill failed: {type(e).__name__}: {e}")
+                        continue
+                    self.stats["prefill_calls"] += 1
+                    now = time.perf_counter()
+                    done = [(slot, req, token, logprob) for (slot, req, _, _, last), token, logprob
+                            in zip(call, tokens, logprobs, strict=True) if last]
+                    for slot, req, token, logprob in done:
+                        self._slots[slot] = req
+                        req.first_token_time = now
+                        self._append_token(slot, int(token), float(logprob))
+                    self._notify_tokens(req for _, req, _, _ in done)
+
+    def _usable_chunks(self) -> list[int]:
+        """The prefill chunk lengths a prompt may be split into now: every one without
+        warm-up (each compiles on first use, as every program does then); with it, the
+        ones compiled so far (the shortest always is)."""
+        chunks = self.runner.chunks
+        if not self.config.warmup:
+            return chunks
+        return [c for c in chunks if c == chunks[0] or self.runner.ready(("prefill", c))]
 
     def _adapter_still_served(self, req: EngineRequest) -> bool:
         """False (and the request failed with a 400 naming the adapter) if it named a LoRA
@@ -585,7 +618,7 @@ class GenerationEngine:
             + (self.config.decode_steps if id(r) in pending else 0)
             for r in active)
         token_kb, logprob_kb = self.runner.decode(
-            self.runner.kv_bucket(max_position),
+            self.runner.kv_len(max_position),
             any_truncation=any(r.params.truncates for r in active),
             any_random=any(not r.params.greedy for r in active))
         self.stats["decode_calls"] += 1

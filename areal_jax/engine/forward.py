@@ -49,10 +49,14 @@ from jax.typing import DTypeLike
 
 from areal_jax.engine.sampling import first_argmax
 from model_defs import CausalLM, ModelConfig, PyTree
-from model_defs.attention import attention, merge_attention
+from model_defs.attention import attention, cache_attention, merge_attention
 from model_defs.fused_attention import active_platform
 
 Array = jax.Array
+# Cache keys per step of the attention loop over a slot's filled prefix (decode, and
+# prefill chunks after a long prompt's first): a call reads the blocks up to the longest
+# live sequence. 64 on CPU: XXX
+DECODE_KV_BLOCK = 64
 
 
 Leaf = TypeVar("Leaf")  # an array, or a PartitionSpec where the cache's layout is described
@@ -144,29 +148,47 @@ class _LayerLoop:
 
 
 def prefill_forward(model: CausalLM, prompt_pt: Array, prompt_len_p: Array, slot_p: Array,
-                    cache: SlotCache) -> tuple[Array, SlotCache]:
-    """Runs right-padded prompts [P, T] and stores their keys/values in slots ``slot_p``
-    (out-of-range slots, used for padding rows, are dropped). Returns the fp32 logits at
-    each prompt's last token [P, V] and the cache."""
-    rows, bucket = prompt_pt.shape
+                    cache: SlotCache, start_p: Array | None = None,
+                    kv_len: Array | int = 0) -> tuple[Array, SlotCache]:
+    """Runs a chunk of right-padded prompts [P, C] sitting at positions ``start_p + [0, C)``
+    (default 0: whole prompts) and stores their keys/values in slots ``slot_p``
+    (out-of-range slots, used for padding rows, are dropped). Each row's tokens attend to
+    its slot's cache below ``start_p`` (the earlier chunks of a long prompt; the loop
+    reads keys [0, ``kv_len``), ``kv_len`` >= every row's start) and causally to the chunk.
+    ``prompt_len_p``: each row's real tokens in the chunk. Returns the fp32 logits at each
+    row's last real token [P, V] and the cache."""
+    rows, chunk = prompt_pt.shape
     loop = _LayerLoop(model, cache.stacked)
-    positions_pt = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (rows, bucket))
+    start_p = jnp.zeros((rows,), jnp.int32) if start_p is None else jnp.asarray(start_p)
+    positions_pt = start_p[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
     cos_sin = model.rope(positions_pt)
+    prefix_limit_pt = jnp.broadcast_to((start_p - 1)[:, None], (rows, chunk))
 
-    def layer_step(x_ptd, layer, _):
+    def layer_step(x_ptd, layer, xs_l):
+        pk, pv = xs_l
         q_pkgtd, k_pktd, v_pktd = layer.attention_inputs(x_ptd, cos_sin)
         # Right padding comes after every real token, so causal attention alone keeps it
         # out of the real tokens' outputs.
-        x_ptd = layer.finish(x_ptd, attention(q_pkgtd, k_pktd, v_pktd,
-                                              impl=model.attention_impl))
+        own = attention(q_pkgtd, k_pktd, v_pktd, impl=model.attention_impl, return_lse=True)
+        prefix = cache_attention(q_pkgtd, pk, pv, prefix_limit_pt, kv_len,
+                                 block=DECODE_KV_BLOCK, rows_b=slot_p)
+        x_ptd = layer.finish(x_ptd, merge_attention([prefix, own], model.dtype))
         return x_ptd, (k_pktd.swapaxes(2, 3), v_pktd)
 
-    x_ptd, (new_k, new_v) = loop.run(layer_step, model.embed(prompt_pt), ())
-    cache = SlotCache(
-        k=loop.write(cache.k, new_k, lambda c, n: c.at[slot_p, :, :, :bucket].set(
-            n.astype(c.dtype), mode="drop")),
-        v=loop.write(cache.v, new_v, lambda c, n: c.at[slot_p, :, :bucket].set(
-            n.astype(c.dtype), mode="drop")))
+    x_ptd, (new_k, new_v) = loop.run(layer_step, model.embed(prompt_pt),
+                                     (loop.per_layer(cache.k), loop.per_layer(cache.v)))
+    rows_pc = jnp.broadcast_to(slot_p[:, None], (rows, chunk))
+    pos_pc = positions_pt
+
+    def write_k(c, new_pkdc):
+        return c.at[rows_pc, :, :, pos_pc].set(new_pkdc.transpose(0, 3, 1, 2).astype(c.dtype),
+                                                mode="drop")
+
+    def write_v(c, new_pkcd):
+        return c.at[rows_pc, :, pos_pc].set(new_pkcd.transpose(0, 2, 1, 3).astype(c.dtype),
+                                             mode="drop")
+
+    cache = SlotCache(k=loop.write(cache.k, new_k, write_k), v=loop.write(cache.v, new_v, write_v))
     last_pd = jnp.take_along_axis(x_ptd, (prompt_len_p - 1)[:, None, None], axis=1)[:, 0]
     hidden_p1d = model.final_norm(last_pd[:, None, :])
     return model.logits_from_hidden(hidden_p1d)[:, 0], cache
@@ -182,15 +204,17 @@ def decode_forward(model: CausalLM, token_b: Array, position_b: Array, cache: Sl
     return logits_kbv[0], cache
 
 
-def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: SlotCache, kv_len: int,
-                 steps: int, choose: Callable[[Array, Array, Array], tuple[Array, PyTree]]
+def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: SlotCache,
+                 kv_len: Array | int, steps: int,
+                 choose: Callable[[Array, Array, Array], tuple[Array, PyTree]]
                  ) -> tuple[PyTree, SlotCache]:
     """``steps`` decode steps for every slot, feeding back ``choose``'s tokens.
 
     Slot b feeds ``token_b[b]`` at ``position_b[b]``, then its own choices at the next
-    positions. Attention reads the cache prefix [0, kv_len) once per call (positions
-    below each slot's start) plus the keys/values this call produced, kept in a small
-    local buffer; the cache is written once, after the last step.
+    positions. Attention reads the cache prefix [0, kv_len) in blocks (positions below each
+    slot's start; ``kv_len`` may be traced, so one program serves every length) plus the
+    keys/values this call produced, kept in a small local buffer; the cache is written
+    once, after the last step.
 
     ``choose(logits_bv, step, position_b) -> (token_b, extra)`` picks the next tokens
     (``position_b`` is where they will sit); the stacked ``extra`` [steps, ...] is returned.
@@ -199,9 +223,8 @@ def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: Slot
     loop = _LayerLoop(model, cache.stacked)
     kv, _, dh = loop.per_layer(cache.v)[0].shape[-3:]
     start_b = position_b
-    # [B, K, Dh, P] and [B, K, P, Dh]
-    prefix_k = loop.per_layer(cache.k, lambda k: k[..., :kv_len].astype(model.dtype))
-    prefix_v = loop.per_layer(cache.v, lambda v: v[..., :kv_len, :].astype(model.dtype))
+    # [B, K, Dh, S] and [B, K, S, Dh]: read up to kv_len by cache_attention's loop
+    prefix_k, prefix_v = loop.per_layer(cache.k), loop.per_layer(cache.v)
     local_k0 = loop.zeros((b, kv, dh, steps), model.dtype)
     local_v0 = loop.zeros((b, kv, steps, dh), model.dtype)
     # The prefix holds positions [0, start_b) of each slot; later indices are stale.
@@ -217,10 +240,10 @@ def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: Slot
             q_bkg1d, k_bk1d, v_bk1d = layer.attention_inputs(x_b1d, cos_sin)
             lk = jax.lax.dynamic_update_slice_in_dim(lk, k_bk1d.swapaxes(2, 3), step, axis=3)
             lv = jax.lax.dynamic_update_slice_in_dim(lv, v_bk1d, step, axis=2)
-            parts = [attention(q_bkg1d, keys, values, kv_limit_bt=limit, keys_transposed=True,
-                               return_lse=True)
-                     for keys, values, limit in ((pk, pv, prefix_limit_b1),
-                                                 (lk, lv, local_limit_b1))]
+            parts = [cache_attention(q_bkg1d, pk, pv, prefix_limit_b1, kv_len,
+                                     block=DECODE_KV_BLOCK),
+                     attention(q_bkg1d, lk, lv, kv_limit_bt=local_limit_b1,
+                               keys_transposed=True, return_lse=True)]
             return layer.finish(x_b1d, merge_attention(parts, model.dtype)), (lk, lv)
 
         x_b1d, (local_k, local_v) = loop.run(

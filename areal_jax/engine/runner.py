@@ -5,14 +5,17 @@ device keeps per-slot state (last token, its position, sampling parameters), so 
 step needs no host-to-device transfer and returns only the sampled tokens and their
 logprobs.
 
-Compiled shapes: one prefill function per prompt-length bucket (``prefill_rows`` prompts
-at a time, padded with dummy rows) and one decode function per attention-length bucket
-(all slots, ``decode_steps`` tokens per call, attending to the first ``kv_len`` cache
-positions). Both use the same power-of-two buckets up to max_seq_len. Weight swaps keep
-shapes, dtypes and shardings, so they never recompile. ``num_compilations`` counts step
-calls that traced or compiled anything: a trace, or an XLA compile without one (which is
-what an input placed differently costs, e.g. one committed to a device where the
-compiled call saw an uncommitted array).
+Compiled programs: one decode program (all slots, ``decode_steps`` tokens per call) for
+every filled length: attention loops over the cache's key blocks up to the longest live
+sequence (``kv_len``, an argument, not a shape), and one prefill program per chunk length
+in ``PREFILL_CHUNKS`` (``prefill_rows`` prompt chunks at a time, padded with dummy rows;
+a long prompt is prefilled chunk after chunk, each attending to the ones before it in the
+cache). Neither count grows with max_seq_len. Weight swaps keep shapes, dtypes and
+shardings, so they never recompile. ``num_compilations`` counts step calls that traced
+or compiled anything: a trace, or an XLA compile without one (which is what an input
+placed differently costs, e.g. one committed to a device where the compiled call saw an
+uncommitted array), and each program compiled ahead of time (``compile_programs``: at
+start-up the ones small requests need, the larger prefill chunks in the background).
 
 Params, cache and slot state are therefore committed to their device(s) when created,
 like the swapped-in weights (``place_like_current``). Left uncommitted, the first weight
@@ -30,9 +33,12 @@ across threads); on a multi-GPU host they are GPUs.
 
 from __future__ import annotations
 
+import logging
 import operator
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -54,7 +60,12 @@ from areal_jax.engine.forward import (
 from areal_jax.engine.sampling import sample_tokens
 from model_defs import CausalLM, fp32_matmuls
 
-MIN_PREFILL_BUCKET = 16
+# Prompt chunk lengths of the prefill programs (each capped at max_seq_len). The first is
+# the one program every prompt can be served with (a long prompt in several chunks);
+# the larger ones cut the calls for long prompts and are compiled in the background.
+PREFILL_CHUNKS = (16, 64, 256)
+DECODE = ("decode", 0)  # the decode program's key (one for every length)
+logger = logging.getLogger(__name__)
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compile_watch = threading.local()  # .hit: set while a step call runs on this thread
 _listener_installed = False
@@ -72,22 +83,29 @@ def _install_compile_listener() -> None:
         _listener_installed = True
 
 
-def prefill_buckets(max_seq_len: int, min_bucket: int = MIN_PREFILL_BUCKET) -> list[int]:
-    """Powers of two >= min_bucket, capped by (and always ending at) max_seq_len."""
-    buckets = []
-    size = min_bucket
-    while size < max_seq_len:
-        buckets.append(size)
-        size *= 2
-    buckets.append(max_seq_len)
-    return buckets
+def prefill_chunks(max_seq_len: int) -> list[int]:
+    """The prefill programs' chunk lengths for ``max_seq_len``: ``PREFILL_CHUNKS`` capped."""
+    return sorted({min(c, max_seq_len) for c in PREFILL_CHUNKS})
 
 
-def bucket_for(length: int, buckets: list[int]) -> int:
-    for b in buckets:
-        if length <= b:
-            return b
-    raise ValueError(f"prompt of {length} tokens exceeds the largest bucket {buckets[-1]}")
+def program_name(key: tuple[str, int]) -> str:
+    """``decode`` or ``prefill_<chunk>``: how /get_server_info and the start-up report name
+    a program."""
+    return "decode" if key == DECODE else f"{key[0]}_{key[1]}"
+
+
+def chunk_plan(length: int, sizes: list[int]) -> list[tuple[int, int, int]]:
+    """The (start, tokens, chunk length) pieces a prompt of ``length`` tokens is prefilled
+    in with chunk lengths ``sizes`` (ascending): the shortest chunk that holds the rest,
+    else a full chunk of the longest."""
+    plan, start = [], 0
+    while start < length:
+        rest = length - start
+        size = next((c for c in sizes if c >= rest), sizes[-1])
+        n = min(rest, size)
+        plan.append((start, n, size))
+        start += n
+    return plan
 
 
 class ModelRunner:
@@ -131,7 +149,7 @@ class ModelRunner:
         self.cache_dtype = jnp.dtype(cache_dtype)
         self.prefill_rows = prefill_rows
         self.decode_steps = decode_steps
-        self.buckets = prefill_buckets(max_seq_len)
+        self.chunks = prefill_chunks(max_seq_len)
         # Stacked cache and scanned layers on TPU, per-layer and unrolled elsewhere
         # (areal_jax.engine.forward's module doc).
         self.stacked_cache = scan_layers_by_default() if scan_layers is None else scan_layers
@@ -141,11 +159,15 @@ class ModelRunner:
         if self.mesh is not None:
             prefill_impl, decode_impl = self._sharded(prefill_impl, decode_impl)
         self._prefill = jax.jit(self._counted("prefill", prefill_impl), donate_argnums=(1, 2))
-        self._decode = jax.jit(self._counted("decode", decode_impl), donate_argnums=(1, 2),
-                               static_argnums=(5,))
-        # ("prefill", bucket) / ("decode", kv_len) -> the program warmup() compiled ahead of
-        # time; a shape without one goes through the jitted function (and compiles there).
+        self._decode = jax.jit(self._counted("decode", decode_impl), donate_argnums=(1, 2))
+        # ("prefill", chunk) / DECODE -> the program compiled ahead of time; a shape without
+        # one goes through the jitted function (and compiles there). Guarded by _programs_lock,
+        # as are _compiling (key -> the compile under way, in any thread) and program_stats
+        # (key -> {"compile_s", "hlo_chars"} of each program compiled ahead of time).
         self._executables: dict[tuple[str, int], Any] = {}
+        self._compiling: dict[tuple[str, int], Future] = {}
+        self.program_stats: dict[str, dict[str, float]] = {}
+        self._programs_lock = threading.Lock()
         _install_compile_listener()
         self.reset()
 
@@ -170,15 +192,13 @@ class ModelRunner:
         # Prefill returns the same first tokens on every device (same rows, same seeds).
         prefill = jax.shard_map(
             prefill_local, mesh=mesh,
-            in_specs=(P(), cache_spec, slot_specs, *([P()] * 9)),
+            in_specs=(P(), cache_spec, slot_specs, *([P()] * 11)),
             out_specs=(cache_spec, slot_specs, P(), P()), check_vma=False)
 
-        def decode(state, cache, slots, any_truncation, any_random, kv_len):
-            return jax.shard_map(
-                lambda st, c, sl, t, r: decode_impl(st, c, sl, t, r, kv_len), mesh=mesh,
-                in_specs=(P(), cache_spec, slot_specs, P(), P()),
-                out_specs=(cache_spec, slot_specs, P(None, "slots"), P(None, "slots")),
-                check_vma=False)(state, cache, slots, any_truncation, any_random)
+        decode = jax.shard_map(
+            decode_impl, mesh=mesh, in_specs=(P(), cache_spec, slot_specs, P(), P(), P()),
+            out_specs=(cache_spec, slot_specs, P(None, "slots"), P(None, "slots")),
+            check_vma=False)
 
         return prefill, decode
 
@@ -254,28 +274,30 @@ class ModelRunner:
             if getattr(_compile_watch, "hit", None) is not None:
                 _compile_watch.hit[0] = True
             if name == "prefill":
-                self.compiled.append(f"prefill(rows={args[3].shape[0]}, len={args[3].shape[1]})")
+                self.compiled.append(f"prefill(rows={args[3].shape[0]}, chunk={args[3].shape[1]})")
             else:
-                self.compiled.append(f"decode(kv_len={args[5]}, steps={self.decode_steps})")
+                self.compiled.append(f"decode(slots={self.max_slots}, steps={self.decode_steps})")
             return fn(*args, **kwargs)
 
         return traced
 
     def _prefill_impl(self, state, cache, slots, prompt_pt, prompt_len_p, slot_p, temperature_p,
-                      top_p_p, top_k_p, seed_p, any_truncation, any_random):
+                      top_p_p, top_k_p, seed_p, start_p, kv_len, any_truncation, any_random):
         model = nnx.merge(self.graphdef, state)
         with fp32_matmuls(model.dtype):  # an fp32 engine computes in fp32 on GPU/TPU too
-            logits_pv, cache = prefill_forward(model, prompt_pt, prompt_len_p, slot_p, cache)
+            logits_pv, cache = prefill_forward(model, prompt_pt, prompt_len_p, slot_p, cache,
+                                               start_p, kv_len)
+        end_p = start_p + prompt_len_p  # where the sampled token sits (the prompt's length)
         token_p, logprob_p = sample_tokens(logits_pv, temperature_p, top_p_p, top_k_p, seed_p,
-                                           prompt_len_p, any_truncation, any_random)
-        updates = {"token": token_p, "position": prompt_len_p, "temperature": temperature_p,
+                                           end_p, any_truncation, any_random)
+        updates = {"token": token_p, "position": end_p, "temperature": temperature_p,
                    "top_p": top_p_p, "top_k": top_k_p, "seed": seed_p}
         # Rows whose slot is out of range (dummy padding rows) are dropped.
         slots = {k: v.at[slot_p].set(updates[k].astype(v.dtype), mode="drop")
                  for k, v in slots.items()}
         return cache, slots, token_p, logprob_p
 
-    def _decode_impl(self, state, cache, slots, any_truncation, any_random, kv_len):
+    def _decode_impl(self, state, cache, slots, kv_len, any_truncation, any_random):
         model = nnx.merge(self.graphdef, state)
 
         def choose(logits_bv, step, next_position_b):
@@ -294,18 +316,22 @@ class ModelRunner:
         return cache, slots, token_kb, logprob_kb
 
     # ------------------------------------------------------------------ host API
-    def prefill(self, bucket: int, rows: list[dict[str, Any]], any_truncation: bool,
+    def prefill(self, chunk: int, rows: list[dict[str, Any]], any_truncation: bool,
                 any_random: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Prefills up to ``prefill_rows`` prompts of one bucket into their slots.
+        """Prefills up to ``prefill_rows`` prompt chunks of length <= ``chunk`` (one of
+        ``chunks``) into their slots.
 
-        Each row: {"input_ids", "slot", "temperature", "top_p", "top_k", "seed"}.
-        Returns the first sampled token and its logprob per row (host numpy arrays).
+        Each row: {"input_ids" (this chunk's tokens), "start" (their first position; the
+        slot's cache holds the prompt before it), "slot", "temperature", "top_p", "top_k",
+        "seed"}. Returns the token sampled after each row's chunk and its logprob (host
+        numpy arrays): the first output token when the chunk ends the prompt.
         """
         p = self.prefill_rows
         if not 0 < len(rows) <= p:
             raise ValueError(f"prefill takes 1..{p} rows, got {len(rows)}")
-        host_rows = self._dummy_prefill_rows(bucket)  # filled in place, row by row
-        prompt_pt, prompt_len_p, slot_p, temperature_p, top_p_p, top_k_p, seed_p = host_rows
+        host_rows = self._dummy_prefill_rows(chunk)  # filled in place, row by row
+        prompt_pt, prompt_len_p, slot_p, temperature_p, top_p_p, top_k_p, seed_p, start_p, \
+            kv_len = host_rows
         for i, row in enumerate(rows):
             ids = row["input_ids"]
             prompt_pt[i, : len(ids)] = ids
@@ -315,76 +341,147 @@ class ModelRunner:
             top_p_p[i] = row["top_p"]
             top_k_p[i] = row["top_k"]
             seed_p[i] = row["seed"]
+            start_p[i] = row.get("start", 0)
+        kv_len[...] = start_p.max()  # the earlier chunks' keys, read by the attention loop
         self.cache, self.slots, token_p, logprob_p = self._step(
-            ("prefill", bucket), self._prefill, self.state, self.cache, self.slots, *host_rows,
+            ("prefill", chunk), self._prefill, self.state, self.cache, self.slots, *host_rows,
             np.bool_(any_truncation), np.bool_(any_random))
         token_p, logprob_p = jax.device_get((token_p, logprob_p))
         return token_p[: len(rows)], logprob_p[: len(rows)]
 
-    def kv_bucket(self, max_position: int) -> int:
-        """The attention-length bucket for a decode call whose highest active slot sits at
-        ``max_position`` (the call writes up to ``decode_steps`` more positions)."""
-        return bucket_for(min(max_position + self.decode_steps + 1, self.max_seq_len),
-                          self.buckets)
+    def kv_len(self, max_position: int) -> int:
+        """The cache prefix a decode call reads when its highest active slot feeds the token
+        at ``max_position``: keys [0, max_position) (one more, for safety), in key blocks."""
+        return min(max_position + 1, self.max_seq_len)
 
     def decode(self, kv_len: int, any_truncation: bool, any_random: bool
                ) -> tuple[jax.Array, jax.Array]:
         """Dispatches ``decode_steps`` steps over all slots, attending to the first
         ``kv_len`` cache positions; returns device arrays [k, B] (tokens, logprobs)."""
         self.cache, self.slots, token_kb, logprob_kb = self._step(
-            ("decode", kv_len), self._decode, self.state, self.cache, self.slots,
-            np.bool_(any_truncation), np.bool_(any_random), static=(kv_len,))
+            DECODE, self._decode, self.state, self.cache, self.slots, np.int32(kv_len),
+            np.bool_(any_truncation), np.bool_(any_random))
         return token_kb, logprob_kb
 
-    def _dummy_prefill_rows(self, bucket: int) -> tuple[np.ndarray, ...]:
+    def _dummy_prefill_rows(self, chunk: int) -> tuple[np.ndarray, ...]:
         """The host arrays of a prefill call with every row a dummy (prompt, length, slot,
-        temperature, top_p, top_k, seed): a dummy row's slot is out of range, so it is
-        dropped. ``prefill`` fills in its real rows; ``warmup`` compiles with them as is."""
+        temperature, top_p, top_k, seed, start, and the cache length read): a dummy row's
+        slot is out of range, so it is dropped. ``prefill`` fills in its real rows."""
         p = self.prefill_rows
-        return (np.zeros((p, bucket), np.int32), np.ones((p,), np.int32),
+        return (np.zeros((p, chunk), np.int32), np.ones((p,), np.int32),
                 np.full((p,), self.max_slots, np.int32), np.zeros((p,), np.float32),
                 np.ones((p,), np.float32), np.full((p,), -1, np.int32),
-                np.zeros((p,), np.uint32))
+                np.zeros((p,), np.uint32), np.zeros((p,), np.int32), np.zeros((), np.int32))
 
-    def _step(self, key: tuple[str, int], jitted: Callable, *args: Any,
-              static: tuple = ()) -> Any:
-        """Runs the step program for ``key`` (("prefill", bucket) or ("decode", kv_len)):
-        the executable warmup() compiled for it, else the jitted function (``static``: its
-        static arguments), whose compile, if any, is counted."""
-        executable = self._executables.get(key)
+    def _step(self, key: tuple[str, int], jitted: Callable, *args: Any) -> Any:
+        """Runs the step program for ``key``: the one compiled ahead of time (waiting for it
+        if another thread is compiling it now), else the jitted function, whose compile, if
+        any, is counted."""
+        with self._programs_lock:
+            executable = self._executables.get(key)
+            pending = self._compiling.get(key)
+        if executable is None and pending is not None:
+            executable = pending.result()
         if executable is not None:
             return executable(*args)
-        return self._watched(jitted, *args, *static)
+        return self._watched(jitted, *args)
 
-    def warmup(self, workers: int | None = None) -> int:
-        """Compiles every prefill and decode bucket ahead of time, ``workers`` programs at
-        once (default: one per CPU core this process may use, at most one per program), and
-        keeps the executables for the step calls. Returns how many it compiled.
+    # ------------------------------------------------------------------ programs
+    def program_keys(self) -> list[tuple[str, int]]:
+        """Every program this runner serves with: the decode and a prefill per chunk length,
+        the ones a small request needs first (``essential_keys``)."""
+        return [DECODE, *(("prefill", c) for c in self.chunks)]
 
-        The programs are traced one after another here, then compiled side by side: XLA's
-        compile releases the GIL, so on a GPU host's many cores the warm-up takes about as
-        long as its slowest program instead of the sum of them all (a prefill and a decode
-        per bucket). With the persistent compilation cache on, each is loaded from it."""
+    def essential_keys(self) -> list[tuple[str, int]]:
+        """The programs that serve any request: the decode and the shortest prefill chunk
+        (a longer prompt takes several calls until its chunk length's program exists)."""
+        return [DECODE, ("prefill", self.chunks[0])]
+
+    def ready(self, key: tuple[str, int]) -> bool:
+        """Whether ``key``'s program is compiled (a call would not compile it)."""
+        with self._programs_lock:
+            return key in self._executables
+
+    def _specs(self, tree: Any) -> Any:
+        """Shapes, dtypes and placements of live arrays, to lower with (the arrays
+        themselves may be donated by a step running meanwhile)."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), tree)
+
+    def _lower(self, key: tuple[str, int]) -> Any:
+        flag = np.bool_(False)
+        fixed = (self._specs(self.state), self._specs(self.cache), self._specs(self.slots))
+        if key == DECODE:
+            return self._decode.lower(*fixed, np.int32(0), flag, flag)
+        return self._prefill.lower(*fixed, *self._dummy_prefill_rows(key[1]), flag, flag)
+
+    def _compile_one(self, key: tuple[str, int]) -> bool:
+        """Compiles ``key``'s program in this thread unless it is compiled (False) or being
+        compiled by another (waits for it; False). Records its compile seconds and HLO size."""
+        with self._programs_lock:
+            if key in self._executables:
+                return False
+            pending = self._compiling.get(key)
+            if pending is None:
+                mine: Future = Future()
+                self._compiling[key] = mine
+        if pending is not None:
+            pending.result()
+            return False
+        try:
+            t0 = time.perf_counter()
+            lowered = self._lower(key)
+            hlo_chars = len(lowered.as_text())
+            executable = lowered.compile()
+            stats = {"compile_s": round(time.perf_counter() - t0, 3), "hlo_chars": hlo_chars}
+        except BaseException as e:
+            with self._programs_lock:
+                del self._compiling[key]
+            mine.set_exception(e)
+            raise
+        with self._programs_lock:
+            self._executables[key] = executable
+            self.program_stats[program_name(key)] = stats
+            self.num_compilations += 1
+            del self._compiling[key]
+        mine.set_result(executable)
+        return True
+
+    def compile_programs(self, keys: list[tuple[str, int]] | None = None,
+                         workers: int | None = None) -> int:
+        """Compiles ``keys``' programs (default: all) ahead of time, ``workers`` at once
+        (default: one per CPU core this process may use, at most one per program), and
+        keeps them for the step calls. Returns how many this call compiled.
+
+        XLA's compile releases the GIL, so on a GPU host's many cores this takes about as
+        long as the slowest program instead of the sum of them all. With the persistent
+        compilation cache on, each is loaded from it."""
         import concurrent.futures
 
-        flag = np.bool_(False)
-        lowered: dict[tuple[str, int], Any] = {}
-        for bucket in self.buckets:
-            if ("prefill", bucket) not in self._executables:
-                lowered[("prefill", bucket)] = self._prefill.lower(
-                    self.state, self.cache, self.slots, *self._dummy_prefill_rows(bucket),
-                    flag, flag)
-            if ("decode", bucket) not in self._executables:
-                lowered[("decode", bucket)] = self._decode.lower(
-                    self.state, self.cache, self.slots, flag, flag, bucket)
+        keys = self.program_keys() if keys is None else keys
         if workers is None:
-            workers = max(1, min(usable_cpu_count(), len(lowered)))
+            workers = max(1, min(usable_cpu_count(), len(keys)))
         if workers == 1:
-            compiled = {key: low.compile() for key, low in lowered.items()}
-        else:
-            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                futures = {key: pool.submit(low.compile) for key, low in lowered.items()}
-                compiled = {key: f.result() for key, f in futures.items()}
-        self._executables.update(compiled)
-        self.num_compilations += len(compiled)
-        return len(compiled)
+            return sum(self._compile_one(key) for key in keys)
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            return sum(pool.map(self._compile_one, keys))
+
+    def warmup(self, workers: int | None = None) -> int:
+        """Compiles every program ahead of time (see ``compile_programs``); returns how
+        many it compiled."""
+        return self.compile_programs(None, workers)
+
+    def compile_in_background(self, keys: list[tuple[str, int]]) -> threading.Thread:
+        """Compiles ``keys`` one after another in a daemon thread (the step loop goes on
+        with the programs it has; a step that needs one of these waits only for it)."""
+
+        def run() -> None:
+            for key in keys:
+                try:
+                    self._compile_one(key)
+                except Exception:  # noqa: BLE001 - the step call compiles it itself then
+                    logger.exception("background compile of %s failed", key)
+
+        thread = threading.Thread(target=run, name="engine-compile", daemon=True)
+        thread.start()
+        return thread

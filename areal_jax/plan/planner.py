@@ -246,7 +246,7 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any, scan: bool | None = None
     from flax import nnx
 
     from areal_jax.engine.forward import init_slot_cache, scan_layers_by_default
-    from areal_jax.engine.runner import ModelRunner
+    from areal_jax.engine.runner import ModelRunner, prefill_chunks
     from areal_jax.parallel.mesh import make_mesh
     from model_defs import use_mesh
 
@@ -275,13 +275,15 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any, scan: bool | None = None
                  "top_p": jax.ShapeDtypeStruct((b,), jnp.float32),
                  "top_k": jax.ShapeDtypeStruct((b,), jnp.int32),
                  "seed": jax.ShapeDtypeStruct((b,), jnp.uint32)}, on_chip)
-    p, t = shapes["prefill_rows"], shapes["max_seq_len"]
+    # The longest prefill chunk the engine compiles (it prefills a longer prompt chunk by
+    # chunk), and the decode that serves every cache length.
+    p, t = shapes["prefill_rows"], prefill_chunks(shapes["max_seq_len"])[-1]
 
     def arg(shape: tuple, dt: Any) -> Any:
         return jax.ShapeDtypeStruct(shape, dt, sharding=on_chip)
 
     flag = arg((), jnp.bool_)
-    # ModelRunner.__init__'s jits: cache and slot state donated, kv_len static. Lowered under
+    # ModelRunner.__init__'s jits: cache and slot state donated, kv_len traced. Lowered under
     # a one-chip mesh of the target: the attention kernel (model.attention: auto) is chosen
     # for the active mesh's platform, else for jax's default backend, which here is the host
     # CPU (plain XLA), not the chip the engine runs on (splash on TPU).
@@ -289,9 +291,10 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any, scan: bool | None = None
         prefill = jax.jit(runner._prefill_impl, donate_argnums=(1, 2)).lower(
             state, cache, slots, arg((p, t), jnp.int32), arg((p,), jnp.int32),
             arg((p,), jnp.int32), arg((p,), jnp.float32), arg((p,), jnp.float32),
-            arg((p,), jnp.int32), arg((p,), jnp.uint32), flag, flag)
-        decode = jax.jit(runner._decode_impl, donate_argnums=(1, 2), static_argnums=(5,)).lower(
-            state, cache, slots, flag, flag, t)
+            arg((p,), jnp.int32), arg((p,), jnp.uint32), arg((p,), jnp.int32),
+            arg((), jnp.int32), flag, flag)
+        decode = jax.jit(runner._decode_impl, donate_argnums=(1, 2)).lower(
+            state, cache, slots, arg((), jnp.int32), flag, flag)
     shapes["param_bytes"] = device_bytes(state)
     shapes["kv_cache_bytes"] = device_bytes(cache)
     return prefill, decode, shapes
