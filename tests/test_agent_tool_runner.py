@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import pytest
 
@@ -124,6 +125,23 @@ def test_a_raising_tool_is_the_models_to_read_and_the_group_is_kept(server, tok)
 @pytest.mark.parametrize("value,text", [(None, "null"), (14, "14"),
                                         ({"v": 14}, '{"v": 14}')])
 def test_non_string_results_are_sent_as_json_text(server, tok, value, text):
+    group, counts = run_group(server, tok, n_samples=1,
+                              tools={"calculator": lambda expression: value})
+    (traj,) = group
+    want = tok.decode(tok.encode(text), skip_special_tokens=False)  # in the task's vocabulary
+    assert tool_result(tok, traj) == want and traj.info["turns"] == 2
+    assert counts["tool_errors"] == 0 and counts["agent_failed_groups"] == 0
+
+
+@pytest.mark.parametrize("value,text", [
+    (os.fsdecode(b"report-\xff.txt"), "report-\\xff.txt"),  # a non-UTF-8 file name
+    ("a\ud800b", "a\\ud800b"), (["x\udcff"], '["x\\xff"]')])
+def test_a_result_that_is_not_text_is_sent_escaped_and_the_episode_goes_on(server, tok, value,
+                                                                            text):
+    """A tool result holding lone surrogates (``os.fsdecode`` of a non-UTF-8 file name, or
+    any other) cannot be sent in the next request as it is: its undecodable bytes and
+    surrogates are sent as backslash escapes, and the episode goes on (the next call failed
+    with UnicodeEncodeError)."""
     group, counts = run_group(server, tok, n_samples=1,
                               tools={"calculator": lambda expression: value})
     (traj,) = group

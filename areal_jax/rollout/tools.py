@@ -58,6 +58,21 @@ def _count(name: str) -> None:
         counts[name] += 1
 
 
+def as_text(text: str) -> str:
+    """``text`` as valid Unicode (encodable as UTF-8, so it can be sent in the next request):
+    a file name decoded with ``os.fsdecode`` (``b"report-\\xff.txt"`` -> ``"report-\\udcff.txt"``)
+    shows its undecodable bytes as ``\\xff``; any other lone surrogate as ``\\ud800``."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _bounded(text: str, limit: int) -> tuple[str, bool]:
     if len(text) <= limit:
         return text, False
@@ -128,7 +143,7 @@ class ToolRunner:
         return tool, args, ""
 
     def _message(self, call: Any, content: str) -> dict[str, Any]:
-        return {"role": "tool", "tool_call_id": _field(call, "id"), "content": content}
+        return {"role": "tool", "tool_call_id": _field(call, "id"), "content": as_text(content)}
 
     async def run_one(self, call: Any) -> dict[str, Any]:
         """The ``tool`` message answering one call (an OpenAI ``tool_calls`` entry, as the
