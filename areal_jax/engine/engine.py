@@ -47,6 +47,7 @@ from areal_jax.engine.config import EngineConfig
 from areal_jax.engine.model_dir import ModelPathError, check_model_dir, read_eos_token_ids
 from areal_jax.engine.request import EngineRequest
 from areal_jax.engine.runner import ModelRunner, chunk_plan, program_name
+from areal_jax.engine.staging import StagingError, WeightStaging
 from areal_jax.engine.weight_check import WeightCheckError, check_probe_forward, load_update
 from areal_jax.sampling_params import SamplingParams
 from areal_jax.tokenizer import ChatTokenizer, load_tokenizer
@@ -131,6 +132,8 @@ class GenerationEngine:
         # (params, weight version, reply future, aborted count, adapter load id or None)
         self._pending_update: tuple[nnx.State, str | None, Future, int, int | None] | None = None
         self._update_lock = threading.Lock()
+        # In-memory updates (weight_wire's format) received while generation goes on.
+        self.staging = WeightStaging(self.runner, config.check_weights)
         self._stop = False
         self.fatal_error: str | None = None
         self.stats = {"decode_calls": 0, "prefill_calls": 0, "generated_tokens": 0,
@@ -374,6 +377,41 @@ class GenerationEngine:
                         "num_paused_requests": 0}
             result = done.result()
             result["message"] += f" (loaded in {load_s:.2f}s)"
+            return result
+
+    def swap_staged(self, transfer: str, weight_version: str | None = None,
+                    abort_all_requests: bool = False) -> JsonDict:
+        """Serves the weights staged by in-memory transfer ``transfer`` (``self.staging``)
+        from the next step boundary on: running requests are aborted at that boundary if
+        ``abort_all_requests`` (they return their partial output), else the swap waits for
+        them; requests that arrive meanwhile wait for the new weights. Generation pauses
+        only for the swap itself (``paused_s`` in the reply). The new weights become the
+        base that LoRA adapters merge onto; an active adapter is dropped."""
+        try:
+            _, state = self.staging.take(transfer)
+        except StagingError as e:
+            return {"success": False, "message": str(e), "num_paused_requests": 0}
+        with self._update_lock:
+            done: Future = Future()
+            paused_at: list[float] = []
+
+            def begin() -> None:
+                paused_at.append(time.perf_counter())
+                aborted = (self._abort_running("aborted for a weight update")
+                           if abort_all_requests else 0)
+                with self._lock:
+                    self._base_state = state
+                    self._adapter = None
+                    self._adapter_load_id = None
+                self._pending_update = (state, weight_version, done, aborted, None)
+
+            try:
+                self._call(begin)
+            except EngineStoppedError as e:
+                return {"success": False, "message": f"weights not updated: {e}",
+                        "num_paused_requests": 0}
+            result = done.result()
+            result["paused_s"] = time.perf_counter() - paused_at[0]
             return result
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> None:

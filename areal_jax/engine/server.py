@@ -6,7 +6,9 @@
 Routes: /generate, /pause_generation, /continue_generation, /update_weights_from_disk,
 /load_lora_adapter, /unload_lora_adapter, /update_weight_version, /abort_request,
 /flush_cache, /health, /health_generate,
-/get_model_info, /get_server_info; OpenAI-compatible /v1/completions, /v1/chat/completions
+/get_model_info, /get_server_info, the in-memory weight updates /weights/* (begin,
+bucket, stage, swap, abort, status: areal_jax.engine.weight_routes); OpenAI-compatible
+/v1/completions, /v1/chat/completions
 and /v1/models (areal_jax.engine.openai_api, errors in OpenAI's shape). Malformed requests
 get HTTP 400 ``{"error": message}`` (413 for a body over ``--max-body-bytes``; on the OpenAI
 routes every error, these included, is in OpenAI's shape); a 500 means a
@@ -76,7 +78,9 @@ from areal_jax.engine.protocol import (
     parse_update_weights_from_disk,
 )
 from areal_jax.engine.request import EngineRequest
+from areal_jax.engine.reward_model import is_sequence_classifier, serve_reward_model
 from areal_jax.engine.scoring import add_input_logprobs, score_calls
+from areal_jax.engine.weight_routes import BUCKET_ROUTE, register_weight_routes
 from areal_jax.hub import HubError, local_model_dir
 
 logger = logging.getLogger("areal_jax.engine.server")
@@ -155,6 +159,9 @@ class _Guard:
             response = _error("missing or wrong API key (send 'Authorization: Bearer <key>')",
                               401, path)
             await response(scope, receive, send)
+            return
+        if path == BUCKET_ROUTE:  # a weight bucket: its length is the manifest's, checked there
+            await self.app(scope, receive, send)
             return
         limit = self.max_body_bytes
         try:
@@ -414,6 +421,7 @@ def create_app(engine: GenerationEngine, *, api_key: str | None = None,
                 "version": areal_jax.__version__}
 
     register_engine_routes(app, engine)  # /v1/completions, /v1/chat/completions, /v1/models
+    register_weight_routes(app, engine)  # /weights/*: in-memory weight updates
     return app
 
 
@@ -541,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
             args.model_path = local_model_dir(args.model_path, args.revision, "--model-path")
         except HubError as e:
             raise ModelPathError(str(e)) from None
+        if is_sequence_classifier(args.model_path):  # a reward model: /classify, no engine
+            return serve_reward_model(args.model_path, args.host, args.port, args.dtype, api_key)
         config = EngineConfig(
             model_path=args.model_path, max_slots=args.max_slots, max_seq_len=args.max_seq_len,
             dtype=args.dtype, cache_dtype=args.cache_dtype, prefill_rows=args.prefill_rows,

@@ -573,6 +573,9 @@ class RolloutClient:
         else:
             assert self._latest_weights is not None
             path, version = self._latest_weights
+            if not path:  # sent from the learner's memory: no copy a server could load
+                return (f"the fleet serves v{version}, sent from the learner's memory, which "
+                        "a restarted server cannot load (checkpoint.publish: disk lets it)")
             r = await self._post(server, "/update_weights_from_disk",
                                  {"model_path": path, "weight_version": str(version),
                                   "abort_all_requests": True})
@@ -653,6 +656,19 @@ class RolloutClient:
         replies = await self._broadcast("/update_weights_from_disk", body)
         self._latest_weights = (str(path), int(version))
         self._latest_adapter = None  # merged weights: requests carry no lora_path
+        return replies
+
+    async def swap_staged_weights(self, transfer: str, version: int,
+                                  abort_all_requests: bool = True) -> list[JsonDict]:
+        """Every server serves the weights it has staged for in-memory transfer
+        ``transfer`` (the embedded engine's ``/weights/swap``) as ``version``, from its next
+        step boundary on; running requests return as aborted first if
+        ``abort_all_requests`` (this client resubmits them)."""
+        replies = await self._broadcast("/weights/swap", {
+            "transfer": transfer, "weight_version": str(version),
+            "abort_all_requests": abort_all_requests})
+        self._latest_weights = ("", int(version))  # no path: see _sync_revived
+        self._latest_adapter = None
         return replies
 
     async def load_lora_adapter(self, name: str, path: str, version: int

@@ -18,6 +18,13 @@ servers instead load the PEFT adapter in ``<version dir>/<adapter_subdir>`` unde
 ``v{N}`` (``client.load_lora_adapter``) onto the base model they serve. In sync mode
 (eta = 0) nothing starts under the new version before ``set_version``, so sync runs stay
 exactly on-policy.
+
+With ``staged`` (``checkpoint.publish: memory``), ``write(params, version)`` sends the
+weights to every server, which stage them while they keep generating, and returns the
+transfer id; the update then only swaps: the executor stops submitting, every server swaps
+at its next step boundary (``client.swap_staged_weights``: running requests return as
+aborted, or, when not ``interruptible``, the executor first waits for its runs to finish),
+``executor.set_version`` and the resume. Generation pauses only for the swap.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ class ServerControl(Protocol):
     async def continue_(self) -> Any: ...
     async def update_weights_from_disk(self, path: str, version: int) -> Any: ...
     async def load_lora_adapter(self, name: str, path: str, version: int) -> Any: ...
+    async def swap_staged_weights(self, transfer: str, version: int,
+                                  abort_all_requests: bool = True) -> Any: ...
 
 
 class WeightSyncError(RuntimeError):
@@ -57,9 +66,11 @@ def _failed(version: int, e: BaseException) -> WeightSyncError:
 
 
 class WeightSync:
-    def __init__(self, executor: RolloutExecutor, write: Callable[[PyTree | CausalLM, int], str],
+    def __init__(self, executor: RolloutExecutor, write: Callable[[Any, int], str],
                  *,
-                 interruptible: bool = True, adapter_subdir: str | None = None) -> None:
+                 interruptible: bool = True, adapter_subdir: str | None = None,
+                 staged: bool = False,
+                 files: Callable[[PyTree | CausalLM, int], str] | None = None) -> None:
         if not isinstance(executor.client, ServerControl):
             raise TypeError(f"WeightSync needs a client that controls its servers (pause, "
                             f"update_weights_from_disk, load_lora_adapter, continue_), such "
@@ -67,6 +78,8 @@ class WeightSync:
         self.executor = executor
         self.client: ServerControl = executor.client
         self.adapter_subdir = adapter_subdir
+        self.staged = staged  # write() stages the weights on the servers (module doc)
+        self.files = files  # staged: writes a version's files (write_files), else None
         self.write = write
         self.interruptible = interruptible
         self._pending: tuple[int, Future[tuple[float, float]]] | None = None
@@ -95,6 +108,17 @@ class WeightSync:
         self._pending = (version, self.executor.submit_coroutine(self._update_written(
             path, version, time.perf_counter() - t0)))
 
+    def write_files(self, params: PyTree | CausalLM, version: int) -> str | None:
+        """With ``staged``: writes ``params`` as ``version``'s files (``files``), now, for
+        whoever needs files (the last version of a run); returns their path. Otherwise
+        ``write`` wrote every version's files already: None."""
+        if not self.staged or self.files is None:
+            return None
+        try:
+            return self.files(params, version)
+        except Exception as e:  # noqa: BLE001 - a storage error
+            raise _failed(version, e) from e
+
     def wait(self) -> None:
         """Waits for the last :meth:`publish`; records its seconds in ``write_s`` and
         ``update_s``. Raises :class:`WeightSyncError` if the write or the update failed."""
@@ -120,7 +144,9 @@ class WeightSync:
 
     async def update_servers(self, path: str, version: int) -> float:
         """Runs on the executor's loop: pause, load ``path`` as ``version``, resume. Returns
-        the seconds it took."""
+        the seconds it took. ``staged``: ``path`` is the transfer id the servers swap to."""
+        if self.staged:
+            return await self.swap_servers(path, version)
         t0 = time.perf_counter()
         ex, client = self.executor, self.client
         ex.pause()  # no new runs until the servers have the new version
@@ -145,4 +171,22 @@ class WeightSync:
         if self.interruptible:
             await client.continue_()
         ex.resume()
+        return time.perf_counter() - t0
+
+    async def swap_servers(self, transfer: str, version: int) -> float:
+        """Runs on the executor's loop: every server swaps to the weights it staged for
+        ``transfer``, as ``version``; returns the seconds the executor held back new runs
+        (the servers' own pause, abort to swap, is shorter)."""
+        t0 = time.perf_counter()
+        ex = self.executor
+        ex.pause()  # no new runs until the servers serve the new version
+        try:
+            if not self.interruptible:  # let in-flight runs finish under the old weights
+                while ex.metrics()["running"] > 0:
+                    await asyncio.sleep(0.005)
+            await self.client.swap_staged_weights(transfer, version,
+                                                  abort_all_requests=self.interruptible)
+            ex.set_version(version)
+        finally:
+            ex.resume()
         return time.perf_counter() - t0

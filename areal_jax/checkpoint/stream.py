@@ -1,0 +1,249 @@
+"""Serving weights straight from the learner's memory to embedded servers, no disk.
+
+    arrays = serving_arrays(model, "bfloat16")        # the learner's wait: a cast, dispatched
+    sender = StreamPublisher(["http://127.0.0.1:30000"], api_key=None)
+    transfer = sender.send(arrays, version=7)          # every server has v7 staged, or raises
+    # then each server swaps at a step boundary: POST /weights/swap {"transfer", ...}
+
+A version goes to every server as ``areal_jax.weight_wire`` lays it out: the manifest
+(``POST /weights/begin``, refused at once if a tensor, shape or dtype does not fit what
+the server serves), then each bucket (``PUT /weights/bucket?transfer=&index=``, its CRC-32
+in a header), then ``POST /weights/stage``: the server checks it has every bucket whole,
+places the tensors like its served ones and runs its probe forward, while it keeps
+generating on the old weights. The servers are sent to side by side, one thread each.
+
+Any failure (a server refusing, a connection dropped, a server gone, a non-finite value
+in the learner's weights) aborts the transfer on every server (``POST /weights/abort``):
+they all keep serving the old version, whole, and :class:`PublishError` says what failed
+where. A sender killed mid-stream leaves its transfer unfinished: the servers drop it when
+the connection closes, when the next one begins, or after ``stale_after_s``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import time
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.checkpoint.publish import PublishError, _gather_to_host
+from areal_jax.weight_wire import (
+    CRC_HEADER,
+    DEFAULT_BUCKET_BYTES,
+    Manifest,
+    bucket_views,
+    checksum,
+    leaf_name,
+    manifest_for,
+)
+from model_defs import CausalLM, merge_lora, parse_dtype
+
+
+@dataclass
+class ServingArrays:
+    """A version's serving weights as the learner hands them over: ``(name, array)`` in
+    the engine's layout and dtype (device arrays whose cast may still be running, or host
+    arrays), and per tensor whether it is finite (a device array, computed by the same
+    program as the cast)."""
+
+    named: list[tuple[str, Any]]
+    finite: Any = None
+
+    def host(self) -> list[tuple[str, np.ndarray]]:
+        """The arrays on the host (on a CPU device: views of the device buffers, no copy).
+        Raises :class:`PublishError` naming the first non-finite tensor."""
+        if self.finite is not None:
+            flags = np.asarray(jax.device_get(self.finite))
+            if not flags.all():
+                bad = self.named[int(np.argmin(flags))][0]
+                raise PublishError(f"the learner's weights hold NaN or Inf in {bad}; not "
+                                   "sent (the servers keep the old version)")
+        return [(name, np.asarray(jax.device_get(a))) for name, a in self.named]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for _, a in self.named)
+
+
+@jax.jit
+def _cast_and_check(leaves: list[jax.Array], dtype_probe: jax.Array
+                    ) -> tuple[list[jax.Array], jax.Array]:
+    """Each floating leaf cast to ``dtype_probe``'s dtype, and per leaf whether it is
+    finite: one program, one pass over the weights."""
+    want = dtype_probe.dtype
+    out = [x.astype(want) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in leaves]
+    flags = jnp.stack([jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating)
+                       else jnp.bool_(True) for x in leaves])
+    return out, flags
+
+
+def serving_arrays(model: CausalLM | nnx.State, dtype: str) -> ServingArrays:
+    """The model's serving weights (LoRA adapters merged) in the engine's layout, cast to
+    ``dtype`` on the learner's devices by one program that also checks finiteness. Returns
+    as soon as the program is dispatched; with several JAX processes the arrays are
+    gathered first (a collective every process joins) and come back on the host."""
+    if isinstance(model, CausalLM):
+        model = nnx.state(merge_lora(model))
+    flat = jax.tree_util.tree_flatten_with_path(model)[0]
+    names = [leaf_name(path) for path, _ in flat]
+    leaves = [x for _, x in flat]
+    if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+        leaves = jax.tree.leaves(_gather_to_host(leaves))
+        want = parse_dtype(dtype)
+        host = [np.asarray(x, want) if np.issubdtype(np.asarray(x).dtype, np.floating)
+                or "bfloat16" in str(np.asarray(x).dtype) else np.asarray(x) for x in leaves]
+        return ServingArrays(list(zip(names, host, strict=True)))
+    cast, finite = _cast_and_check(leaves, jnp.zeros((), parse_dtype(dtype)))
+    return ServingArrays(list(zip(names, cast, strict=True)), finite)
+
+
+class _ServerRefused(Exception):
+    pass
+
+
+@dataclass
+class SendReport:
+    """What one :meth:`StreamPublisher.send` did: its transfer id, bytes per server, and
+    seconds (host copy, stream, stage on the slowest server)."""
+
+    transfer: str
+    nbytes: int
+    host_s: float = 0.0
+    stream_s: float = 0.0
+    stage_s: float = 0.0
+    server_stage_s: dict[str, float] = field(default_factory=dict)
+
+
+class StreamPublisher:
+    """Sends serving weights to embedded servers over HTTP (see the module doc)."""
+
+    def __init__(self, urls: Sequence[str], *, api_key: str | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0):
+        if not urls:
+            raise ValueError("StreamPublisher needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.bucket_bytes = int(bucket_bytes)
+        self.timeout_s = timeout_s
+        self.last: SendReport | None = None
+
+    # ------------------------------------------------------------------ HTTP
+    def _connect(self, url: str) -> http.client.HTTPConnection:
+        parts = urllib.parse.urlsplit(url)
+        cls = (http.client.HTTPSConnection if parts.scheme == "https"
+               else http.client.HTTPConnection)
+        return cls(parts.hostname or "127.0.0.1", parts.port, timeout=self.timeout_s)
+
+    def _request(self, conn: http.client.HTTPConnection, url: str, method: str, route: str,
+                 body: Any = None, parts: Sequence[memoryview] = (),
+                 headers: dict[str, str] | None = None) -> dict[str, Any]:
+        """One request on ``conn``; a JSON ``body`` or raw ``parts`` sent one after
+        another. Returns the reply's JSON; a refusal raises _ServerRefused."""
+        data = json.dumps(body).encode() if body is not None else None
+        length = len(data) if data is not None else sum(len(p) for p in parts)
+        conn.putrequest(method, route, skip_accept_encoding=True)
+        for k, v in {**self.headers, **(headers or {}),
+                     "Content-Type": "application/json" if data is not None
+                     else "application/octet-stream",
+                     "Content-Length": str(length)}.items():
+            conn.putheader(k, v)
+        conn.endheaders()
+        if data is not None:
+            conn.send(data)
+        for part in parts:
+            conn.send(part)
+        reply = conn.getresponse()
+        raw = reply.read()
+        try:
+            obj = json.loads(raw) if raw else {}
+        except ValueError:
+            obj = {"message": raw[:500].decode(errors="replace")}
+        if reply.status >= 400 or (isinstance(obj, dict) and obj.get("success") is False):
+            message = (obj.get("error") or obj.get("message") if isinstance(obj, dict)
+                       else None) or f"HTTP {reply.status}"
+            raise _ServerRefused(f"{url}{route.split('?')[0]}: {message}")
+        return obj if isinstance(obj, dict) else {"reply": obj}
+
+    def _send_one(self, url: str, manifest: Manifest, arrays: Sequence[np.ndarray],
+                  crcs: list[concurrent.futures.Future[int]]) -> float:
+        """begin, every bucket, stage on one server; returns the server's stage seconds."""
+        conn = self._connect(url)
+        try:
+            self._request(conn, url, "POST", "/weights/begin", manifest.to_json())
+            for i in range(manifest.num_buckets):
+                route = f"/weights/bucket?transfer={manifest.transfer}&index={i}"
+                self._request(conn, url, "PUT", route,
+                              parts=bucket_views(manifest, arrays, i),
+                              headers={CRC_HEADER: str(crcs[i].result())})
+            t0 = time.perf_counter()
+            self._request(conn, url, "POST", "/weights/stage",
+                          {"transfer": manifest.transfer})
+            return time.perf_counter() - t0
+        finally:
+            conn.close()
+
+    def abort(self, transfer: str) -> None:
+        """Drops ``transfer`` on every server that still answers (best effort)."""
+        for url in self.urls:
+            try:
+                conn = self._connect(url)
+                conn.timeout = 10.0
+                try:
+                    self._request(conn, url, "POST", "/weights/abort", {"transfer": transfer})
+                finally:
+                    conn.close()
+            except Exception:  # noqa: BLE001, S112 - a server that is gone dropped it already
+                continue
+
+    # ------------------------------------------------------------------ send
+    def send(self, weights: ServingArrays | Sequence[tuple[str, Any]], version: int) -> str:
+        """Streams ``weights`` as ``version`` to every server and has each stage it;
+        returns the transfer id the servers swap to. Raises :class:`PublishError` (after
+        aborting the transfer everywhere) if any server does not have it staged."""
+        if not isinstance(weights, ServingArrays):
+            weights = ServingArrays(list(weights))
+        t0 = time.perf_counter()
+        named = weights.host()
+        host_s = time.perf_counter() - t0
+        arrays = [a for _, a in named]
+        manifest = manifest_for(named, version, self.bucket_bytes)
+        report = SendReport(manifest.transfer, manifest.total_bytes, host_s=host_s)
+        t1 = time.perf_counter()
+        # The CRCs are computed ahead of the sends, once for all servers (zlib releases
+        # the GIL on large buffers, so this overlaps the socket writes).
+        with concurrent.futures.ThreadPoolExecutor(1) as crc_pool, \
+                concurrent.futures.ThreadPoolExecutor(len(self.urls)) as pool:
+            crcs = [crc_pool.submit(checksum, bucket_views(manifest, arrays, i))
+                    for i in range(manifest.num_buckets)]
+            futures: dict[str, concurrent.futures.Future[float]] = {
+                url: pool.submit(self._send_one, url, manifest, arrays, crcs)
+                for url in self.urls}
+            errors = []
+            for url, fut in futures.items():
+                try:
+                    report.server_stage_s[url] = fut.result()
+                except _ServerRefused as e:
+                    errors.append(str(e))
+                except (OSError, http.client.HTTPException) as e:
+                    errors.append(f"{url}: {type(e).__name__}: {e or 'connection dropped'}")
+            for crc in crcs:
+                crc.cancel()
+        if errors:
+            self.abort(manifest.transfer)
+            raise PublishError(f"weights v{version} not sent in memory: {errors[0]}"
+                               + (f" (and {len(errors) - 1} more server(s))"
+                                  if len(errors) > 1 else "")
+                               + "; every server keeps the old version")
+        report.stage_s = max(report.server_stage_s.values(), default=0.0)
+        report.stream_s = time.perf_counter() - t1 - report.stage_s
+        self.last = report
+        return manifest.transfer

@@ -1,0 +1,174 @@
+"""The receiving end of in-memory weight updates (``areal_jax.weight_wire``'s format).
+
+A transfer goes through four steps, each its own route (``engine/server.py``), while the
+engine keeps generating on the weights it serves:
+
+1. ``begin(manifest)``: checked against the served tensors (names, shapes, dtype); host
+   arrays for the new weights are set aside. A new transfer replaces an unfinished one.
+2. ``write`` / ``end_bucket``: each bucket's bytes go straight into those arrays; its
+   length and CRC-32 are checked at its end.
+3. ``stage``: every bucket whole, the arrays are placed like the served params (on a CPU
+   device: aliased, no copy) and, with the weight checks on, a probe forward must give
+   finite log-probs (compiled at warm-up, so nothing compiles here). Non-finite values are
+   caught on the learner, by the program that casts the weights, and by the probe here.
+4. ``take``: the staged params, for the engine's swap at a step boundary.
+
+Any failure drops the transfer: the served weights are never touched until the swap.
+A transfer left idle for ``stale_after_s`` (its sender died between buckets) is dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from areal_jax.engine.weight_check import WeightCheckError, check_probe_forward
+from areal_jax.weight_wire import Assembler, Manifest, WireError, check_against, leaf_name
+
+if TYPE_CHECKING:
+    from areal_jax.engine.runner import ModelRunner
+
+STALE_AFTER_S = 300.0
+
+
+class StagingError(ValueError):
+    """A transfer the engine refuses (the message says why); the served weights stay."""
+
+
+class WeightStaging:
+    """One transfer in progress, or one staged and waiting for its swap."""
+
+    def __init__(self, runner: ModelRunner, check: bool, stale_after_s: float = STALE_AFTER_S):
+        self.runner = runner
+        self.check = check
+        self.stale_after_s = stale_after_s
+        self._lock = threading.Lock()
+        self._assembler: Assembler | None = None
+        self._touched = 0.0
+        self._staged: tuple[str, int, nnx.State] | None = None
+        self.last_error: str | None = None
+
+    def served_layout(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {leaf_name(path): (tuple(x.shape), str(np.dtype(x.dtype)))
+                for path, x in jax.tree_util.tree_leaves_with_path(self.runner.state)}
+
+    def _drop_stale(self) -> None:
+        if (self._assembler is not None
+                and time.monotonic() - self._touched > self.stale_after_s):
+            self._fail(f"transfer {self._assembler.manifest.transfer} idle for "
+                       f"{self.stale_after_s:g}s (its sender is gone); dropped")
+
+    def _fail(self, message: str) -> None:
+        self._assembler = None
+        self.last_error = message
+
+    def _current(self, transfer: str) -> Assembler:
+        self._drop_stale()
+        a = self._assembler
+        if a is None or a.manifest.transfer != transfer:
+            raise StagingError(f"no transfer {transfer!r} in progress on this server"
+                               + (f" (last error: {self.last_error})" if self.last_error
+                                  else ""))
+        self._touched = time.monotonic()
+        return a
+
+    # ------------------------------------------------------------------ steps
+    def begin(self, manifest_json: Any) -> dict[str, Any]:
+        try:
+            manifest = Manifest.from_json(manifest_json)
+            check_against(manifest, self.served_layout())
+        except WireError as e:
+            raise StagingError(f"weights not updated: {e}") from None
+        with self._lock:
+            self._staged = None  # a staged version not swapped in yet is superseded
+            self._assembler = Assembler(manifest)
+            self._touched = time.monotonic()
+            self.last_error = None
+        return {"success": True, "transfer": manifest.transfer,
+                "num_buckets": manifest.num_buckets, "total_bytes": manifest.total_bytes}
+
+    def write(self, transfer: str, index: int, chunk: bytes) -> None:
+        with self._lock:
+            a = self._current(transfer)
+            try:
+                a.write(index, chunk)
+            except WireError as e:
+                self._fail(str(e))
+                raise StagingError(f"weights not updated: {e}") from None
+
+    def end_bucket(self, transfer: str, index: int, crc: int) -> None:
+        with self._lock:
+            a = self._current(transfer)
+            try:
+                a.end_bucket(index, crc)
+            except WireError as e:
+                self._fail(str(e))
+                raise StagingError(f"weights not updated: {e}") from None
+
+    def abort(self, transfer: str | None = None, reason: str = "aborted by the sender") -> bool:
+        """Drops ``transfer`` (None: whatever is in progress or staged); True if it was."""
+        with self._lock:
+            dropped = False
+            if self._assembler is not None and transfer in (None,
+                                                            self._assembler.manifest.transfer):
+                self._fail(f"transfer {self._assembler.manifest.transfer}: {reason}")
+                dropped = True
+            if self._staged is not None and transfer in (None, self._staged[0]):
+                self._staged = None
+                dropped = True
+            return dropped
+
+    def stage(self, transfer: str) -> dict[str, Any]:
+        """Places the complete transfer like the served params and checks it (see the
+        module doc). Runs in the caller's thread; generation goes on meanwhile."""
+        t0 = time.perf_counter()
+        with self._lock:
+            a = self._current(transfer)
+            try:
+                arrays = a.complete()
+            except WireError as e:
+                self._fail(str(e))
+                raise StagingError(f"weights not updated: {e}") from None
+            self._assembler = None  # from here the arrays belong to the staged params
+        old = jax.tree_util.tree_leaves_with_path(self.runner.state)
+        try:
+            leaves = [jax.device_put(arrays[leaf_name(path)], x.sharding) for path, x in old]
+            state = jax.tree.unflatten(jax.tree.structure(self.runner.state), leaves)
+            problem = self.runner.check_compatible(state)
+            if problem:
+                raise StagingError(f"weights not updated: {problem}")
+            if self.check:
+                check_probe_forward(state, self.runner)
+        except WeightCheckError as e:
+            self.last_error = str(e)
+            raise StagingError(f"weights not updated: v{a.manifest.version}: {e}") from None
+        del arrays
+        with self._lock:
+            self._staged = (transfer, a.manifest.version, state)
+        return {"success": True, "transfer": transfer, "version": a.manifest.version,
+                "stage_s": time.perf_counter() - t0}
+
+    def take(self, transfer: str) -> tuple[int, nnx.State]:
+        """The staged (version, params) of ``transfer``, handed over once."""
+        with self._lock:
+            if self._staged is None or self._staged[0] != transfer:
+                raise StagingError(f"transfer {transfer!r} is not staged on this server"
+                                   + (f" (last error: {self.last_error})" if self.last_error
+                                      else ""))
+            _, version, state = self._staged
+            self._staged = None
+            return version, state
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            self._drop_stale()
+            a = self._assembler
+            return {"receiving": a.manifest.transfer if a is not None else None,
+                    "buckets_missing": len(a.missing) if a is not None else 0,
+                    "staged": self._staged[0] if self._staged is not None else None,
+                    "last_error": self.last_error}

@@ -1,0 +1,128 @@
+"""The server's routes for in-memory weight updates (``engine/staging.py`` receives them,
+``areal_jax.weight_wire`` defines the format, ``checkpoint/stream.py`` sends them).
+
+- ``POST /weights/begin`` the manifest (JSON) → ``{"success", "transfer", "num_buckets",
+  "total_bytes"}``; 400 if a tensor, shape or dtype does not fit the served model.
+- ``PUT /weights/bucket?transfer=ID&index=I`` the bucket's raw bytes, its CRC-32 (decimal)
+  in the ``x-areal-crc32`` header → ``{"success": true}``; 400 if its length or checksum
+  is wrong (the transfer is then dropped). Not bound by ``--max-body-bytes``: the bucket's
+  length comes from the manifest.
+- ``POST /weights/stage`` ``{"transfer"}`` → ``{"success", "version", "stage_s"}``: every
+  bucket whole, placed like the served params and probed; generation goes on meanwhile.
+- ``POST /weights/swap`` ``{"transfer", "weight_version", "abort_all_requests"}`` →
+  SGLang's update reply (``success``, ``message``, ``num_paused_requests``) and
+  ``paused_s``: the staged weights are served from the next step boundary on.
+- ``POST /weights/abort`` ``{"transfer"}`` (or ``{}``: any) → ``{"success", "dropped"}``.
+- ``GET /weights/status`` → what is being received or staged, and the last error.
+
+A failure leaves the served weights as they were.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+
+from areal_jax.engine.protocol import ProtocolError, parse_json_body
+from areal_jax.engine.staging import StagingError
+from areal_jax.weight_wire import CRC_HEADER
+
+if TYPE_CHECKING:
+    from areal_jax.engine.engine import GenerationEngine
+
+BUCKET_ROUTE = "/weights/bucket"
+
+
+def _refused(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"success": False, "message": message, "error": message},
+                        status_code=status)
+
+
+def _transfer(body: dict, route: str, required: bool = True) -> str | None:
+    transfer = body.get("transfer")
+    if transfer is None and not required:
+        return None
+    if not isinstance(transfer, str) or not transfer:
+        raise ProtocolError(f"{route}: 'transfer' must be a non-empty string")
+    return transfer
+
+
+def register_weight_routes(app: FastAPI, engine: GenerationEngine) -> None:
+    staging = engine.staging
+
+    @app.post("/weights/begin")
+    async def begin(request: Request):
+        body = parse_json_body(await request.body(), "/weights/begin")
+        try:
+            return staging.begin(body)
+        except StagingError as e:
+            return _refused(str(e))
+
+    @app.put(BUCKET_ROUTE)
+    async def bucket(request: Request):
+        transfer = request.query_params.get("transfer") or ""
+        try:
+            index = int(request.query_params.get("index", ""))
+            crc = int(request.headers.get(CRC_HEADER, ""))
+        except ValueError:
+            return _refused(f"{BUCKET_ROUTE}: needs ?transfer=ID&index=I and the bucket's "
+                            f"CRC-32 in the {CRC_HEADER} header")
+        error: str | None = None
+        try:
+            async for chunk in request.stream():
+                if chunk and error is None:
+                    try:
+                        staging.write(transfer, index, chunk)
+                    except StagingError as e:
+                        error = str(e)  # the rest of the body is read and dropped
+            if error is None:
+                staging.end_bucket(transfer, index, crc)
+        except StagingError as e:
+            error = str(e)
+        except ClientDisconnect:
+            staging.abort(transfer, f"the connection dropped during bucket {index}")
+            return Response(status_code=499)
+        if error is not None:
+            return _refused(error)
+        return {"success": True}
+
+    @app.post("/weights/stage")
+    async def stage(request: Request):
+        body = parse_json_body(await request.body(), "/weights/stage")
+        transfer = _transfer(body, "/weights/stage")
+        assert transfer is not None
+        try:
+            return await asyncio.to_thread(staging.stage, transfer)
+        except StagingError as e:
+            return _refused(str(e))
+
+    @app.post("/weights/swap")
+    async def swap(request: Request):
+        body = parse_json_body(await request.body(), "/weights/swap")
+        transfer = _transfer(body, "/weights/swap")
+        assert transfer is not None
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, str | int):
+            raise ProtocolError("/weights/swap: 'weight_version' must be a string")
+        abort_all = body.get("abort_all_requests", False)
+        if not isinstance(abort_all, bool):
+            raise ProtocolError("/weights/swap: 'abort_all_requests' must be true or false")
+        result = await asyncio.to_thread(
+            engine.swap_staged, transfer, None if version is None else str(version), abort_all)
+        if not result["success"]:
+            return _refused(result["message"], 400 if engine.healthy else 503)
+        return result
+
+    @app.post("/weights/abort")
+    async def abort(request: Request):
+        body = parse_json_body(await request.body(), "/weights/abort", allow_empty=True)
+        dropped = staging.abort(_transfer(body, "/weights/abort", required=False))
+        return {"success": True, "dropped": dropped}
+
+    @app.get("/weights/status")
+    async def status():
+        return staging.status()

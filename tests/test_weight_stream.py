@@ -1,0 +1,293 @@
+"""In-memory weight updates against real engine servers on 127.0.0.1: the learner's weights
+streamed in checksummed buckets (``checkpoint/stream.py``, ``areal_jax.weight_wire``),
+staged while the servers generate, swapped at a step boundary. After a bump the servers'
+greedy tokens and logprobs are the learner's; every fault leaves the old version serving."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+import urllib.parse
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax.checkpoint.publish import PublishError
+from areal_jax.checkpoint.stream import StreamPublisher, serving_arrays
+from areal_jax.weight_wire import CRC_HEADER, bucket_views, checksum, manifest_for
+from model_defs import load_hf
+from tests.hf_fixtures import make_tiny_hf_checkpoint, token_logprob_tolerance
+from tests.server_fixtures import start_servers
+
+MAX_SEQ_LEN = 64
+PROMPT = [5, 9, 17, 3, 44]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream")
+    return make_tiny_hf_checkpoint(root, seed=0), make_tiny_hf_checkpoint(root, seed=1)
+
+
+@pytest.fixture(scope="module")
+def servers(ckpts, tmp_path_factory):
+    # Same shapes as tests/test_client_stall.py (the shared compilation cache).
+    handles = start_servers(ckpts[0], 2, tmp_path_factory, max_slots=4, max_seq_len=MAX_SEQ_LEN)
+    yield handles
+    for h in handles:
+        h.terminate()
+
+
+@pytest.fixture(scope="module")
+def learners(ckpts):
+    """The 'learner' models: model_defs' fp32 CausalLM of each checkpoint."""
+    return [load_hf(path)[0] for path in ckpts]
+
+
+_FORWARD: dict = {}
+
+
+def learner_logprobs(model, path, output):
+    """The learner's recomputation: log p(output[i] | prefix) and the greedy choice at each
+    position, from model_defs' full forward of ``model``."""
+    key = id(model)
+    if key not in _FORWARD:
+        _FORWARD[key] = jax.jit(lambda ids: model(ids)[0])
+    seq = PROMPT + list(output)
+    ids = np.zeros((1, MAX_SEQ_LEN), np.int32)
+    ids[0, :len(seq)] = seq
+    logp = np.asarray(jax.nn.log_softmax(_FORWARD[key](jnp.asarray(ids)), axis=-1))
+    rows = logp[len(PROMPT) - 1:len(seq) - 1]
+    return rows[np.arange(len(output)), np.asarray(output)], rows.argmax(-1)
+
+
+def generate(url):
+    r = httpx.post(f"{url}/generate", timeout=120, json={
+        "input_ids": PROMPT, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    tokens = body["output_ids"]
+    logprobs = [lp for lp, _, _ in body["meta_info"]["output_token_logprobs"]]
+    return tokens, np.asarray(logprobs), body["meta_info"]["weight_version"]
+
+
+def assert_serves(url, model, path, version):
+    """``url``'s greedy tokens are the learner model's argmax and its logprobs the
+    learner's recomputation (fp32 tolerance), at weight version ``version``."""
+    tokens, logprobs, served = generate(url)
+    assert served == str(version)
+    ref, argmax = learner_logprobs(model, path, tokens)
+    np.testing.assert_array_equal(tokens, argmax)
+    tol = token_logprob_tolerance(path, PROMPT + tokens, 0.0)
+    np.testing.assert_allclose(logprobs, ref, rtol=0, atol=tol)
+
+
+def swap(url, transfer, version):
+    return httpx.post(f"{url}/weights/swap", timeout=120, json={
+        "transfer": transfer, "weight_version": str(version), "abort_all_requests": True})
+
+
+def status(url):
+    return httpx.get(f"{url}/weights/status", timeout=30).json()
+
+
+def serving_version(url):
+    return httpx.get(f"{url}/get_server_info", timeout=30).json()["weight_version"]
+
+
+@pytest.fixture
+def on_a(servers, ckpts, learners):
+    """Both servers on checkpoint A at version 0 (restored through the memory path)."""
+    urls = [h.url for h in servers]
+    if any(serving_version(u) != "0" for u in urls):
+        transfer = StreamPublisher(urls).send(serving_arrays(learners[0], "float32"), 0)
+        for u in urls:
+            assert swap(u, transfer, 0).status_code == 200
+    return urls
+
+
+def test_a_memory_bump_serves_the_learners_weights_on_every_server(on_a, ckpts, learners):
+    urls = on_a
+    for u in urls:
+        assert_serves(u, learners[0], ckpts[0], 0)
+    sender = StreamPublisher(urls, bucket_bytes=10_000)  # several buckets, tensors span them
+    transfer = sender.send(serving_arrays(learners[1], "float32"), 1)
+    assert sender.last is not None and sender.last.nbytes > 3 * 10_000
+    for u in urls:  # staged, not served yet: the servers still generate on v0
+        assert status(u)["staged"] == transfer
+        assert_serves(u, learners[0], ckpts[0], 0)
+    for u in urls:
+        reply = swap(u, transfer, 1).json()
+        assert reply["success"] and reply["paused_s"] >= 0
+        assert_serves(u, learners[1], ckpts[1], 1)
+    assert swap(urls[0], transfer, 1).status_code == 400  # staged weights are handed over once
+
+
+def put_bucket(url, manifest, arrays, index, crc=None, data=None):
+    parts = bucket_views(manifest, arrays, index)
+    return httpx.put(
+        f"{url}/weights/bucket", params={"transfer": manifest.transfer, "index": index},
+        content=data if data is not None else b"".join(bytes(p) for p in parts),
+        headers={CRC_HEADER: str(checksum(parts) if crc is None else crc)}, timeout=60)
+
+
+def begin(url, named, version, bucket_bytes=10_000):
+    manifest = manifest_for(named, version, bucket_bytes)
+    r = httpx.post(f"{url}/weights/begin", json=manifest.to_json(), timeout=60)
+    return manifest, r
+
+
+def test_the_server_generates_on_the_old_weights_while_it_receives(on_a, ckpts, learners):
+    url = on_a[0]
+    named = serving_arrays(learners[1], "float32").host()
+    manifest, r = begin(url, named, 2)
+    assert r.status_code == 200, r.text
+    arrays = [a for _, a in named]
+    for i in range(manifest.num_buckets // 2):
+        assert put_bucket(url, manifest, arrays, i).status_code == 200
+    assert status(url)["receiving"] == manifest.transfer
+    assert_serves(url, learners[0], ckpts[0], 0)  # mid-transfer: v0, unchanged
+    for i in range(manifest.num_buckets // 2, manifest.num_buckets):
+        assert put_bucket(url, manifest, arrays, i).status_code == 200
+    assert httpx.post(f"{url}/weights/stage", json={"transfer": manifest.transfer},
+                      timeout=120).status_code == 200
+    assert swap(url, manifest.transfer, 2).status_code == 200
+    assert_serves(url, learners[1], ckpts[1], 2)
+
+
+def test_a_corrupted_bucket_is_refused_and_v0_keeps_serving(on_a, ckpts, learners):
+    url = on_a[0]
+    named = serving_arrays(learners[1], "float32").host()
+    manifest, _ = begin(url, named, 3)
+    arrays = [a for _, a in named]
+    good = b"".join(bytes(p) for p in bucket_views(manifest, arrays, 0))
+    flipped = bytearray(good)
+    flipped[len(flipped) // 2] ^= 0x01  # one bit
+    r = put_bucket(url, manifest, arrays, 0, crc=checksum(memoryview(good)), data=bytes(flipped))
+    assert r.status_code == 400 and "corrupted" in r.json()["error"]
+    r = httpx.post(f"{url}/weights/stage", json={"transfer": manifest.transfer}, timeout=60)
+    assert r.status_code == 400 and "corrupted" in r.json()["error"]
+    assert swap(url, manifest.transfer, 3).status_code == 400
+    assert_serves(url, learners[0], ckpts[0], 0)
+
+
+def test_a_missing_bucket_or_short_bucket_is_refused(on_a, ckpts, learners):
+    url = on_a[0]
+    named = serving_arrays(learners[1], "float32").host()
+    manifest, _ = begin(url, named, 3)
+    arrays = [a for _, a in named]
+    whole = b"".join(bytes(p) for p in bucket_views(manifest, arrays, 0))
+    r = put_bucket(url, manifest, arrays, 0, data=whole[:-4])
+    assert r.status_code == 400 and f"expected {len(whole)}" in r.json()["error"]
+    manifest, _ = begin(url, named, 3)
+    assert put_bucket(url, manifest, arrays, 0).status_code == 200
+    r = httpx.post(f"{url}/weights/stage", json={"transfer": manifest.transfer}, timeout=60)
+    assert r.status_code == 400 and "never arrived" in r.json()["error"]
+    assert_serves(url, learners[0], ckpts[0], 0)
+
+
+def test_a_size_or_dtype_that_does_not_fit_is_refused_before_any_byte(on_a, ckpts, learners):
+    urls = on_a
+    with pytest.raises(PublishError, match="has dtype bfloat16; the server serves float32"):
+        StreamPublisher(urls).send(serving_arrays(learners[1], "bfloat16"), 4)
+    named = serving_arrays(learners[1], "float32").host()
+    wide = [(n, np.zeros((a.shape[0] + 1, *a.shape[1:]), a.dtype) if n == "embed_vd" else a)
+            for n, a in named]
+    _, r = begin(urls[0], wide, 4)
+    assert r.status_code == 400 and "tensor embed_vd has shape" in r.json()["error"]
+    _, r = begin(urls[0], named[1:], 4)
+    assert r.status_code == 400 and "missing ['embed_vd']" in r.json()["error"]
+    for u in urls:
+        assert status(u)["receiving"] is None
+        assert_serves(u, learners[0], ckpts[0], 0)
+
+
+def test_a_connection_dropped_mid_bucket_drops_the_transfer(on_a, ckpts, learners):
+    url = on_a[0]
+    named = serving_arrays(learners[1], "float32").host()
+    manifest, _ = begin(url, named, 5)
+    arrays = [a for _, a in named]
+    data = b"".join(bytes(p) for p in bucket_views(manifest, arrays, 0))
+    parts = urllib.parse.urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port)) as sock:
+        sock.sendall((f"PUT /weights/bucket?transfer={manifest.transfer}&index=0 HTTP/1.1\r\n"
+                      f"Host: {parts.netloc}\r\nContent-Length: {len(data)}\r\n"
+                      f"{CRC_HEADER}: {checksum(memoryview(data))}\r\n\r\n").encode())
+        sock.sendall(data[:len(data) // 2])
+    for _ in range(100):  # the server notices the closed connection
+        if status(url)["receiving"] is None:
+            break
+        import time
+
+        time.sleep(0.1)
+    assert "connection dropped" in status(url)["last_error"]
+    assert_serves(url, learners[0], ckpts[0], 0)
+
+
+def test_a_learner_killed_mid_stream_leaves_v0_and_the_next_bump_works(on_a, ckpts, learners):
+    """A sender process SIGKILLed after its first bucket: the server keeps v0, refuses to
+    swap to the unfinished transfer, and takes the next version whole."""
+    url = on_a[0]
+    script = textwrap.dedent(f"""
+        import os, signal, httpx
+        from areal_jax.checkpoint.stream import serving_arrays
+        from areal_jax.weight_wire import CRC_HEADER, bucket_views, checksum, manifest_for
+        from model_defs import load_hf
+        named = serving_arrays(load_hf({str(ckpts[1])!r})[0], "float32").host()
+        m = manifest_for(named, 6, 10_000)
+        httpx.post({url!r} + "/weights/begin", json=m.to_json(), timeout=60).raise_for_status()
+        parts = bucket_views(m, [a for _, a in named], 0)
+        httpx.put({url!r} + "/weights/bucket", params={{"transfer": m.transfer, "index": 0}},
+                  content=b"".join(bytes(p) for p in parts),
+                  headers={{CRC_HEADER: str(checksum(parts))}}, timeout=60).raise_for_status()
+        print(m.transfer, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    transfer = proc.stdout.split()[-1]
+    assert status(url)["receiving"] == transfer
+    r = swap(url, transfer, 6)
+    assert r.status_code == 400 and "not staged" in r.json()["error"]
+    assert_serves(url, learners[0], ckpts[0], 0)
+    transfer = StreamPublisher([url]).send(serving_arrays(learners[1], "float32"), 7)
+    assert swap(url, transfer, 7).status_code == 200
+    assert_serves(url, learners[1], ckpts[1], 7)
+
+
+def test_non_finite_weights_are_refused_on_the_learner_and_by_the_probe(on_a, ckpts, learners):
+    urls = on_a
+    state = nnx.state(learners[1])
+    nan = jax.tree.map(lambda x: x, state.to_pure_dict())
+    nan["layers"]["mlp"]["up_kernel_df"] = nan["layers"]["mlp"]["up_kernel_df"].at[0, 0, 0].set(
+        jnp.nan)
+    with pytest.raises(PublishError, match="NaN or Inf in layers.mlp.up_kernel_df"):
+        StreamPublisher(urls).send(serving_arrays(nnx.State(nan), "float32"), 8)
+    # Finite weights that overflow in use: only the servers' probe forward sees it.
+    huge = jax.tree.map(lambda x: x, state.to_pure_dict())
+    huge["final_norm"]["scale"] = jnp.full_like(huge["final_norm"]["scale"], 3e38)
+    with pytest.raises(PublishError, match="probe prompt gives non-finite"):
+        StreamPublisher(urls).send(serving_arrays(nnx.State(huge), "float32"), 8)
+    for u in urls:
+        assert status(u)["staged"] is None
+        assert_serves(u, learners[0], ckpts[0], 0)
+
+
+def test_a_server_killed_leaves_the_others_on_v0(servers, on_a, ckpts, learners):
+    """The last test of the module: it kills the second server."""
+    urls = on_a
+    servers[1].kill()
+    servers[1].process.wait(30)
+    with pytest.raises(PublishError, match="every server keeps the old version") as e:
+        StreamPublisher(urls).send(serving_arrays(learners[1], "float32"), 9)
+    assert urls[1] in str(e.value)
+    assert status(urls[0])["staged"] is None and status(urls[0])["receiving"] is None
+    assert_serves(urls[0], learners[0], ckpts[0], 0)
