@@ -9,11 +9,19 @@ The chat template is read from ``chat_template.jinja`` or the ``chat_template`` 
 transformers' (trim_blocks, lstrip_blocks, ``raise_exception``, ``tojson``). A folder
 without a template gets a plain fallback: a string prompt is used as it is; a message list
 becomes ``"role: content\\n"`` lines followed by ``"assistant: "``.
+
+Message content is text, never control: a special token's string (``<|im_end|>``,
+``<|im_start|>``, ...: the tokenizer's added tokens marked special) inside a message's
+content is encoded as the plain characters it is made of, so a user message or a tool
+result cannot forge a turn boundary. Only the template's own text yields control tokens.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import threading
+import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -66,6 +74,12 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+# Brackets around a special token's string that came from message content: ``encode`` gives
+# its plain characters' ids. A per-process nonce: content cannot hold the brackets itself.
+_PLAIN_OPEN, _PLAIN_CLOSE = f"\ue000{uuid.uuid4().hex}\ue001", f"\ue001{uuid.uuid4().hex}\ue000"
+_PLAIN_RE = re.compile(f"{re.escape(_PLAIN_OPEN)}(.*?){re.escape(_PLAIN_CLOSE)}", re.DOTALL)
+
+
 class ChatTokenizer:
     """A ``tokenizers.Tokenizer`` plus the special tokens and chat template of its folder."""
 
@@ -89,6 +103,11 @@ class ChatTokenizer:
         self.stop_token_ids: list[int] = stops
         if self.pad_token_id is None:
             self.pad_token_id = self.eos_token_id if self.eos_token_id is not None else 0
+        control = sorted({t.content for t in tokenizer.get_added_tokens_decoder().values()
+                          if t.special and t.content}, key=len, reverse=True)
+        self._control_re = re.compile("|".join(map(re.escape, control))) if control else None
+        self._plain_tokenizer: Tokenizer | None = None
+        self._plain_lock = threading.Lock()
 
     def _id_of(self, name: str) -> int | None:
         token = self.special_tokens.get(name)
@@ -105,7 +124,40 @@ class ChatTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if _PLAIN_OPEN not in text:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        ids: list[int] = []
+        pos = 0
+        for m in _PLAIN_RE.finditer(text):  # content's special strings, as plain text
+            ids += self.tokenizer.encode(text[pos:m.start()],
+                                         add_special_tokens=add_special_tokens and not ids).ids
+            ids += self._plain().encode(m.group(1), add_special_tokens=False).ids
+            pos = m.end()
+        return ids + self.tokenizer.encode(text[pos:], add_special_tokens=False).ids
+
+    def _plain(self) -> Tokenizer:
+        """A copy of the tokenizer that encodes special tokens' strings as plain text."""
+        with self._plain_lock:
+            if self._plain_tokenizer is None:
+                plain = Tokenizer.from_str(self.tokenizer.to_str())
+                plain.encode_special_tokens = True
+                self._plain_tokenizer = plain
+            return self._plain_tokenizer
+
+    def _content_as_text(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``messages`` with every special token's string inside a string ``content``
+        bracketed, so that ``encode`` gives its plain characters (a copy where any is)."""
+        pattern = self._control_re
+        if pattern is None:
+            return messages
+        out = []
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str) and pattern.search(content):
+                m = {**m, "content": pattern.sub(
+                    lambda s: f"{_PLAIN_OPEN}{s.group(0)}{_PLAIN_CLOSE}", content)}
+            out.append(m)
+        return out
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -113,7 +165,9 @@ class ChatTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Renders a message list to text, as transformers'
-        ``apply_chat_template(tokenize=False)``."""
+        ``apply_chat_template(tokenize=False)``; special token strings inside a message's
+        content come out bracketed, for ``encode`` to keep as plain text (the module doc)."""
+        messages = self._content_as_text(messages)
         if self._template is None:
             lines = [f"{m['role']}: {m['content']}\n" for m in messages]
             return "".join(lines) + ("assistant: " if add_generation_prompt else "")
