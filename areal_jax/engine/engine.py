@@ -53,6 +53,16 @@ from areal_jax.sampling_params import SamplingParams
 from areal_jax.tokenizer import ChatTokenizer, load_tokenizer
 from model_defs import JsonDict, load_hf
 
+
+def process_start_time() -> float:
+    """When this process started (seconds since the epoch), for start-up timings."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except (ImportError, OSError):
+        return time.time()
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -83,6 +93,11 @@ class GenerationEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        # Seconds from this process's start to each start-up milestone, and what each took
+        # (``startup_line`` prints them; /get_server_info reports them).
+        self._process_start = process_start_time()
+        t0 = time.perf_counter()
+        self.startup: dict[str, float] = {"imports_s": time.time() - self._process_start}
         path = check_model_dir(config.model_path)
         model, cfg = load_hf(path, dtype=config.dtype)
         max_seq_len = config.max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
@@ -107,6 +122,7 @@ class GenerationEngine:
             data_parallel=config.data_parallel,
         )
         del model
+        self.startup["load_s"] = time.perf_counter() - t0
         self._base_state = self.runner.state  # what LoRA adapters merge onto
         self._adapter: tuple[str, str] | None = None  # the active adapter (name, path)
         # Each adapter load gets an id. A request naming an adapter pins the id current at
@@ -145,16 +161,17 @@ class GenerationEngine:
         if config.warmup:
             t0 = time.perf_counter()
             self.runner.compile_programs(self.runner.essential_keys())
+            self.startup["programs_s"] = time.perf_counter() - t0
             if config.check_weights:  # compiles the updates' probe now; the start weights pass it
                 try:
                     check_probe_forward(self.runner.state, self.runner)
                 except WeightCheckError as e:
                     raise ModelPathError(f"model_path {path}: {e}") from None
-            logger.info("warm-up compiled %d programs in %.1fs (%s)", self.runner.num_compilations,
-                        time.perf_counter() - t0, self.runner.program_stats)
+            self.startup["compile_s"] = time.perf_counter() - t0
             rest = [k for k in self.runner.program_keys() if not self.runner.ready(k)]
             if rest:
                 self._compile_thread = self.runner.compile_in_background(rest)
+        self.startup["ready_s"] = time.time() - self._process_start
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -464,6 +481,7 @@ class GenerationEngine:
             "num_compilations": self.num_compilations,
             # compiled ahead of time: seconds and HLO size each; those still to come
             "programs": dict(self.runner.program_stats),
+            "startup": dict(self.startup),
             "programs_pending": [program_name(k) for k in self.runner.program_keys()
                                  if not self.runner.ready(k)],
             "compiled_functions": list(self.runner.compiled),
@@ -476,6 +494,21 @@ class GenerationEngine:
             "healthy": self.healthy,
             **self.stats,
         }
+
+    def startup_line(self) -> str:
+        """The start-up breakdown as one console line."""
+        st = self.startup
+        programs = ", ".join(f"{name} {p['compile_s']:.1f}s"
+                             for name, p in self.runner.program_stats.items())
+        pending = [program_name(k) for k in self.runner.program_keys() if not self.runner.ready(k)]
+        parts = [f"engine ready {st['ready_s']:.1f}s after process start: imports "
+                 f"{st['imports_s']:.1f}s, model load {st['load_s']:.1f}s"]
+        if "compile_s" in st:
+            parts.append(f"compile {st['compile_s']:.1f}s ({programs or 'none'}; the update "
+                         f"probe {st['compile_s'] - st['programs_s']:.1f}s)")
+        if pending:
+            parts.append(f"{', '.join(pending)} compiling in the background")
+        return ", ".join(parts)
 
     def decode_text(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None or not token_ids:
@@ -612,6 +645,8 @@ class GenerationEngine:
                     now = time.perf_counter()
                     done = [(slot, req, token, logprob) for (slot, req, _, _, last), token, logprob
                             in zip(call, tokens, logprobs, strict=True) if last]
+                    if done and "first_token_s" not in self.startup:
+                        self.startup["first_token_s"] = time.time() - self._process_start
                     for slot, req, token, logprob in done:
                         self._slots[slot] = req
                         req.first_token_time = now

@@ -573,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("serving %s on http://%s:%d (weight_version %s, %d compilations so far)",
                 args.model_path, args.host, args.port, engine.weight_version,
                 engine.num_compilations)
+    logger.info("%s", engine.startup_line())  # the start-up breakdown, one line
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                     timeout_keep_alive=30)
