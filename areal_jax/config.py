@@ -13,12 +13,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 from areal_jax.config_io import ConfigError, from_dict, load, to_dict
-from areal_jax.learner.config import AlgoConfig, OptimConfig, check_non_negative, check_positive
+from areal_jax.learner.config import (
+    AlgoConfig,
+    CriticConfig,
+    OptimConfig,
+    check_non_negative,
+    check_positive,
+)
 
 __all__ = [
     "AlgoConfig",
     "CheckpointConfig",
     "ConfigError",
+    "CriticConfig",
     "DataConfig",
     "EvalConfig",
     "JudgeSection",
@@ -498,6 +505,7 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)  # algo.name ppo: the value loss
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -536,6 +544,9 @@ class TrainConfig:
             raise ValueError(
                 f"train.seq_len ({self.train.seq_len}) must be larger than rollout.max_new_tokens "
                 f"({self.rollout.max_new_tokens}): a packed row holds a whole prompt + completion")
+        if self.critic != CriticConfig() and self.algo.advantage_mode != "gae":
+            raise ValueError(f"critic.loss / critic.huber_delta set a critic's value loss, but "
+                             f"algo.name={self.algo.name!r} has no critic (algo.name: ppo does)")
         if self.optim.schedule == "cosine" and self.optimizer_steps <= self.optim.warmup_steps:
             raise ValueError(
                 f"optim.warmup_steps ({self.optim.warmup_steps}) must be smaller than the "

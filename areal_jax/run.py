@@ -525,7 +525,9 @@ def build_learner_side(cfg: TrainConfig, stack: contextlib.ExitStack, model_path
     if cfg.algo.name == "ppo":  # actor-critic: a value model with its own optimizer state
         critic = Critic.from_hf(str(model_path), optim, value_eps_clip=cfg.algo.value_eps_clip,
                                 value_coef=cfg.algo.value_coef,
-                                ppo_n_minibatches=cfg.algo.ppo_n_minibatches, **model_kw)
+                                ppo_n_minibatches=cfg.algo.ppo_n_minibatches,
+                                value_loss=cfg.critic.loss,
+                                huber_delta=cfg.critic.huber_delta, **model_kw)
         critic_ckpt = TrainCheckpointer.from_config(cfg.checkpoint,
                                                     f"{ckpt_dir.rstrip('/')}-critic")
         stack.callback(critic_ckpt.close)

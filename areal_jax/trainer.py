@@ -381,6 +381,8 @@ class Trainer:
             "reward_std": float(rewards.std()),
             "n_trajectories": len(trajs),
             "completion_tokens_mean": float(np.mean([t.num_generated for t in trajs])),
+            # cut at the length limit (no EOS): GAE bootstraps these (docs/losses.md)
+            "truncated_frac": float(np.mean([t.truncated for t in trajs])),
             "tokens_consumed": self.progress.consumed_tokens,
             "step_time_s": time.perf_counter() - t_step,
             "rollout_wait_s": wait_s,

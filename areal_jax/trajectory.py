@@ -22,6 +22,10 @@ FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 # An agent's episode ended because its next model call no longer fitted the context.
 FINISH_CONTEXT = "context_length"
+# Finishes that cut an episode short rather than end it: the answer hit the token limit
+# (no EOS), or an agent's episode ran out of turns or context. GAE bootstraps these from
+# the critic's value after their last token (docs/losses.md, "Truncated answers").
+TRUNCATED_FINISHES = (FINISH_LENGTH, FINISH_CONTEXT)
 
 
 @dataclass
@@ -62,6 +66,12 @@ class Trajectory:
     @property
     def num_generated(self) -> int:
         return int(self.loss_mask.sum())
+
+    @property
+    def truncated(self) -> bool:
+        """The episode was cut short (``finish_reason`` in ``TRUNCATED_FINISHES``), not
+        finished: its return continues past its last token."""
+        return self.finish_reason in TRUNCATED_FINISHES
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

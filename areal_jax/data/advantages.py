@@ -1,6 +1,7 @@
 """Advantages for every algorithm, from a batch's rewards: the one place they are asked for.
 
-* GRPO / RLOO / Dr.GRPO (``algo.name`` grpo, rloo, dr_grpo): one scalar per trajectory,
+* GRPO / RLOO / Dr.GRPO (``algo.name`` grpo, rloo, drgrpo, and gspo, cispo, sapo with
+  GRPO's: ``AlgoConfig.advantage_mode``): one scalar per trajectory,
   per group of samples of one prompt, from the shaped rewards alone
   (``group_advantages_for``); the trajectory pipeline (``data/trajectories.py``) calls it
   while it batches, and packing spreads each scalar over the trajectory's loss tokens.
@@ -51,7 +52,8 @@ def shaped_rewards(cfg: TrainConfig, trajs: list[Trajectory]) -> np.ndarray:
 def group_advantages_for(cfg: TrainConfig, groups: list[list[Trajectory]]) -> np.ndarray:
     """A batch's groups -> per-trajectory advantages (GRPO / RLOO / Dr.GRPO), fp32."""
     trajs = [t for g in groups for t in g]
-    adv = group_advantages(shaped_rewards(cfg, trajs), len(groups[0]), mode=cfg.algo.name)
+    adv = group_advantages(shaped_rewards(cfg, trajs), len(groups[0]),
+                           mode=cfg.algo.advantage_mode)
     return np.asarray(adv, np.float32)
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
-from areal_jax.losses import AGG_MODES, GROUP_MODES, KL_ESTIMATORS, RATIO_LEVELS, PPOLossConfig
+from areal_jax.losses import AGG_MODES, KL_ESTIMATORS, RATIO_LEVELS, PPOLossConfig
 from areal_jax.losses.behav_correction import (
     BAND_CORRECTIONS,
     BEHAV_CORRECTIONS,
@@ -23,7 +23,29 @@ from areal_jax.losses.ppo import RatioLevel
 from areal_jax.losses.segments import AggMode
 
 SCHEDULES = ("constant", "cosine")
-ALGORITHMS = (*GROUP_MODES, "ppo")  # GROUP_MODES: grpo, rloo, drgrpo, gspo
+
+
+class AlgorithmSpec(NamedTuple):
+    """What an ``algo.name`` means: how its advantages are made (a ``losses.GROUP_MODES``
+    key, or "gae": a critic's GAE), the policy objective it trains (``losses.OBJECTIVES``,
+    always through the decoupled loss) and its default ``ratio_level``."""
+
+    advantages: str
+    objective: str = "ppo"
+    ratio_level: str = "token"
+
+
+# algo.name -> its spec. A new algorithm is one line here (and its docs).
+ALGORITHM_SPECS: dict[str, AlgorithmSpec] = {
+    "grpo": AlgorithmSpec("grpo"),
+    "rloo": AlgorithmSpec("rloo"),
+    "drgrpo": AlgorithmSpec("drgrpo"),
+    "gspo": AlgorithmSpec("grpo", ratio_level="sequence"),  # GRPO advantages, sequence ratio
+    "cispo": AlgorithmSpec("grpo", objective="cispo"),  # MiniMax-M1
+    "sapo": AlgorithmSpec("grpo", objective="sapo"),  # Qwen's soft-gated objective
+    "ppo": AlgorithmSpec("gae"),  # actor-critic
+}
+ALGORITHMS = tuple(ALGORITHM_SPECS)
 
 
 def check_positive(section: str, **values: float | int | None) -> None:
@@ -84,14 +106,34 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class CriticConfig:
+    """``critic``: the value model's loss (``algo.name: ppo``; its clip range and weight are
+    ``algo.value_eps_clip`` and ``algo.value_coef``). ``loss``: "mse" (0.5 (V - R)^2) or
+    "huber" (quadratic within ``huber_delta`` of the return, linear beyond: a bounded
+    gradient for returns far from the values); both clipped around the old values."""
+
+    loss: Literal["mse", "huber"] = "mse"
+    huber_delta: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_choice("critic", "loss", self.loss, ("mse", "huber"))
+        check_positive("critic", huber_delta=self.huber_delta)
+        if not math.isfinite(self.huber_delta):
+            raise ValueError(f"critic.huber_delta must be a finite number, got "
+                             f"{self.huber_delta} (plain 0.5 * squared error is critic.loss=mse)")
+
+
+@dataclass(frozen=True)
 class AlgoConfig:
     """The RL algorithm and its PPO update (see docs/architecture.md, "The decoupled PPO
     loss"). ``decoupled=False`` is naive PPO: prox_logp := behav_logp, so no recompute and
     no behaviour importance weight. ``kl_coef > 0`` adds a KL penalty to ``ref_logp``,
     which the micro-batches must then carry."""
 
-    # gspo: GRPO advantages with sequence-level (geometric-mean) importance ratios
-    name: Literal["grpo", "rloo", "drgrpo", "gspo", "ppo"] = "grpo"  # ppo: actor-critic, GAE
+    # One of ALGORITHMS (ALGORITHM_SPECS: its advantages, objective and ratio level):
+    # grpo | rloo | drgrpo | gspo (GRPO advantages, sequence-level ratio) | cispo | sapo |
+    # ppo (actor-critic, GAE)
+    name: str = "grpo"
     decoupled: bool = True  # decoupled PPO (prox recompute + behaviour weights); False: naive
     eps_clip: float = 0.2
     eps_clip_higher: float | None = None  # DAPO clip-higher
@@ -111,7 +153,10 @@ class AlgoConfig:
     ratio_level: RatioLevel | None = None
     dynamic_filter: bool = False  # DAPO: drop groups whose rewards are all equal
     kl_coef: float = 0.0  # reference-model KL penalty (0: no reference model)
-    kl_estimator: KLEstimator = "k3"
+    kl_estimator: KLEstimator = "k3"  # k1 | k2 | k3 | low_var_kl | k1+ | k3+ | low_var_kl+
+    kl_clamp: float | None = None  # clip each token's KL estimate to [-kl_clamp, kl_clamp]
+    sapo_tau_pos: float = 1.0  # sapo: gate temperature where A > 0
+    sapo_tau_neg: float = 1.05  # sapo: gate temperature where A <= 0
     gamma: float = 1.0  # ppo only
     lam: float = 1.0  # ppo only
     value_eps_clip: float = 0.2  # ppo only
@@ -131,7 +176,18 @@ class AlgoConfig:
         check_positive("algo", eps_clip=self.eps_clip, ppo_n_minibatches=self.ppo_n_minibatches,
                        behav_imp_weight_cap=self.behav_imp_weight_cap,
                        eps_clip_higher=self.eps_clip_higher,
-                       mismatch_warn_abs_diff=self.mismatch_warn_abs_diff)
+                       mismatch_warn_abs_diff=self.mismatch_warn_abs_diff,
+                       kl_clamp=self.kl_clamp, sapo_tau_pos=self.sapo_tau_pos,
+                       sapo_tau_neg=self.sapo_tau_neg)
+        objective = self.spec.objective
+        if objective != "ppo" and self.c_clip is not None:
+            raise ValueError(f"algo.c_clip (PPO's dual clip) does not apply to algo.name="
+                             f"{self.name!r}, whose objective bounds its weight itself; set "
+                             "algo.c_clip=null")
+        if objective == "sapo" and self.eps_clip_higher is not None:
+            raise ValueError("algo.eps_clip_higher does not apply to algo.name='sapo' (a soft "
+                             "gate, no hard clip: tune algo.sapo_tau_pos / algo.sapo_tau_neg); "
+                             "set algo.eps_clip_higher=null")
         self._check_behav_correction()
         if self.c_clip is not None and not self.c_clip > 1:
             raise ValueError(f"algo.c_clip must be > 1 (or null), got {self.c_clip}")
@@ -168,6 +224,16 @@ class AlgoConfig:
         if not (low >= 0 and high > low):
             raise ValueError(f"algo.behav_correction_low={low} and algo.behav_correction_high="
                              f"{high} must satisfy 0 <= low < high")
+
+    @property
+    def spec(self) -> AlgorithmSpec:
+        """``ALGORITHM_SPECS[name]``: its advantages, objective and default ratio level."""
+        return ALGORITHM_SPECS[self.name]
+
+    @property
+    def advantage_mode(self) -> str:
+        """How advantages are made: a ``losses.GROUP_MODES`` key, or "gae" (the critic)."""
+        return self.spec.advantages
 
     @property
     def resolved_behav_correction(self) -> str:
@@ -208,11 +274,13 @@ class AlgoConfig:
                              behav_correction_low=low, behav_correction_high=high,
                              agg_mode=self.agg_mode,
                              seq_token_sum_normalizer=seq_token_sum_normalizer,
-                             ratio_level=self.resolved_ratio_level)
+                             ratio_level=self.resolved_ratio_level,
+                             objective=self.spec.objective, sapo_tau_pos=self.sapo_tau_pos,
+                             sapo_tau_neg=self.sapo_tau_neg)
 
     @property
     def resolved_ratio_level(self) -> str:
         """``ratio_level``, or its default for ``name``: "sequence" for gspo, else "token"."""
         if self.ratio_level is not None:
             return self.ratio_level
-        return "sequence" if self.name == "gspo" else "token"
+        return self.spec.ratio_level

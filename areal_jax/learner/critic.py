@@ -54,6 +54,7 @@ from areal_jax.learner.trainable import (
     configure_model,
 )
 from areal_jax.losses import packed_gae, ppo_value_loss
+from areal_jax.losses.critic import VALUE_LOSSES
 from areal_jax.losses.step_metrics import ValueSums, finalise_value_step
 from areal_jax.parallel.mesh import make_mesh, put_batch, replicated
 from areal_jax.trajectory import Trajectory
@@ -89,34 +90,46 @@ class ValueModel(nnx.Module):
     def __call__(self, input_ids_bt: jax.Array, positions_bt: jax.Array,
                  segment_ids_bt: jax.Array) -> jax.Array:
         """fp32 values [B, T]: ``values[r, t] = head(h[r, t-1])`` within a segment, else 0."""
+        return self.values_and_next(input_ids_bt, positions_bt, segment_ids_bt)[0]
+
+    def values_and_next(self, input_ids_bt: jax.Array, positions_bt: jax.Array,
+                        segment_ids_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(values, next values), fp32 [B, T] each: ``values`` as ``__call__``;
+        ``next[r, t] = head(h[r, t])``, the value of the state after token t (0 on
+        padding), which GAE reads at a truncated sequence's last token."""
         hidden_btd = self.backbone.hidden_states(input_ids_bt, positions=positions_bt,
                                                  segment_ids=segment_ids_bt)
         value_of_next_bt = jnp.einsum(
             "btd,d->bt", hidden_btd.astype(jnp.float32),
             self.value_head_d[...].astype(jnp.float32)) + self.value_bias[...].astype(jnp.float32)
-        return jnp.where(predicted_mask(segment_ids_bt), shift_right(value_of_next_bt), 0.0)
+        values_bt = jnp.where(predicted_mask(segment_ids_bt), shift_right(value_of_next_bt), 0.0)
+        return values_bt, jnp.where(segment_ids_bt > 0, value_of_next_bt, 0.0)
 
 
-def make_values_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None
-                   ) -> Callable[..., jax.Array]:
-    """(params, rest, batch) -> values_bt (fp32 [R, L])."""
+def make_values_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None, *,
+                   with_next: bool = False) -> Callable[..., jax.Array]:
+    """(params, rest, batch) -> values_bt (fp32 [R, L]); ``with_next``: (values_bt,
+    next_values_bt) (``ValueModel.values_and_next``)."""
 
     def values_fn(params, rest, batch):
         model = nnx.merge(graphdef, cast_params(params, compute_dtype), rest)
         with fp32_matmuls(compute_dtype):  # fp32 stays fp32 on GPU/TPU (model_defs.precision)
-            return model(batch["input_ids"], batch["positions"], batch["segment_ids"])
+            args = (batch["input_ids"], batch["positions"], batch["segment_ids"])
+            return model.values_and_next(*args) if with_next else model(*args)
 
     return values_fn
 
 
 def make_value_grad_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None,
-                       value_eps_clip: float | None, value_coef: float
+                       value_eps_clip: float | None, value_coef: float,
+                       value_loss: str = "mse", huber_delta: float = 1.0
                        ) -> Callable[..., tuple[PyTree, ValueSums]]:
     """(params, rest, grads, sums, batch, denom, n_loss_tokens, version) -> (grads, sums).
 
     The signature of the learner's PPO grad function, so the learner's gradient
     accumulation drives it: adds this micro-batch's gradient of ``value_coef *
-    clipped value loss`` normalised by ``denom`` (the minibatch's global loss-token count).
+    clipped value loss`` (``value_loss``: "mse" or "huber" with ``huber_delta``) normalised
+    by ``denom`` (the minibatch's global loss-token count).
     """
     values_fn = make_values_fn(graphdef, compute_dtype)
 
@@ -124,7 +137,8 @@ def make_value_grad_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None,
         values_bt = values_fn(params, rest, batch)
         loss, stats = ppo_value_loss(values_bt, batch["old_values"], batch["returns"],
                                      batch["loss_mask"], value_eps_clip=value_eps_clip,
-                                     normalizer=denom)
+                                     normalizer=denom, loss=value_loss,
+                                     huber_delta=huber_delta)
         return value_coef * loss, (loss, values_bt, stats)
 
     def grad_fn(params, rest, grads, sums, batch, denom, n_loss_tokens, version):
@@ -158,13 +172,15 @@ def make_value_grad_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None,
     return grad_fn
 
 
-def _values_program(params, rest, batch, *, graphdef, compute_dtype):
-    return make_values_fn(graphdef, compute_dtype)(params, rest, batch)
+def _values_program(params, rest, batch, *, graphdef, compute_dtype, with_next=False):
+    return make_values_fn(graphdef, compute_dtype, with_next=with_next)(params, rest, batch)
 
 
 def _value_grad_program(params, rest, grads, sums, batch, denom, n_loss_tokens, version, *,
-                        graphdef, compute_dtype, value_eps_clip, value_coef):
-    fn = make_value_grad_fn(graphdef, compute_dtype, value_eps_clip, value_coef)
+                        graphdef, compute_dtype, value_eps_clip, value_coef, value_loss,
+                        huber_delta):
+    fn = make_value_grad_fn(graphdef, compute_dtype, value_eps_clip, value_coef, value_loss,
+                            huber_delta)
     return fn(params, rest, grads, sums, batch, denom, n_loss_tokens, version)
 
 
@@ -204,6 +220,8 @@ class Critic(TrainableModel[ValueModel]):
       value_eps_clip: clip range of the value loss around ``old_values`` (None: no clip).
       value_coef: weight of the value loss (with AdamW this mostly matters through
         ``max_grad_norm`` clipping).
+      value_loss: "mse" (0.5 (V - R)^2) or "huber" (quadratic within ``huber_delta`` of the
+        return, linear beyond), both clipped around ``old_values`` by ``value_eps_clip``.
       ppo_n_minibatches: optimizer steps per ``train_step``; the micro-batches must be packed
         with ``n_minibatches`` equal to it, as for the policy.
       compute_dtype, remat, compiler_options, attention: as for
@@ -213,6 +231,7 @@ class Critic(TrainableModel[ValueModel]):
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, optim: OptimConfig, *,
                  mesh: Mesh | None = None, value_eps_clip: float | None = 0.2,
                  value_coef: float = 1.0, ppo_n_minibatches: int = 1,
+                 value_loss: str = "mse", huber_delta: float = 1.0,
                  compute_dtype: DTypeLike | None = None, remat: bool | str | None = None,
                  compiler_options: CompilerOptions | None = None,
                  attention: str | None = None):
@@ -223,8 +242,14 @@ class Critic(TrainableModel[ValueModel]):
             raise ValueError(f"critic value_eps_clip must be > 0 (or None), got {value_eps_clip!r}")
         if not (np.isfinite(value_coef) and value_coef > 0):
             raise ValueError(f"critic value_coef must be > 0, got {value_coef!r}")
+        if value_loss not in VALUE_LOSSES:
+            raise ValueError(f"critic value_loss={value_loss!r}; expected one of "
+                             f"{list(VALUE_LOSSES)}")
+        if not (np.isfinite(huber_delta) and huber_delta > 0):
+            raise ValueError(f"critic huber_delta must be > 0, got {huber_delta!r}")
         self.value_eps_clip = None if value_eps_clip is None else float(value_eps_clip)
         self.value_coef = float(value_coef)
+        self.value_loss, self.huber_delta = value_loss, float(huber_delta)
         configure_model(model, remat=remat, attention=attention)  # the backbone's
         super().__init__(ValueModel(model), model_cfg, optim, n_minibatches=ppo_n_minibatches,
                          mesh=mesh, compute_dtype=compute_dtype,
@@ -233,7 +258,8 @@ class Critic(TrainableModel[ValueModel]):
     @classmethod
     def from_hf(cls, path: str, optim: OptimConfig, *, mesh: Mesh | None = None,
                 value_eps_clip: float | None = 0.2, value_coef: float = 1.0,
-                ppo_n_minibatches: int = 1, compute_dtype: DTypeLike = "float32",
+                ppo_n_minibatches: int = 1, value_loss: str = "mse", huber_delta: float = 1.0,
+                compute_dtype: DTypeLike = "float32",
                 remat: bool | str = False,
                 compiler_options: CompilerOptions | None = None,
                 attention: str | None = None) -> Critic:
@@ -242,6 +268,7 @@ class Critic(TrainableModel[ValueModel]):
         model, cfg = load_hf(path, dtype="float32", mesh=mesh)
         return cls(model, cfg, optim, mesh=mesh, value_eps_clip=value_eps_clip,
                    value_coef=value_coef, ppo_n_minibatches=ppo_n_minibatches,
+                   value_loss=value_loss, huber_delta=huber_delta,
                    compute_dtype=compute_dtype, remat=remat, compiler_options=compiler_options,
                    attention=attention)
 
@@ -251,9 +278,11 @@ class Critic(TrainableModel[ValueModel]):
         model = {"graphdef": self._graphdef, "compute_dtype": self.compute_dtype}
         self._count = Program(_loss_token_count, {}, out_shardings=rep, **opts)
         self._grad = Program(_value_grad_program, {
-            **model, "value_eps_clip": self.value_eps_clip, "value_coef": self.value_coef},
+            **model, "value_eps_clip": self.value_eps_clip, "value_coef": self.value_coef,
+            "value_loss": self.value_loss, "huber_delta": self.huber_delta},
             donate_argnums=(2, 3), out_shardings=(self.param_shardings, rep), **opts)
         self._values = Program(_values_program, model, **opts)
+        self._values_next = Program(_values_program, {**model, "with_next": True}, **opts)
 
     # ------------------------------------------------------------------ values
     def compute_values(self, micro_batches: Sequence[MicroBatch]) -> list[np.ndarray]:
@@ -267,6 +296,16 @@ class Critic(TrainableModel[ValueModel]):
             return [self._values(self.params, self._rest, self._put(mb, LOGP_KEYS))
                     for mb in micro_batches]
 
+    def _device_values_and_next(self, micro_batches: Sequence[MicroBatch]
+                                ) -> tuple[list[jax.Array], list[jax.Array]]:
+        """(values, next values) per micro-batch, on the devices
+        (``ValueModel.values_and_next``)."""
+        self._check_micro_batches(micro_batches, LOGP_KEYS)
+        with use_mesh(self.mesh):
+            pairs = [self._values_next(self.params, self._rest, self._put(mb, LOGP_KEYS))
+                     for mb in micro_batches]
+        return [v for v, _ in pairs], [n for _, n in pairs]
+
     def gae_targets(self, micro_batches: Sequence[PackedBatch], trajs: Sequence[Trajectory], *,
                     gamma: float, lam: float, rewards: Sequence[float] | np.ndarray | None = None,
                     normalize: bool = True) -> ValueTargets:
@@ -275,18 +314,21 @@ class Critic(TrainableModel[ValueModel]):
         ``micro_batches`` are ``trajs`` packed by ``pack_trajectories`` (any advantages),
         and stay as they are; ``rewards`` (default ``t.reward``) are e.g. shaped rewards;
         ``normalize`` standardises the advantages over the batch's loss tokens (returns
-        unchanged). Returns new micro-batches with the advantages, and the critic's
-        ``returns`` and ``old_values``.
+        unchanged). A truncated trajectory (``Trajectory.truncated``, packed as the
+        micro-batches' ``truncated``) is bootstrapped from the critic's value of the state
+        after its last token. Returns new micro-batches with the advantages, and the
+        critic's ``returns`` and ``old_values``.
         """
         reward_n = np.asarray([t.reward for t in trajs] if rewards is None else rewards,
                               np.float64)
         if reward_n.shape != (len(trajs),):
             raise ValueError(f"gae_targets: rewards has shape {reward_n.shape}; expected "
                              f"({len(trajs)},), one per trajectory")
-        values = self._device_values(micro_batches)
+        values, next_values = self._device_values_and_next(micro_batches)
         with use_mesh(self.mesh):
             return packed_gae_targets(micro_batches, values, reward_n, gamma=gamma, lam=lam,
-                                      normalize=normalize, mesh=self.mesh)
+                                      normalize=normalize, mesh=self.mesh,
+                                      bootstrap_values=next_values)
 
     # ------------------------------------------------------------------ training
     def _value_micro_batches(self, micro_batches: Sequence[MicroBatch],
@@ -382,39 +424,54 @@ class Critic(TrainableModel[ValueModel]):
 
 # ----------------------------------------------------------------------------- GAE, packed
 class _MicroBatchGAE(NamedTuple):
-    """One micro-batch's GAE, on device: the raw advantages and returns [R, L], and the
-    sums the batch-wide normalisation needs."""
+    """One micro-batch's GAE, on device: the raw advantages and returns [R, L], and what
+    the batch-wide normalisation needs."""
 
     advantages: jax.Array
     returns: jax.Array
     n_loss_tokens: jax.Array
-    advantage_sum: jax.Array  # over the loss tokens
+    first_advantage: jax.Array  # of its first loss token (0 without one): a centring pivot
     values_finite: jax.Array  # every value of a real token (segment id > 0) is finite
 
 
 @functools.partial(jax.jit, static_argnames=("gamma", "lam"))
 def _gae_program(batch: dict[str, jax.Array], *, gamma: float, lam: float) -> _MicroBatchGAE:
     """GAE on one micro-batch's packed rows (``rewards``, ``values``, ``loss_mask``,
-    ``segment_ids``)."""
+    ``segment_ids``, and ``truncated`` with ``bootstrap_values`` when present)."""
     values_rl, mask_rl = batch["values"], batch["loss_mask"] != 0
-    advantages_rl, returns_rl = packed_gae(batch["rewards"], values_rl, mask_rl,
-                                           batch["segment_ids"], gamma, lam)
+    advantages_rl, returns_rl = packed_gae(
+        batch["rewards"], values_rl, mask_rl, batch["segment_ids"], gamma, lam,
+        truncated=batch.get("truncated"), bootstrap_values=batch.get("bootstrap_values"))
+    flat_mask = mask_rl.reshape(-1)
+    first = jnp.argmax(flat_mask)
+    real = batch["segment_ids"] > 0
+    finite = jnp.all(jnp.isfinite(values_rl) | ~real)
+    if "truncated" in batch:  # the bootstrap values that are read must be finite too
+        finite &= jnp.all(jnp.isfinite(batch["bootstrap_values"]) | ~real
+                          | (batch["truncated"] == 0))
     return _MicroBatchGAE(
         advantages_rl, returns_rl, jnp.sum(mask_rl).astype(jnp.float32),
-        jnp.sum(jnp.where(mask_rl, advantages_rl, 0.0)),
-        jnp.all(jnp.isfinite(values_rl) | (batch["segment_ids"] == 0)))
+        jnp.where(flat_mask[first], advantages_rl.reshape(-1)[first], 0.0), finite)
+
+
+@jax.jit
+def _deviation_sum_program(advantages_rl: jax.Array, loss_mask_rl: jax.Array,
+                           pivot: jax.Array) -> jax.Array:
+    """Σ (A - pivot) over the loss tokens."""
+    return jnp.sum(jnp.where(loss_mask_rl != 0, advantages_rl - pivot, 0.0))
 
 
 @jax.jit
 def _squared_deviation_program(advantages_rl: jax.Array, loss_mask_rl: jax.Array,
-                               mean: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.where(loss_mask_rl != 0, jnp.square(advantages_rl - mean), 0.0))
+                               pivot: jax.Array, mean_dev: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.where(loss_mask_rl != 0,
+                             jnp.square((advantages_rl - pivot) - mean_dev), 0.0))
 
 
 @functools.partial(jax.jit, static_argnames=("eps",))
-def _standardize_program(advantages_rl: jax.Array, loss_mask_rl: jax.Array, mean: jax.Array,
-                         std: jax.Array, *, eps: float) -> jax.Array:
-    return jnp.where(loss_mask_rl != 0, (advantages_rl - mean) / (std + eps), 0.0)
+def _standardize_program(advantages_rl: jax.Array, loss_mask_rl: jax.Array, pivot: jax.Array,
+                         mean_dev: jax.Array, std: jax.Array, *, eps: float) -> jax.Array:
+    return jnp.where(loss_mask_rl != 0, ((advantages_rl - pivot) - mean_dev) / (std + eps), 0.0)
 
 
 def terminal_rewards(batch: PackedBatch, reward_n: np.ndarray) -> np.ndarray:
@@ -433,21 +490,26 @@ def terminal_rewards(batch: PackedBatch, reward_n: np.ndarray) -> np.ndarray:
 
 def packed_gae_targets(micro_batches: Sequence[PackedBatch], values: Sequence[ArrayLike],
                        rewards: ArrayLike, *, gamma: float, lam: float, normalize: bool = True,
-                       eps: float = 1e-5, mesh: Mesh | None = None) -> ValueTargets:
+                       eps: float = 1e-5, mesh: Mesh | None = None,
+                       bootstrap_values: Sequence[ArrayLike] | None = None) -> ValueTargets:
     """GAE over packed micro-batches, on device: the policy's advantages and the critic's
     returns, with no trajectory unpacked and no array brought back to the host.
 
     Each trajectory's reward (``rewards[i]`` for trajectory i of the placements) sits on
     its last loss token; GAE (:func:`~areal_jax.losses.packed_gae`) runs over the loss
     tokens of each packed sequence (prompt and environment tokens are skipped, their
-    advantages and returns are 0) and the value after the last one is 0. ``values`` are one
-    [R, L] array per micro-batch, aligned like the critic's (value of token t = V(state
-    before t)); device arrays stay where they are, host ones are placed on ``mesh``.
+    advantages and returns are 0) and the value after the last one is 0, or, for a
+    trajectory cut short (the micro-batch's ``truncated``, from ``Trajectory.truncated``),
+    ``bootstrap_values`` at its last token: V(state after it), the critic's
+    ``values_and_next``. ``values`` (and ``bootstrap_values``) are one [R, L] array per
+    micro-batch, aligned like the critic's (value of token t = V(state before t)); device
+    arrays stay where they are, host ones are placed on ``mesh``.
 
     ``normalize`` standardises the advantages over the loss tokens of all micro-batches
-    together, as ``losses.normalize_advantages`` over the whole batch: each micro-batch's
-    program sums its advantages (then their squared deviations), and the batch totals give
-    the mean and std. Returns stay ``A + V`` of the raw advantages.
+    together, as ``losses.normalize_advantages`` over the whole batch: centred on the
+    batch's first loss-token advantage (so equal advantages come out exactly 0), each
+    micro-batch's program sums its deviations (then their squares), and the batch totals
+    give the mean and std. Returns stay ``A + V`` of the raw advantages.
 
     The micro-batches passed in are not modified: the result holds new ones
     (``dataclasses.replace``) whose ``advantages`` are the device arrays.
@@ -459,6 +521,10 @@ def packed_gae_targets(micro_batches: Sequence[PackedBatch], values: Sequence[Ar
     if len(values) != len(micro_batches):
         raise ValueError(f"{fn}: got {len(values)} value arrays for {len(micro_batches)} "
                          "micro-batches; pass one [R, L] array per micro-batch")
+    if bootstrap_values is not None and len(bootstrap_values) != len(micro_batches):
+        raise ValueError(f"{fn}: got {len(bootstrap_values)} bootstrap_values arrays for "
+                         f"{len(micro_batches)} micro-batches; pass one [R, L] array per "
+                         "micro-batch")
     for name, value in (("gamma", gamma), ("lam", lam)):
         if not (isinstance(value, int | float) and 0.0 <= value <= 1.0):
             raise ValueError(f"{fn}: {name}={value!r}; expected a number in [0, 1]")
@@ -485,20 +551,40 @@ def packed_gae_targets(micro_batches: Sequence[PackedBatch], values: Sequence[Ar
         if tuple(np.shape(values_rl)) != mb.shape:
             raise ValueError(f"{fn}: micro-batch {i}: values has shape {np.shape(values_rl)}, "
                              f"expected {mb.shape} like input_ids")
-        batches.append({"rewards": on_device(terminal_rewards(mb, reward_n), np.float32),
-                        "values": on_device(values_rl, np.float32),
-                        "loss_mask": on_device(mb.loss_mask, np.int32),
-                        "segment_ids": on_device(mb.segment_ids, np.int32)})
-        gaes.append(_gae_program(batches[-1], gamma=float(gamma), lam=float(lam)))
+        batch = {"rewards": on_device(terminal_rewards(mb, reward_n), np.float32),
+                 "values": on_device(values_rl, np.float32),
+                 "loss_mask": on_device(mb.loss_mask, np.int32),
+                 "segment_ids": on_device(mb.segment_ids, np.int32)}
+        truncated = getattr(mb, "truncated", None)
+        if truncated is not None and np.any(truncated):
+            if bootstrap_values is None:
+                raise ValueError(f"{fn}: micro-batch {i} holds truncated trajectories "
+                                 "(finish reason length) but no bootstrap_values were given "
+                                 "(the critic's next values: Critic.gae_targets passes them)")
+            boot_rl = bootstrap_values[i]
+            if tuple(np.shape(boot_rl)) != mb.shape:
+                raise ValueError(f"{fn}: micro-batch {i}: bootstrap_values has shape "
+                                 f"{np.shape(boot_rl)}, expected {mb.shape} like input_ids")
+            batch["truncated"] = on_device(truncated, np.int32)
+            batch["bootstrap_values"] = on_device(boot_rl, np.float32)
+        batches.append(batch)
+        gaes.append(_gae_program(batch, gamma=float(gamma), lam=float(lam)))
     advantages = [g.advantages for g in gaes]
     if normalize:  # the batch totals, summed on device
         count = functools.reduce(jnp.add, [g.n_loss_tokens for g in gaes])
-        mean = functools.reduce(jnp.add, [g.advantage_sum for g in gaes]) / jnp.maximum(count, 1.0)
+        # The pivot: the first loss-token advantage of the first micro-batch that has one.
+        pivot = jnp.zeros((), jnp.float32)
+        for g in reversed(gaes):
+            pivot = jnp.where(g.n_loss_tokens > 0, g.first_advantage, pivot)
+        mean_dev = functools.reduce(jnp.add, [
+            _deviation_sum_program(adv, b["loss_mask"], pivot)
+            for adv, b in zip(advantages, batches, strict=True)]) / jnp.maximum(count, 1.0)
         sq_dev = functools.reduce(jnp.add, [
-            _squared_deviation_program(adv, b["loss_mask"], mean)
+            _squared_deviation_program(adv, b["loss_mask"], pivot, mean_dev)
             for adv, b in zip(advantages, batches, strict=True)])
         std = jnp.sqrt(sq_dev / jnp.maximum(count, 1.0))
-        advantages = [_standardize_program(adv, b["loss_mask"], mean, std, eps=float(eps))
+        advantages = [_standardize_program(adv, b["loss_mask"], pivot, mean_dev, std,
+                                           eps=float(eps))
                       for adv, b in zip(advantages, batches, strict=True)]
     # The only fetch: one flag per micro-batch.
     finite = np.asarray(jnp.stack([g.values_finite for g in gaes]))

@@ -49,7 +49,11 @@ PACKED_FIELDS: dict[str, type] = {
     "advantages": np.float32,
     "versions": np.int32,
 }
-OPTIONAL_FIELDS: dict[str, type] = {"prox_logp": np.float32, "ref_logp": np.float32}
+# ``truncated``: 1 on every token of a trajectory cut short (``Trajectory.truncated``: no
+# EOS, the token limit reached), 0 elsewhere; set by ``pack_trajectories``, read by the
+# critic's GAE, which bootstraps such a sequence from the value after its last token.
+OPTIONAL_FIELDS: dict[str, type] = {"prox_logp": np.float32, "ref_logp": np.float32,
+                                    "truncated": np.int32}
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ class PackedBatch:
     n_shards: int = 1
     prox_logp: np.ndarray | None = None  # in the copies Learner.recompute_prox_logp returns
     ref_logp: np.ndarray | None = None  # reference-model logprobs, for a KL penalty
+    truncated: np.ndarray | None = None  # 1 on the tokens of truncated trajectories
 
     def __getitem__(self, key: str) -> np.ndarray | jax.Array:
         if key not in PACKED_FIELDS and key not in OPTIONAL_FIELDS:
@@ -300,6 +305,7 @@ def _micro_batches(trajs: Sequence[Trajectory], advs: list[np.ndarray], rows: li
     for m in range(n_micro):
         arrays: dict[str, np.ndarray] = {k: np.zeros(shape, dtype)
                                          for k, dtype in PACKED_FIELDS.items()}
+        truncated = np.zeros(shape, np.int32)
         placements = []
         for s in range(n_shards):
             # Slot order within a shard: heaviest row first, for readability of dumps.
@@ -317,6 +323,7 @@ def _micro_batches(trajs: Sequence[Trajectory], advs: list[np.ndarray], rows: li
                     arrays["behav_logp"][row, span] = t.behav_logp * (t.loss_mask != 0)
                     arrays["advantages"][row, span] = advs[ti]
                     arrays["versions"][row, span] = t.versions
+                    truncated[row, span] = int(t.truncated)
                     placements.append(Placement(ti, row, start, n))
                     start += n
         batches.append(PackedBatch(
@@ -324,7 +331,7 @@ def _micro_batches(trajs: Sequence[Trajectory], advs: list[np.ndarray], rows: li
             segment_ids=arrays["segment_ids"], loss_mask=arrays["loss_mask"],
             behav_logp=arrays["behav_logp"], advantages=arrays["advantages"],
             versions=arrays["versions"], placements=placements, minibatch_id=minibatch_id,
-            n_shards=n_shards))
+            n_shards=n_shards, truncated=truncated))
     return batches
 
 

@@ -164,7 +164,8 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None, algo: 
         loss = terms.loss_sum / jnp.maximum(denom, 1.0)
         kl_ref = jnp.zeros((), jnp.float32)
         if algo.kl_coef > 0:
-            kl_bt = token_kl(logp_bt, batch["ref_logp"], algo.kl_estimator, mask=mask_bt)
+            kl_bt = token_kl(logp_bt, batch["ref_logp"], algo.kl_estimator, mask=mask_bt,
+                             clamp=algo.kl_clamp)
             kl_ref = jnp.sum(kl_bt) / jnp.maximum(n_loss_tokens, 1.0)
             loss = loss + algo.kl_coef * kl_ref
         # The learner's logprobs under the weights it holds: prox (decoupled), else logp.

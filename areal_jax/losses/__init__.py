@@ -15,7 +15,7 @@ from areal_jax.losses.advantages import (
     shape_rewards,
 )
 from areal_jax.losses.behav_correction import BEHAV_CORRECTIONS, behav_correction
-from areal_jax.losses.critic import ppo_value_loss
+from areal_jax.losses.critic import VALUE_LOSSES, ppo_value_loss
 from areal_jax.losses.kl import KL_ESTIMATORS, token_kl
 from areal_jax.losses.logprobs import (
     entropy_from_logits,
@@ -24,6 +24,7 @@ from areal_jax.losses.logprobs import (
 )
 from areal_jax.losses.mismatch import lag_bucket_names, mismatch_stats, mismatch_terms
 from areal_jax.losses.ppo import (
+    OBJECTIVES,
     RATIO_LEVELS,
     PPOInputs,
     PPOLossConfig,
@@ -42,7 +43,9 @@ __all__ = [
     "BEHAV_CORRECTIONS",
     "GROUP_MODES",
     "KL_ESTIMATORS",
+    "OBJECTIVES",
     "RATIO_LEVELS",
+    "VALUE_LOSSES",
     "PPOInputs",
     "PPOLossConfig",
     "PPOLossTerms",

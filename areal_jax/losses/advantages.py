@@ -82,35 +82,44 @@ def group_advantages(
         raise ValueError(f"{fn}: mean_leave_one_out needs group_size >= 2, got {group_size}")
     _checks.in_range(fn, "eps", eps, 0.0, float("inf"))
 
+    # Centre every group on one of its own members before any sum: r - r_0 is exact for
+    # equal rewards (and for rewards within a factor 2 of each other, Sterbenz), so a group
+    # of equal rewards gets exactly 0 in every mode, and the fp32 error of the rest is
+    # relative to the group's spread, not to the rewards' size. The mean of the rewards
+    # is r_0 + mean(d), and (r - mean) = d - mean(d).
     rewards_gk = rewards_n.reshape(n // group_size, group_size)
-    group_sum_g1 = rewards_gk.sum(axis=1, keepdims=True)
-    group_mean_g1 = group_sum_g1 / group_size
+    dev_gk = rewards_gk - rewards_gk[:, :1]
+    dev_sum_g1 = dev_gk.sum(axis=1, keepdims=True)
+    centred_gk = dev_gk - dev_sum_g1 / group_size  # r - group mean
     if mean_leave_one_out:
-        baseline_gk = (group_sum_g1 - rewards_gk) / (group_size - 1)
+        # r_k - mean of the others = (G r_k - sum) / (G - 1) = (d_k - mean(d)) G / (G - 1)
+        adv_gk = centred_gk * (group_size / (group_size - 1))
     else:
-        baseline_gk = group_mean_g1
-    adv_gk = rewards_gk - baseline_gk
+        adv_gk = centred_gk
     if std_normalize:
         if group_size > 1:
-            sq_dev_g1 = jnp.sum((rewards_gk - group_mean_g1) ** 2, axis=1, keepdims=True)
-            var_g1 = sq_dev_g1 / (group_size - 1)
-            std_g1 = jnp.sqrt(var_g1)
+            sq_dev_g1 = jnp.sum(centred_gk ** 2, axis=1, keepdims=True)
+            std_g1 = jnp.sqrt(sq_dev_g1 / (group_size - 1))
         else:
-            std_g1 = jnp.zeros_like(group_mean_g1)
+            std_g1 = jnp.zeros_like(dev_sum_g1)
         adv_gk = adv_gk / (std_g1 + eps)
     return adv_gk.reshape(n)
 
 
 def gae(
-    rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, gamma: float, lam: float
+    rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, gamma: float, lam: float, *,
+    truncated: ArrayLike | None = None, bootstrap_values: ArrayLike | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Generalised advantage estimation over tokens, by a reverse ``lax.scan`` over T.
 
     For valid tokens (``mask != 0``), walking backwards:
     ``delta_t = r_t + gamma * V_next - V_t``, ``A_t = delta_t + gamma * lam * A_next``,
-    where ``V_next`` / ``A_next`` are those of the next *valid* token of the row (0 after
-    the last one: the episode ends there). Masked tokens (padding, prompt, environment
-    turns) are skipped as if absent; their rewards and values are ignored.
+    where ``V_next`` / ``A_next`` are those of the next *valid* token of the row. After the
+    last one, A_next = 0 and V_next = 0 (the episode ended: a terminal state) or, for a row
+    whose sequence was truncated (``truncated``: cut at the length limit, no EOS), the
+    critic's value of the state after its last token, ``bootstrap_values`` (the return
+    goes on past the cut). Masked tokens (padding, prompt, environment turns) are skipped
+    as if absent; their rewards and values are ignored.
 
     Every row is one sequence: this is :func:`packed_gae` with one segment per row.
 
@@ -118,31 +127,41 @@ def gae(
         rewards, values, mask: [B, T]. Put each sequence's reward on a valid token
             (usually the last generated one).
         gamma, lam: discount and GAE lambda in [0, 1].
+        truncated: optional [B] bool, the rows cut short; needs ``bootstrap_values``.
+        bootstrap_values: [B] V(state after the row's last token); used where
+            ``truncated``.
 
     Returns:
         ``(advantages, returns)``, fp32 [B, T], 0 on masked tokens; returns = A + V.
     """
-    rewards_bt, values_bt, mask_bt = _gae_inputs("gae", rewards, values, mask, gamma, lam)
-    return _reverse_gae(rewards_bt, values_bt, mask_bt, None, gamma, lam)
+    fn = "gae"
+    rewards_bt, values_bt, mask_bt = _gae_inputs(fn, rewards, values, mask, gamma, lam)
+    tail = _bootstrap_inputs(fn, truncated, bootstrap_values, (rewards_bt.shape[0],), "[B]")
+    return _reverse_gae(rewards_bt, values_bt, mask_bt, None, tail, gamma, lam)
 
 
 def packed_gae(
     rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, segment_ids: ArrayLike,
-    gamma: float, lam: float
+    gamma: float, lam: float, *, truncated: ArrayLike | None = None,
+    bootstrap_values: ArrayLike | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`gae` over packed rows: several sequences one after another in each row.
 
     ``segment_ids`` numbers the sequences of a row (1, 2, ...; 0 = padding), as the
     learner's packing lays them out. The reverse scan restarts wherever the segment id
-    changes: the value and advantage after a sequence's last valid token are 0, so every
-    sequence gets exactly what :func:`gae` gives it in a row of its own. Within a
-    sequence, masked tokens (prompt, environment turns) are skipped as in :func:`gae`;
-    padding is never valid.
+    changes: after a sequence's last token the advantage is 0 and the value is 0, or, for
+    a truncated sequence, ``bootstrap_values`` at its last token (the critic's value of the
+    state after it), so every sequence gets exactly what :func:`gae` gives it in a row of
+    its own. Within a sequence, masked tokens (prompt, environment turns) are skipped as in
+    :func:`gae`; padding is never valid.
 
     Args:
         rewards, values, mask, segment_ids: [B, T]. Put each sequence's reward on one of
             its valid tokens (usually its last generated one).
         gamma, lam: discount and GAE lambda in [0, 1].
+        truncated: optional [B, T], nonzero on the tokens of truncated sequences (read at
+            each sequence's last token); needs ``bootstrap_values``.
+        bootstrap_values: [B, T], at each sequence's last token t: V(state after t).
 
     Returns:
         ``(advantages, returns)``, fp32 [B, T], 0 on masked tokens and padding;
@@ -152,8 +171,9 @@ def packed_gae(
     rewards_bt, values_bt, mask_bt = _gae_inputs(fn, rewards, values, mask, gamma, lam)
     segment_ids_bt = _checks.int_input(fn, "segment_ids", segment_ids)
     _checks.same_shape(fn, "rewards", rewards_bt, segment_ids=segment_ids_bt)
+    tail = _bootstrap_inputs(fn, truncated, bootstrap_values, rewards_bt.shape, "[B, T]")
     return _reverse_gae(rewards_bt, values_bt, mask_bt & (segment_ids_bt > 0), segment_ids_bt,
-                        gamma, lam)
+                        tail, gamma, lam)
 
 
 def _gae_inputs(fn: str, rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, gamma: float,
@@ -170,33 +190,61 @@ def _gae_inputs(fn: str, rewards: ArrayLike, values: ArrayLike, mask: ArrayLike,
     return rewards_bt, values_bt, mask_bt
 
 
+def _bootstrap_inputs(fn: str, truncated: ArrayLike | None, bootstrap_values: ArrayLike | None,
+                      shape: tuple[int, ...], layout: str) -> jax.Array | None:
+    """The value after each sequence's end: ``bootstrap_values`` where ``truncated``, else
+    0 (fp32 of ``shape``); None without truncation."""
+    if truncated is None:
+        if bootstrap_values is not None:
+            raise ValueError(f"{fn}: bootstrap_values given without truncated (which "
+                             "sequences were cut short)")
+        return None
+    if bootstrap_values is None:
+        raise ValueError(f"{fn}: truncated needs bootstrap_values, the critic's value of the "
+                         "state after each truncated sequence's last token")
+    trunc = _checks.mask_input(fn, "truncated", truncated)
+    boot = _checks.float_input(fn, "bootstrap_values", bootstrap_values)
+    for name, arr in (("truncated", trunc), ("bootstrap_values", boot)):
+        if tuple(arr.shape) != tuple(shape):
+            raise ValueError(f"{fn}: {name} has shape {tuple(arr.shape)}; expected "
+                             f"{tuple(shape)} {layout}")
+    # Where not truncated the value is never read: a NaN or inf there cannot leak.
+    return jnp.where(trunc, boot, 0.0)
+
+
 def _reverse_gae(rewards_bt: jax.Array, values_bt: jax.Array, valid_bt: jax.Array,
-                 segment_ids_bt: jax.Array | None, gamma: float, lam: float
-                 ) -> tuple[jax.Array, jax.Array]:
-    """The reverse scan of :func:`gae`. With ``segment_ids_bt`` its carry restarts at 0
-    where a segment ends; without, a row is one sequence (``gae``'s own scan)."""
+                 segment_ids_bt: jax.Array | None, tail: jax.Array | None, gamma: float,
+                 lam: float) -> tuple[jax.Array, jax.Array]:
+    """The reverse scan of :func:`gae`. With ``segment_ids_bt`` its carry restarts where a
+    segment ends; without, a row is one sequence (``gae``'s own scan). ``tail`` is the value
+    after a sequence's end ([B] per row, or [B, T] read at each segment's last token; None:
+    0 everywhere, every sequence terminal)."""
     batch = rewards_bt.shape[0]
     xs: tuple[jax.Array, ...] = (rewards_bt.T, values_bt.T, valid_bt.T)
     if segment_ids_bt is not None:
         # ends_bt[b, t]: token t is the last of its segment (the next token is another
-        # segment's, or t ends the row): after it, as after a row's last token, V = A = 0.
+        # segment's, or t ends the row): after it, as after a row's last token, A = 0 and
+        # V = the tail value (0 unless truncated).
         ends_bt = jnp.concatenate([segment_ids_bt[:, :-1] != segment_ids_bt[:, 1:],
                                    jnp.ones((batch, 1), bool)], axis=1)
-        xs = (*xs, ends_bt.T)
+        tail_bt = jnp.zeros_like(values_bt) if tail is None else tail
+        xs = (*xs, ends_bt.T, tail_bt.T)
 
     def step(carry, xs_t):
         next_value_b, next_adv_b = carry
         reward_b, value_b, valid_b = xs_t[:3]
         if segment_ids_bt is not None:
-            end_b = xs_t[3]
-            next_value_b = jnp.where(end_b, 0.0, next_value_b)
+            end_b, tail_b = xs_t[3], xs_t[4]
+            next_value_b = jnp.where(end_b, tail_b, next_value_b)
             next_adv_b = jnp.where(end_b, 0.0, next_adv_b)
         delta_b = reward_b + gamma * next_value_b - value_b
         adv_b = delta_b + gamma * lam * next_adv_b
         carry = (jnp.where(valid_b, value_b, next_value_b), jnp.where(valid_b, adv_b, next_adv_b))
         return carry, jnp.where(valid_b, adv_b, 0.0)
 
-    init = (jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.float32))
+    init_value = (jnp.zeros((batch,), jnp.float32) if tail is None or segment_ids_bt is not None
+                  else tail)
+    init = (init_value, jnp.zeros((batch,), jnp.float32))
     _, adv_tb = jax.lax.scan(step, init, xs, reverse=True)
     advantages_bt = adv_tb.T
     returns_bt = jnp.where(valid_bt, advantages_bt + values_bt, 0.0)
@@ -219,12 +267,25 @@ def normalize_advantages(
     _checks.same_shape(fn, "advantages", adv, mask=mask_b)
     _checks.in_range(fn, "eps", eps, 0.0, float("inf"))
     count = jnp.sum(mask_b).astype(jnp.float32)
-    mean = jnp.sum(jnp.where(mask_b, adv, 0.0)) / jnp.maximum(count, 1.0)
-    sq_dev = jnp.where(mask_b, (adv - mean) ** 2, 0.0)
+    # Centred on one valid advantage before any sum (as group_advantages): equal advantages
+    # have std exactly 0 and, centred, come out exactly 0; the error of the mean and std is
+    # relative to the advantages' spread, not to their size.
+    pivot = _first_valid(adv, mask_b)
+    dev = jnp.where(mask_b, adv - pivot, 0.0)
+    mean_dev = jnp.sum(dev) / jnp.maximum(count, 1.0)
+    centred = dev - mean_dev  # A - mean(A)
+    sq_dev = jnp.where(mask_b, centred ** 2, 0.0)
     dof = jnp.maximum(count - 1.0, 1.0) if unbiased else jnp.maximum(count, 1.0)
     std = jnp.sqrt(jnp.sum(sq_dev) / dof)
-    shifted = adv - mean if center else adv
+    shifted = centred if center else adv
     return jnp.where(mask_b, shifted / (std + eps), 0.0)
+
+
+def _first_valid(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """The first element of ``x`` where ``mask`` is set (row-major), or 0 when none is."""
+    flat_mask = mask.reshape(-1)
+    first = jnp.argmax(flat_mask)
+    return jnp.where(flat_mask[first], x.reshape(-1)[first], 0.0)
 
 
 def shape_rewards(

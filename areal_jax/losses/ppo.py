@@ -9,6 +9,21 @@
 
 With prox_logp == behav_logp this is standard clipped PPO.
 
+``objective`` replaces the clipped surrogate l_t (everything else, w_t, the behaviour
+correction, the aggregation, stays):
+
+- ``ppo``: the clipped surrogate above.
+- ``cispo`` (MiniMax-M1, arXiv 2506.13585): l_t = -sg(clip(r_t, 1 - eps_clip,
+  1 + eps_clip_higher)) A_t logp_t, a REINFORCE term weighted by the clipped importance
+  ratio as a constant: no token loses its gradient, the weight is only bounded.
+- ``sapo`` (Qwen, arXiv 2511.20347): l_t = -f(r_t) A_t, f(r) = (4 / tau) sigmoid(tau (r - 1))
+  with tau = sapo_tau_pos where A_t > 0, else sapo_tau_neg: a soft gate whose gradient,
+  4 s (1 - s) r grad logp (s = the sigmoid), is PPO's at r = 1 and decays smoothly away
+  from it instead of being cut.
+
+``ratio_level="sequence"`` works with each: r_t is then the sequence's geometric-mean
+ratio (GSPO; SAPO's sequence-level gate, CISPO's sequence-level weight).
+
 The knobs are one frozen :class:`PPOLossConfig` and the [B, T] arrays one
 :class:`PPOInputs`; :func:`decoupled_ppo_loss_terms` ``(inputs, config)`` is the one
 implementation, :func:`decoupled_ppo_loss` a thin wrapper that takes the knobs as keywords.
@@ -65,6 +80,8 @@ from areal_jax.losses.step_metrics import MAXIMA, PPO_SUMS, TOKEN_MEANS
 
 RatioLevel = Literal["token", "sequence"]
 RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
+Objective = Literal["ppo", "cispo", "sapo"]
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
 
 _FN = "decoupled_ppo_loss"
 
@@ -90,6 +107,8 @@ class PPOLossConfig:
         agg_mode: "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum".
         seq_token_sum_normalizer: the constant L of "seq-mean-token-sum" (required there).
         ratio_level: "token" (PPO) or "sequence" (GSPO geometric-mean ratio).
+        objective: "ppo" (clipped surrogate), "cispo" or "sapo" (module docstring).
+        sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures (> 0) for A > 0 and A <= 0.
     """
 
     eps_clip: float = 0.2
@@ -103,6 +122,9 @@ class PPOLossConfig:
     agg_mode: str = "token-mean"
     seq_token_sum_normalizer: float | None = None
     ratio_level: str = "token"
+    objective: str = "ppo"
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
 
     def __post_init__(self) -> None:
         _check_hparams(self)
@@ -232,10 +254,22 @@ def decoupled_ppo_loss_terms(inputs: PPOInputs, config: PPOLossConfig) -> PPOLos
 
     adv_bt = tok.adv_bt
     high = config.eps_clip if config.eps_clip_higher is None else config.eps_clip_higher
-    loss_unclipped = -adv_bt * ratio
-    loss_clipped = -adv_bt * jnp.clip(ratio, 1.0 - config.eps_clip, 1.0 + high)
-    token_loss = jnp.maximum(loss_unclipped, loss_clipped)
-    clipped = keep_bt & (loss_clipped > loss_unclipped)
+    if config.objective == "cispo":
+        # A constant weight sg(clip(r)) on the REINFORCE term A logp: gradient w A grad logp.
+        low_r, high_r = 1.0 - config.eps_clip, 1.0 + high
+        weight = jax.lax.stop_gradient(jnp.clip(ratio, low_r, high_r))
+        token_loss = -adv_bt * weight * jnp.where(keep_bt, tok.logp_bt, 0.0)
+        clipped = keep_bt & ((ratio < low_r) | (ratio > high_r))
+    elif config.objective == "sapo":
+        tau = jnp.where(adv_bt > 0, config.sapo_tau_pos, config.sapo_tau_neg)
+        gate = (4.0 / tau) * jax.nn.sigmoid(tau * (ratio - 1.0))
+        token_loss = -adv_bt * gate
+        clipped = jnp.zeros_like(keep_bt)  # a soft gate: nothing is cut
+    else:
+        loss_unclipped = -adv_bt * ratio
+        loss_clipped = -adv_bt * jnp.clip(ratio, 1.0 - config.eps_clip, 1.0 + high)
+        token_loss = jnp.maximum(loss_unclipped, loss_clipped)
+        clipped = keep_bt & (loss_clipped > loss_unclipped)
     if config.c_clip is not None:
         dual_bound = config.c_clip * jnp.abs(adv_bt)
         dual_clipped = keep_bt & (adv_bt < 0) & (token_loss > dual_bound)
@@ -465,6 +499,15 @@ def _check_hparams(config: PPOLossConfig) -> None:
     _checks.positive(fn, "behav_imp_weight_cap", cap, allow_none=True)
     _checks.choice(fn, "agg_mode", agg_mode, AGG_MODES)
     _checks.choice(fn, "ratio_level", ratio_level, RATIO_LEVELS)
+    _checks.choice(fn, "objective", config.objective, OBJECTIVES)
+    _checks.positive(fn, "sapo_tau_pos", config.sapo_tau_pos)
+    _checks.positive(fn, "sapo_tau_neg", config.sapo_tau_neg)
+    if config.objective != "ppo" and c_clip is not None:
+        raise ValueError(f"{fn}: c_clip={c_clip!r} (dual clip) is PPO's; objective="
+                         f"{config.objective!r} bounds its weight itself")
+    if config.objective == "sapo" and eps_clip_higher is not None:
+        raise ValueError(f"{fn}: eps_clip_higher={eps_clip_higher!r} is a hard clip; objective="
+                         "'sapo' has none (its gates are sapo_tau_pos and sapo_tau_neg)")
     if agg_mode == "seq-mean-token-sum":
         if seq_norm is None:
             raise ValueError(
