@@ -281,6 +281,33 @@ def test_api_key_from_flag_file_or_environment(tmp_path, monkeypatch):
         resolve_api_key(None, str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="--api-key-file"):
         resolve_api_key(None, str(tmp_path / "missing"))
+    for empty in ("", "  "):  # as --api-key '': refused, never an open server by accident
+        monkeypatch.setenv("AREAL_JAX_API_KEY", empty)
+        with pytest.raises(ValueError, match=r"\$AREAL_JAX_API_KEY is set but empty"):
+            resolve_api_key(None, None)
+
+
+@pytest.mark.parametrize("argv, env_key, words", [
+    (["--port", "99999"], None, "--port must be in [1, 65535], got 99999"),
+    (["--port", "-1"], None, "--port must be in [1, 65535], got -1"),
+    (["--api-key", ""], None, "--api-key is empty"),
+    ([], "", "$AREAL_JAX_API_KEY is set but empty"),
+    (["--weight-version", "v" * 257], None,
+     "--weight-version is 257 characters long; the limit is 256"),
+])
+def test_serve_refuses_bad_start_arguments_with_exit_2(tmp_path, monkeypatch, capsys, argv,
+                                                      env_key, words):
+    """Before any model is loaded: one line naming the flag, exit 2 (a port out of range
+    was announced and another one listened on; an empty key in the environment served
+    with no authentication; a weight version the routes refuse was accepted)."""
+    from areal_jax.engine.server import main
+
+    monkeypatch.delenv("AREAL_JAX_API_KEY", raising=False)
+    if env_key is not None:
+        monkeypatch.setenv("AREAL_JAX_API_KEY", env_key)
+    assert main(["--model-path", str(tmp_path / "never-loaded"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {words}"), err
 
 
 def test_weight_paths_outside_the_allowed_dirs_are_403_and_say_nothing_more(
@@ -293,6 +320,8 @@ def test_weight_paths_outside_the_allowed_dirs_are_403_and_say_nothing_more(
         dirs["root"] / "no-such-dir",                  # does not exist
         "/etc",                                        # exists, not a checkpoint
         f"{dirs['allowed']}/../outside",               # escapes with ..
+        f"{dirs['allowed']}/../../x/evil://w",         # .. before a "://": no URL
+        f"gs://b/../{dirs['allowed']}",               # .. in a URL
         link,                                          # escapes with a symlink
         "gs://some-bucket/weights",                    # a URL not allowed
     ]

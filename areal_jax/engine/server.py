@@ -28,6 +28,7 @@ import hmac
 import logging
 import os
 import posixpath
+import re
 import signal
 import sys
 import threading
@@ -64,6 +65,7 @@ from areal_jax.engine.engine import (
 from areal_jax.engine.launch import API_KEY_ENV
 from areal_jax.engine.openai_api import first_or_disconnect, register_engine_routes
 from areal_jax.engine.protocol import (
+    MAX_WEIGHT_VERSION_CHARS,
     ProtocolError,
     generate_reply,
     is_batch,
@@ -202,6 +204,9 @@ class _Guard:
                              path)(scope, receive, send)
 
 
+_URL_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
+
+
 def normalize_allowed_dirs(dirs: list[str]) -> list[str]:
     """Absolute, symlink-free local directories (or normalised ``scheme://`` prefixes)."""
     out = []
@@ -219,9 +224,11 @@ def path_allowed(path: str, allowed: list[str]) -> bool:
     access beyond resolving symlinks, so the answer never depends on what exists outside."""
     if not isinstance(path, str) or not path or "\x00" in path:
         return False
+    if ".." in path.replace("://", "/").split("/"):
+        return False  # anywhere in the path, before a "://" too
     if "://" in path:
         scheme, rest = path.split("://", 1)
-        if ".." in rest.split("/"):
+        if not _URL_SCHEME.fullmatch(scheme):  # "<dir>/x/evil://w" is no URL
             return False
         target = f"{scheme}://{posixpath.normpath(rest)}"
     else:
@@ -512,7 +519,11 @@ def resolve_api_key(flag: str | None, key_file: str | None) -> str | None:
         if not flag:
             raise ValueError("--api-key is empty")
         return flag
-    return os.environ.get(API_KEY_ENV) or None
+    env = os.environ.get(API_KEY_ENV)
+    if env is not None and not env.strip():  # as --api-key '': never serve open by accident
+        raise ValueError(f"${API_KEY_ENV} is set but empty; set a key, or unset it to serve "
+                         "without one")
+    return env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -522,6 +533,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _apply_process_settings(args.cpu_affinity, args.parent_pid)
         api_key = resolve_api_key(args.api_key, args.api_key_file)
+        if not 1 <= args.port <= 65535:
+            raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+        if len(args.weight_version) > MAX_WEIGHT_VERSION_CHARS:
+            raise ValueError(f"--weight-version is {len(args.weight_version)} characters long; "
+                             f"the limit is {MAX_WEIGHT_VERSION_CHARS}")
         if args.max_body_bytes is not None and args.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
         for d in args.allowed_weight_dir or []:
