@@ -424,9 +424,22 @@ class CheckpointConfig:
     # one tensor at a time, before the next step (the learner waits for the write; no
     # host copy). The servers' update runs in the background either way.
     publish_mode: Literal["background", "inline"] = "background"
+    # How a version's serving weights reach the rollout servers (docs/checkpoints.md).
+    # "memory": streamed from the learner's memory to the embedded servers over HTTP in
+    # checksummed buckets, staged while they generate and swapped at a step boundary (no
+    # disk; generation pauses only for the swap). "disk": HF safetensors written to
+    # publish_dir/v{N} (as publish_mode says), loaded by /update_weights_from_disk: for
+    # external servers, SGLang and LoRA adapter serving. "auto": memory where every server
+    # is an embedded engine this run starts (and LoRA adapters are merged), else disk.
+    publish: Literal["auto", "memory", "disk"] = "auto"
+    publish_bucket_mb: int = 64  # memory: the bytes per bucket (one checksum each)
 
     def __post_init__(self) -> None:
-        check_positive("checkpoint", keep=self.keep, keep_weights=self.keep_weights)
+        check_positive("checkpoint", keep=self.keep, keep_weights=self.keep_weights,
+                       publish_bucket_mb=self.publish_bucket_mb)
+        if self.publish not in ("auto", "memory", "disk"):
+            raise ValueError(f"checkpoint.publish must be 'auto', 'memory' or 'disk', got "
+                             f"{self.publish!r}")
         if self.publish_mode not in ("background", "inline"):
             raise ValueError(f"checkpoint.publish_mode must be 'background' or 'inline', "
                              f"got {self.publish_mode!r}")
@@ -547,6 +560,11 @@ class TrainConfig:
         if self.critic != CriticConfig() and self.algo.advantage_mode != "gae":
             raise ValueError(f"critic.loss / critic.huber_delta set a critic's value loss, but "
                              f"algo.name={self.algo.name!r} has no critic (algo.name: ppo does)")
+        if self.checkpoint.publish == "memory" and self.publish_path != "memory":
+            raise ValueError(
+                "checkpoint.publish: memory streams weights to the embedded servers a run "
+                "starts; this run's servers are external (rollout.servers, rollout.sglang) or "
+                "load LoRA adapters (model.lora.serving: adapter): use disk or auto")
         if self.optim.schedule == "cosine" and self.optimizer_steps <= self.optim.warmup_steps:
             raise ValueError(
                 f"optim.warmup_steps ({self.optim.warmup_steps}) must be smaller than the "
@@ -565,6 +583,17 @@ class TrainConfig:
     @property
     def eta(self) -> int | None:
         return 0 if self.mode == "sync" else self.rollout.max_staleness
+
+    @property
+    def publish_path(self) -> Literal["memory", "disk"]:
+        """How the servers get each version (checkpoint.publish, "auto" resolved): memory
+        where every server is an embedded engine this run starts and LoRA adapters are
+        merged, else disk."""
+        embedded = not self.rollout.servers and getattr(self.rollout, "sglang", None) is None
+        adapters = self.model.lora is not None and self.model.lora.serving == "adapter"
+        if self.checkpoint.publish == "disk" or not embedded or adapters:
+            return "disk"
+        return "memory"
 
     @property
     def serving_dtype(self) -> str:

@@ -16,7 +16,12 @@ from _learner_data import (
     random_trajectories,
 )
 from hf_fixtures import make_hf_model, make_tiny_hf_checkpoint
-from tolerance import hf_path_length, network_tolerance, reference_tolerance
+from tolerance import (
+    decoder_path_length,
+    hf_path_length,
+    network_tolerance,
+    reference_tolerance,
+)
 
 from areal_jax.checkpoint import CheckpointMeta, TrainCheckpointer
 from areal_jax.learner import AlgoConfig, OptimConfig, pack_trajectories, unpack_per_token
@@ -334,6 +339,49 @@ def test_gae_targets_on_device_match_the_loop_over_each_trajectory(critic):
                                  mask.sum(), ops=10))
     assert np.all(np.abs(np.concatenate(adv)[mask] - (flat_raw - flat_raw.mean()) / std) <= tol)
     assert np.all(np.concatenate(adv)[~mask] == 0) and np.all(np.concatenate(ret)[~mask] == 0)
+
+
+def test_gae_targets_bootstrap_truncated_trajectories_from_the_next_state_value(critic):
+    """A trajectory cut at the length limit (finish reason length) is bootstrapped from the
+    critic's value of the state after its last token: the value the critic gives a token
+    appended to it (the float64 loop then starts from that value instead of 0); a finished
+    trajectory's advantages are those of the terminal loop."""
+    w, b = _random_head(critic, 4)
+    trajs = multi_turn_trajectories(8, 16)
+    for t in trajs[::2]:
+        t.finish_reason = "length"
+    batches = pack_trajectories(trajs, None, **SHAPE)
+    assert any(b.truncated.any() for b in batches)
+    rewards = np.random.default_rng(9).normal(size=len(trajs))
+    targets = critic.gae_targets(batches, trajs, gamma=0.97, lam=0.9, rewards=rewards,
+                                 normalize=False)
+    values = unpack_per_token(batches, critic.compute_values(batches), len(trajs))
+    # V(state after the last token), independently: the value of one more token appended.
+    longer = [dataclasses.replace(t, input_ids=np.r_[t.input_ids, 1],
+                                  loss_mask=np.r_[t.loss_mask, 0],
+                                  behav_logp=np.r_[t.behav_logp, 0],
+                                  versions=np.r_[t.versions, -1]) for t in trajs]
+    longer_batches = pack_trajectories(longer, None, **SHAPE)
+    next_state = [v[-1] for v in unpack_per_token(
+        longer_batches, critic.compute_values(longer_batches), len(trajs))]
+    adv = unpack_per_token(batches, [np.asarray(b.advantages) for b in targets.micro_batches],
+                           len(trajs))
+    # V(s_T) computed twice, in two packings: they differ by rounding along the network's
+    # path, at the scale of the head's terms, sum_d |h_d| |w_d| <= |h|_2 |w|_2 with the
+    # final RMS norm's |h|_2 <= sqrt(d) max|gain|.
+    gain = np.abs(np.asarray(jax.tree.leaves(critic.params["backbone"]["final_norm"])[0])).max()
+    head_terms = np.sqrt(TINY.hidden_size) * gain * np.linalg.norm(w) + abs(b)
+    boot_tol = float(network_tolerance(head_terms, decoder_path_length(
+        TINY.hidden_size, TINY.intermediate_size, TINY.hidden_size // TINY.num_attention_heads,
+        TINY.num_hidden_layers, SHAPE["seq_len"])))
+    for i, t in enumerate(trajs):
+        boot = float(next_state[i]) if t.truncated else 0.0
+        # r_last + gamma V(s_T) on the last loss token: the same as starting the loop from
+        # next_value = V(s_T).
+        want, _ = gae_reference(t, values[i], rewards[i] + 0.97 * boot, 0.97, 0.9)
+        tol, _ = gae_tolerance(t, values[i], abs(rewards[i]) + abs(boot), 0.97, 0.9)
+        assert np.all(np.abs(adv[i] - want) <= tol + (boot_tol if t.truncated else 0.0)), i
+    assert any(abs(v) > 1e-3 for v in next_state)  # the bootstrap values are not all 0
 
 
 def test_gae_targets_leave_the_batch_passed_in_as_it_was(critic):
