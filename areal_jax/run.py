@@ -36,6 +36,7 @@ from areal_jax import storage
 from areal_jax.checkpoint import CheckpointMeta, TrainCheckpointer, WeightPublisher
 from areal_jax.checkpoint.orbax_ckpt import CheckpointError
 from areal_jax.checkpoint.publish import ADAPTER_SUBDIR, serving_copy
+from areal_jax.checkpoint.stream import StreamPublisher
 from areal_jax.config import RolloutConfig, TrainConfig, to_dict
 from areal_jax.cpu_affinity import check_cpus_available, pin_process_to_cpus
 from areal_jax.data.prompts import load_prompt_dataset
@@ -406,10 +407,18 @@ def _rollout_side(cfg: TrainConfig, stack: contextlib.ExitStack, inputs: _Rollou
     executor.start()
     stack.callback(executor.stop, 30.0, True)
 
-    weights = WeightSync(executor, lambda params, v: inputs.publisher.publish(
-        params, side.learner.model_cfg, v, tokenizer_dir=inputs.tokenizer_dir),
-        interruptible=cfg.rollout.interruptible,
-        adapter_subdir=ADAPTER_SUBDIR if _serves_adapters(cfg) else None)
+    def write_files(params: Any, v: int) -> str:
+        return inputs.publisher.publish(params, side.learner.model_cfg, v,
+                                        tokenizer_dir=inputs.tokenizer_dir)
+
+    memory = cfg.publish_path == "memory"  # checkpoint.publish
+    write = (StreamPublisher([h.url for h in handles], api_key=cfg.rollout.api_key,
+                             bucket_bytes=cfg.checkpoint.publish_bucket_mb << 20).send
+             if memory else write_files)
+    weights = WeightSync(executor, write,
+                         interruptible=cfg.rollout.interruptible,
+                         adapter_subdir=ADAPTER_SUBDIR if _serves_adapters(cfg) else None,
+                         staged=memory, files=write_files)
     if load_first:
         where = "rollout.servers" if cfg.rollout.servers else "the embedded servers"
         with input_error("rollout.servers", RolloutError,

@@ -45,6 +45,7 @@ import numpy as np
 from areal_jax.checkpoint.meta import CheckpointMeta
 from areal_jax.checkpoint.orbax_ckpt import rng_to_json
 from areal_jax.checkpoint.publish import join_inline_publish, serving_copy
+from areal_jax.checkpoint.stream import serving_arrays
 from areal_jax.config import TrainConfig, to_dict
 from areal_jax.data.advantages import distill_metrics, gae_targets_for
 from areal_jax.data.trajectories import save_batch
@@ -281,8 +282,15 @@ class Trainer:
         :class:`WeightSync`, which writes it and updates the servers while the learner
         trains on its next batch. ``inline``: process 0 writes the learner's own arrays
         now, one tensor at a time (the others join each tensor's gather), and only the
-        servers' update runs in the background."""
+        servers' update runs in the background. ``checkpoint.publish: memory``: the learner
+        only dispatches the cast to the serving dtype; :class:`WeightSync` streams the
+        result to the servers, which stage it while they generate, then swap."""
         self.wait_published()
+        if self.cfg.publish_path == "memory":
+            arrays = serving_arrays(self.learner.model, self.cfg.serving_dtype)  # collective
+            if self.is_main:
+                self.rollout_side.weights.publish(arrays, version)
+            return
         if self.cfg.checkpoint.publish_mode == "inline":
             weights = serving_copy(self.learner.model, self.cfg.model, self.cfg.serving_dtype,
                                    inline=True)
@@ -339,6 +347,11 @@ class Trainer:
 
     def finish(self) -> None:
         self.wait_published()
+        if self.cfg.publish_path == "memory":  # weights/v{N} for convert.py, eval.py, serving
+            params = serving_copy(self.learner.model, self.cfg.model, self.cfg.serving_dtype)
+            if self.is_main:
+                with _weight_sync_stops_the_run():
+                    self.rollout_side.weights.write_files(params, self.learner.version)
         self.checkpointer.wait()
         if self.critic_checkpointer is not None:
             self.critic_checkpointer.wait()

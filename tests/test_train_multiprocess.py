@@ -105,7 +105,8 @@ def test_two_processes_train_and_match_one_process(tmp_path, devices, mesh, publ
     # gradient entry near zero turns last-bit reduction-order differences into O(lr) steps.
     args = ["--mesh", mesh, f"run_dir={run_dir}", "train.total_versions=2",
             "checkpoint.every_versions=1", "train.record_batches=true", "optim.warmup_steps=0",
-            "optim.eps=1e-3", "checkpoint.async_save=true", f"checkpoint.publish_mode={publish}"]
+            "optim.eps=1e-3", "checkpoint.async_save=true", "checkpoint.publish=disk",
+            f"checkpoint.publish_mode={publish}"]  # every version's files, compared below
     codes = wait_all(launch(2, devices, args, tmp_path / "logs"), timeout=900)
     for pid, code in enumerate(codes):
         assert code == 0, f"process {pid} exited {code}:\n{log(tmp_path / 'logs', pid)}"

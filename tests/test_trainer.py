@@ -428,6 +428,37 @@ def test_publish_mode_is_checked():
         load_config(REPO / "configs" / "tiny_demo.yaml", ["checkpoint.publish_mode=later"])
 
 
+def test_publish_is_checked():
+    demo = REPO / "configs" / "tiny_demo.yaml"
+    assert load_config(demo).publish_path == "memory"  # auto: the run's own embedded servers
+    assert load_config(demo, ["checkpoint.publish=disk"]).publish_path == "disk"
+    assert load_config(demo, ["rollout.servers=[http://127.0.0.1:1]"]).publish_path == "disk"
+    with pytest.raises(ConfigError, match="checkpoint.publish"):
+        load_config(demo, ["checkpoint.publish=later"])
+    with pytest.raises(ConfigError, match="checkpoint.publish: memory streams weights to the "
+                                          "embedded servers"):
+        load_config(demo, ["checkpoint.publish=memory", "rollout.servers=[http://127.0.0.1:1]"])
+
+
+def test_memory_publish_reaches_the_embedded_servers_without_files(tmp_path):
+    """checkpoint.publish: auto with embedded servers streams each version from the
+    learner's memory: no weights/v1..v2 files; rollouts pick the versions up (tokens
+    generated under v >= 1), each bump's transfer and pause are recorded, and the last
+    version is written at the end, tensor for tensor the learner's."""
+    run_dir = tmp_path / "run"
+    res = _run([f"run_dir={run_dir}", "train.total_versions=3", "rollout.max_staleness=1",
+                "checkpoint.every_versions=3"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = _rows(run_dir)
+    assert [r["version"] for r in rows] == [1, 2, 3]
+    assert all(r["publish_write_s"] > 0 and r["publish_update_s"] > 0 for r in rows[1:])
+    assert rows[2]["token_version_max"] >= 1
+    assert max(r["staleness_max"] for r in rows) <= 1
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v0", "v3"]
+    want = _checkpointed_weights(run_dir, 3, tmp_path / "want", "float32")
+    _assert_published_tensors_are_the_learners(run_dir, 3, want)
+
+
 def test_ppo_trains_policy_and_critic_on_gae_advantages(tmp_path):
     """algo.name=ppo end to end: each version's advantages come from the critic's values by
     GAE on the packed rows, and both the policy and the critic take their steps on them."""
