@@ -112,6 +112,15 @@ def test_the_calculator_agent_solves_with_the_tool(server, tok):
     assert counts["tool_calls"] == 2 and counts["tool_errors"] == 0
 
 
+def test_an_agent_asking_more_tokens_than_the_context_holds_is_capped(server, tok):
+    """max_tokens=256 against a 128-token trajectory budget: capped (to what is left, and
+    to rollout.max_new_tokens), as docs/rollout.md says, never a 400 on every first call."""
+    group, counts = run_group(server, tok, max_tokens=256)
+    assert [t.reward for t in group] == [1.0, 1.0]
+    assert counts["agent_context_exceeded"] == 0 and counts["agent_failed_groups"] == 0
+    assert all(t.info["turns"] == 2 for t in group)
+
+
 def test_a_raising_tool_is_the_models_to_read_and_the_group_is_kept(server, tok):
     group, counts = run_group(server, tok, tools={"calculator": raising})
     assert group is not None and counts["agent_failed_groups"] == 0

@@ -270,11 +270,13 @@ def completion_prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
 
 def parse_request(body: dict[str, Any], *, chat: bool, tokenizer: Any, vocab_size: int,
                   max_seq_len: int, stop_token_ids: tuple[int, ...] = (),
-                  default_max_tokens: int = 16, renderer: Callable[..., list[int]] | None = None
-                  ) -> ParsedRequest:
+                  default_max_tokens: int = 16, renderer: Callable[..., list[int]] | None = None,
+                  cap_max_tokens: bool = False) -> ParsedRequest:
     """Validates an OpenAI body and turns it into token ids and sampling params.
     ``renderer(messages, tool_spec, prefix)`` makes a chat request's prompt ids (default:
-    the chat template's text, tokenized)."""
+    the chat template's text, tokenized). ``cap_max_tokens``: a ``max_tokens`` past the
+    context is lowered to what is left (the agent proxy, whose context is the trajectory's
+    token budget), instead of a 400."""
     _refuse_unsupported(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -313,6 +315,8 @@ def parse_request(body: dict[str, Any], *, chat: bool, tokenizer: Any, vocab_siz
         max_tokens = room if chat else min(default_max_tokens, room)
     if not _is_int(max_tokens) or max_tokens < 1:
         raise OpenAIError(f"{key} must be a positive integer, got {max_tokens!r}", key)
+    if max_tokens > room and cap_max_tokens:
+        max_tokens = room  # the agent proxy: capped to what is left of the trajectory
     if max_tokens > room:
         raise OpenAIError(f"{key}={max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
                           f"context length {max_seq_len}", key, code="context_length_exceeded")
@@ -447,12 +451,13 @@ class OpenAIRoutes:
                  model_name: str, stop_token_ids: tuple[int, ...] = (),
                  params_hook: Callable[[SamplingParams], SamplingParams] | None = None,
                  renderer: ChatRenderer | None = None, on_reply: ReplyHook | None = None,
-                 on_error: ErrorHook | None = None):
+                 on_error: ErrorHook | None = None, cap_max_tokens: bool = False):
         self.backend, self.tokenizer = backend, tokenizer
         self.vocab_size, self.max_seq_len, self.model_name = vocab_size, max_seq_len, model_name
         self.stop_token_ids = tuple(stop_token_ids)
         self.params_hook = params_hook
         self.renderer, self.on_reply, self.on_error = renderer, on_reply, on_error
+        self.cap_max_tokens = cap_max_tokens  # else max_tokens past the context is a 400
         self.tool_format = tool_call_format(getattr(tokenizer, "chat_template", None))
 
     def register(self, app: FastAPI, prefix: str = "") -> None:
@@ -489,7 +494,8 @@ class OpenAIRoutes:
             body = parse_body(await request.body())
             parsed = parse_request(body, chat=chat, tokenizer=self.tokenizer,
                                    vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
-                                   stop_token_ids=self.stop_token_ids, renderer=renderer)
+                                   stop_token_ids=self.stop_token_ids, renderer=renderer,
+                                   cap_max_tokens=self.cap_max_tokens)
             if self.params_hook:
                 parsed = dataclasses.replace(parsed, params=self.params_hook(parsed.params))
             if parsed.stream:

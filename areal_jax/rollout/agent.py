@@ -194,7 +194,8 @@ class AgentProxy:
         self._routes = OpenAIRoutes(
             self._generate, tokenizer=tokenizer, vocab_size=vocab_size,
             max_seq_len=max_seq_len, model_name="policy", stop_token_ids=stops,
-            renderer=self._render, on_reply=self._on_reply, on_error=self._on_error)
+            renderer=self._render, on_reply=self._on_reply, on_error=self._on_error,
+            cap_max_tokens=True)  # as rollout.max_new_tokens caps it (docs/rollout.md)
         self._routes.register(app, prefix="/traj/{key}")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
