@@ -1,3 +1,19 @@
 """areal-jax: fully asynchronous RL for language-model reasoning, in JAX."""
 
+import os as _os
+
 __version__ = "0.1.0"
+
+
+def _quiet_absent_cuda() -> None:
+    """No CUDA plugin traceback on a machine without an NVIDIA GPU. With the plugin
+    installed (the aot or cuda extra), jax's first backend start runs its CUDA library
+    version check, which fails on a GPU-less host and logs ~25 lines of traceback, then
+    skips CUDA anyway: jax starts no CUDA backend without a visible GPU device node (the
+    very check below, jax._src.hardware_utils.has_visible_nvidia_gpu). So the version check
+    is skipped exactly where its backend would be; a GPU machine keeps it."""
+    if not any(_os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")):
+        _os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+_quiet_absent_cuda()

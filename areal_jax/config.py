@@ -33,8 +33,10 @@ __all__ = [
     "LoraSection",
     "ModelSection",
     "OptimConfig",
+    "PlacementConfig",
     "RewardConfig",
     "RolloutConfig",
+    "SGLangConfig",
     "StorageConfig",
     "TeacherSection",
     "TrainConfig",
@@ -269,6 +271,61 @@ class RewardConfig:
 ENGINE_PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 
 
+def _check_fraction(key: str, value: float | None) -> None:
+    if value is not None and not 0 < value <= 1:
+        raise ValueError(f"{key} must be null or in (0, 1], got {value}")
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    """``rollout.sglang``: train.py starts these SGLang servers itself (and stops them at
+    the end), on GPUs of this host (docs/servers.md, "SGLang started by train.py")."""
+
+    num_servers: int = 1
+    tp_size: int = 1  # GPUs per server (SGLang's --tp-size)
+    # GPU ids, tp_size per server in order; null: the host's last num_servers x tp_size GPUs.
+    devices: list[int] | None = None
+    # SGLang's --mem-fraction-static: its share of each GPU (weights + KV cache); null:
+    # SGLang's own default. Required where a server shares a GPU with the learner.
+    mem_fraction_static: float | None = None
+    port: int = 30000  # server i listens on 127.0.0.1:port + i
+    # The Python of the environment SGLang is installed in (its own virtualenv, see
+    # docs/accelerators.md); null: this one (pip install -e '.[sglang]').
+    python: str | None = None
+    extra_args: list[str] = field(default_factory=list)  # more sglang.launch_server flags
+    startup_timeout_s: float = 900.0  # launch to healthy (loads and captures CUDA graphs)
+
+    def __post_init__(self) -> None:
+        check_positive("rollout.sglang", num_servers=self.num_servers, tp_size=self.tp_size,
+                       port=self.port, startup_timeout_s=self.startup_timeout_s)
+        _check_fraction("rollout.sglang.mem_fraction_static", self.mem_fraction_static)
+        if self.devices is not None and any(not isinstance(d, int) or d < 0
+                                            for d in self.devices):
+            raise ValueError(f"rollout.sglang.devices must be null or GPU ids >= 0, "
+                             f"got {self.devices}")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """``placement``: which accelerators the learner process takes (docs/accelerators.md,
+    "Placement"). The rollout's are rollout.engine_devices and rollout.sglang.devices."""
+
+    # Device ids of the learner; null: those no rollout server was given (all of them when
+    # the servers take every one: a shared card).
+    learner_devices: list[int] | None = None
+    # XLA_PYTHON_CLIENT_MEM_FRACTION of the learner: its share of each GPU's memory; null:
+    # JAX's default (75%). Required where the learner shares a GPU.
+    learner_mem_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_fraction("placement.learner_mem_fraction", self.learner_mem_fraction)
+        if self.learner_devices is not None and (
+                not self.learner_devices or any(not isinstance(d, int) or d < 0
+                                                for d in self.learner_devices)):
+            raise ValueError("placement.learner_devices must be null or a non-empty list of "
+                             f"device ids >= 0, got {self.learner_devices}")
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     # External servers (e.g. SGLang); empty: launch embedded ones.
@@ -311,11 +368,17 @@ class RolloutConfig:
     agent: str | None = None
     max_turns: int = 4  # agent: model calls per trajectory
     max_total_tokens: int | None = None  # agent: tokens per trajectory; null: train.seq_len
-    # JAX platform of the embedded engines ("cpu", "gpu", "tpu"); null: the trainer's own
-    # backend (jax.default_backend()). engine_devices: accelerator ids visible to each
-    # engine (CUDA_VISIBLE_DEVICES / TPU_VISIBLE_CHIPS), e.g. [1] to keep it off device 0.
+    # JAX platform of the embedded engines ("cpu", "gpu", "tpu"); null: the learner's.
+    # engine_devices: the accelerator each engine runs on (one id per server, or one id
+    # for all), e.g. [1] to keep it off device 0; null: the host's last num_servers devices
+    # (the only one on a one-GPU host). engine_mem_fraction: each engine's share of its
+    # GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION), required on a card it shares
+    # (docs/accelerators.md, "Placement").
     engine_platform: str | None = None
     engine_devices: list[int] | None = None
+    engine_mem_fraction: float | None = None
+    # SGLang servers train.py starts and stops itself (instead of servers or the engine).
+    sglang: SGLangConfig | None = None
 
     def __post_init__(self) -> None:
         check_positive("rollout", max_turns=self.max_turns, max_total_tokens=self.max_total_tokens)
@@ -333,6 +396,10 @@ class RolloutConfig:
                                                for d in self.engine_devices)):
             raise ValueError("rollout.engine_devices must be null or a non-empty list of device "
                              f"ids >= 0, got {self.engine_devices}")
+        _check_fraction("rollout.engine_mem_fraction", self.engine_mem_fraction)
+        if self.sglang is not None and self.servers:
+            raise ValueError("rollout.sglang starts SGLang servers; rollout.servers names "
+                             "servers already running: set one of them")
         check_positive("rollout", prefill_rows=self.prefill_rows, decode_steps=self.decode_steps)
         check_positive("rollout", num_servers=self.num_servers, max_slots=self.max_slots,
                   max_seq_len=self.max_seq_len, n_samples=self.n_samples,
@@ -526,6 +593,7 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     teacher: TeacherSection | None = None  # on-policy distillation (TeacherSection)
     log_every: int = 1
     progress_bar: bool = True

@@ -44,7 +44,7 @@ from areal_jax.data.trajectories import ProcessRowsDataset, TrainBatch, Trajecto
 from areal_jax.engine.launch import (
     ServerStartError,
     jax_platform_name,
-    launch_servers,
+    launch_server,
     wait_healthy,
 )
 from areal_jax.interrupt import Interrupted, raise_if_interrupted
@@ -55,12 +55,16 @@ from areal_jax.learner.packing import micro_batch_shapes
 from areal_jax.learner.trainable import TrainableModel
 from areal_jax.metrics import MetricsWriter, read_rows, run_summary
 from areal_jax.parallel import (
+    Placement,
+    PlacementError,
+    check_learner_backend,
     detected_cluster,
     initialize_distributed,
     job_guard,
     make_mesh,
     n_batch_shards,
     start_job_guard,
+    start_placement,
 )
 from areal_jax.process import (
     EXIT_CODES,
@@ -281,6 +285,7 @@ def _start_process(cfg: TrainConfig) -> str | None:
     packages the config needs, CPU pinning, joining the job's other processes, the XLA
     compilation cache and the job guard. Returns the cache's directory (None: off)."""
     check_optional_packages(cfg)  # an extra the config needs and pip did not install
+    placement = run_placement(cfg)  # this process's devices, before JAX starts
     ro, d = cfg.rollout, cfg.distributed
     if ro.server_cpu_cores and not ro.servers:
         # Checked here, before the learner pins this process, so the error names the key
@@ -302,6 +307,8 @@ def _start_process(cfg: TrainConfig) -> str | None:
     guard = start_job_guard(d.peer_timeout_s)  # one process failing ends all of them
     if guard is not None:
         guard.add_cleanup(lambda: [handle.kill() for handle in list(LIVE_SERVERS)])
+    with input_error("hardware", PlacementError, what=""):
+        check_learner_backend(placement)  # JAX started where the placement put the learner
     if jax.process_count() > 1 and cfg.algo.name == "ppo":
         raise TrainerError("algo.name=ppo (a critic with GAE over whole trajectories) runs as one "
                            f"process; this job has {jax.process_count()}: use grpo/rloo/drgrpo")
@@ -608,24 +615,25 @@ def process_start_time() -> float:
         return time.time()
 
 
-def engine_placement(ro: RolloutConfig) -> tuple[str, dict[str, str] | None]:
-    """(JAX_PLATFORMS, extra env) for the embedded engines: ``rollout.engine_platform``
-    (default: this process's backend) and ``rollout.engine_devices`` as the platform's
-    visible-device variable."""
+def run_placement(cfg: TrainConfig) -> Placement:
+    """The run's placement (parallel/placement.py): which devices the learner and each
+    rollout server get, and the environment that gives them; the one train.py printed."""
+    try:
+        return start_placement(cfg)
+    except PlacementError as e:
+        raise TrainerError(str(e)) from None
+
+
+def engine_placement(cfg: TrainConfig) -> list[tuple[str, dict[str, str] | None]]:
+    """(JAX_PLATFORMS, extra env) of each embedded engine: its platform, and, on an
+    accelerator, the device the run's placement gave it (and its memory share on a card
+    it shares)."""
+    engines = run_placement(cfg).engines
+    if not engines:  # on the CPU
+        return [("cpu", None)] * cfg.rollout.num_servers
     # One platform JAX accepts alone: jax calls a CUDA device "gpu", and JAX_PLATFORMS=gpu
     # means cuda *and* rocm (a child without both plugins would not start).
-    platform = jax_platform_name(ro.engine_platform or jax.default_backend())
-    if ro.engine_devices is None:
-        # Sharing the learner's accelerator: allocate on demand rather than grabbing a
-        # fixed fraction of a memory the learner already holds most of.
-        return platform, (None if platform == "cpu" else {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
-    if platform == "cpu":
-        raise TrainerError("rollout.engine_devices selects accelerators; with engine_platform "
-                           "cpu use rollout.server_cpu_cores to pick CPU cores")
-    ids = ",".join(str(d) for d in ro.engine_devices)
-    var = "TPU_VISIBLE_CHIPS" if platform == "tpu" else (
-        "HIP_VISIBLE_DEVICES" if platform == "rocm" else "CUDA_VISIBLE_DEVICES")
-    return platform, {var: ids}
+    return [(jax_platform_name(p.platform), dict(p.env) or None) for p in engines]
 
 
 def _server_start_error(i: int, e: Exception, cfg: TrainConfig) -> TrainerError:
@@ -639,8 +647,9 @@ def _server_start_error(i: int, e: Exception, cfg: TrainConfig) -> TrainerError:
 
 
 def _wait_for_servers(cfg: TrainConfig, handles: list) -> None:
+    sg = cfg.rollout.sglang
     try:
-        wait_healthy(handles, cfg.rollout.server_startup_timeout_s)
+        wait_healthy(handles, sg.startup_timeout_s if sg else cfg.rollout.server_startup_timeout_s)
     except ServerStartError as e:
         raise _server_start_error(e.index or 0, e, cfg) from None
 
@@ -654,25 +663,54 @@ def _launch_servers(cfg: TrainConfig, weights: str, version: int, run_dir: Path,
     ro = cfg.rollout
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
-    platform, device_env = engine_placement(ro)
 
     def register(handle: Any) -> None:
         LIVE_SERVERS.append(handle)
         stack.callback(_forget_server, handle)
         stack.callback(handle.terminate)
 
-    try:
-        return launch_servers(weights, ro.num_servers, wait=False, log_dir=logs, on_start=register,
-                              max_slots=ro.max_slots, max_seq_len=ro.max_seq_len,
-                              dtype=cfg.serving_dtype, jax_platforms=platform, env=device_env,
-                              cpu_affinity=ro.server_cpu_cores, api_key=ro.api_key,
-                              allowed_weight_dirs=[publish_dir],  # later versions
-                              warmup=True,  # compile every shape now, not mid-run
-                              compilation_cache_dir=cache_dir,
-                              extra_args=["--weight-version", str(version),
-                                          *engine_tuning_args(ro)])
-    except ServerStartError as e:
-        raise _server_start_error(e.index or 0, e, cfg) from None
+    if ro.sglang is not None:
+        return _launch_sglang(cfg, weights, version, logs, register)
+    handles: list = []
+    try:  # each engine with its own devices (the same ones for every engine on the CPU)
+        for i, (platform, device_env) in enumerate(engine_placement(cfg)):
+            handle = launch_server(
+                weights, wait=False, max_slots=ro.max_slots,
+                log_path=logs / f"server{i}.log", max_seq_len=ro.max_seq_len,
+                dtype=cfg.serving_dtype, jax_platforms=platform, env=device_env,
+                cpu_affinity=ro.server_cpu_cores, api_key=ro.api_key,
+                allowed_weight_dirs=[publish_dir],  # later versions
+                warmup=True,  # compile every shape now, not mid-run
+                compilation_cache_dir=cache_dir,
+                extra_args=["--weight-version", str(version), *engine_tuning_args(ro)])
+            register(handle)
+            handles.append(handle)
+    except (ServerStartError, OSError) as e:
+        raise _server_start_error(len(handles), e, cfg) from None
+    return handles
+
+
+def _launch_sglang(cfg: TrainConfig, weights: str, version: int, logs: Path,
+                   register: Any) -> list:
+    """rollout.sglang's servers on ``weights`` at ``version``, each on the GPUs and memory
+    share the run's placement gave it (not waited for)."""
+    from areal_jax.engine.sglang_launch import launch_sglang, sglang_command
+
+    sg, ro = cfg.rollout.sglang, cfg.rollout
+    assert sg is not None
+    handles = []
+    for p in run_placement(cfg).sglang:
+        port = sg.port + p.index
+        cmd = sglang_command(os.path.expanduser(sg.python) if sg.python else sys.executable,
+                             weights, port=port, weight_version=version,
+                             dtype=cfg.serving_dtype, context_length=ro.max_seq_len,
+                             placement_args=p.args, api_key=ro.api_key,
+                             extra_args=sg.extra_args)
+        handle = launch_sglang(cmd, url=f"http://127.0.0.1:{port}", env=p.env,
+                               log_path=logs / f"sglang{p.index}.log", api_key=ro.api_key)
+        register(handle)
+        handles.append(handle)
+    return handles
 
 
 def engine_tuning_args(ro: RolloutConfig) -> list[str]:

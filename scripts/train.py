@@ -55,6 +55,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
 
+    # Before JAX starts: SGLang present if the config starts it, the hardware it names
+    # visible, and every process's devices (this one's environment set, the plan printed).
+    from areal_jax.parallel.placement import PlacementError, start_placement
+
+    try:
+        start_placement(cfg)
+    except PlacementError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
     if cfg.hardware == "cpu" and not os.environ.get("JAX_PLATFORMS"):
         # A CPU config: accelerator plugins that happen to be installed (libtpu, the CUDA
         # plugin of the aot extra) are never opened, so they print nothing and cost nothing.

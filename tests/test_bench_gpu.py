@@ -39,6 +39,14 @@ def test_gpu_check_orders_its_steps_by_importance_and_fits_one_device_call(tmp_p
     demo = plan["demo"][0]
     # The engine shares the learner's GPU: no CPU platform or core pinning left over.
     assert "rollout.engine_platform=null" in demo and "hardware=h100:1" in demo
+    # ... with the memory split a shared card needs: its placement on one H100 holds.
+    from areal_jax.config import load_config
+    from areal_jax.parallel.placement import plan_placement, target_host
+
+    cfg = load_config(demo[demo.index("--config") + 1],
+                      [a for a in demo[demo.index("--config") + 2:] if "=" in a])
+    placement = plan_placement(cfg, target_host("h100:1", 80 * 2**30))
+    assert placement.learner.devices == placement.engines[0].devices == (0,)
     train = plan["train-1.5b"][0]
     assert "--torch-compile" in train and "qwen2.5-1.5b" in train
     cold, warm = plan["generate-cold"][0], plan["generate-warm"][0]

@@ -74,31 +74,85 @@ def _small_config(tmp_path: Path, hardware: str) -> Path:
     return path
 
 
-@needs_libtpu
-def test_plan_small_model_for_tpu(tmp_path):
-    config = _small_config(tmp_path, "v5e:2x2")  # --target from the config's hardware
-    out = _plan(tmp_path, "--config", str(config), "--search-rows", "0", "--json", "plan.json")
+# The three accelerator configs at a tiny model's shapes (their full sizes: the slow test
+# below): each planned with its placement, every process's memory on every device it holds.
+TINY = ["model.path=builtin:arith_sft", "rollout.max_slots=4", "rollout.max_seq_len=64",
+        "rollout.max_new_tokens=32", "train.seq_len=128", "train.rows_per_micro_batch=4"]
+
+
+def _plan_config(tmp_path: Path, config: str, *extra: str) -> dict:
+    out = _plan(tmp_path, "--config", str(REPO / "configs" / config), "--search-rows", "0",
+                "--json", "plan.json", *TINY, *extra)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "compiling learner_grad" in out.stdout  # progress while it compiles
-    result = json.loads((tmp_path / "plan.json").read_text())
-    _check_plan(result, "v5e:2x2")
-    assert result["platform"] == "tpu" and result["devices"] == 4
-    assert result["mesh"]["fsdp"] == 4
+    assert "placement on" in out.stdout and "every process fits its devices" in out.stdout
+    return json.loads((tmp_path / "plan.json").read_text())
+
+
+def _memory_by_device(result: dict) -> dict[int, dict[str, dict]]:
+    return {d["device"]: {e["process"]: e for e in d["processes"]}
+            for d in result["device_memory"]}
+
+
+@needs_libtpu
+def test_plan_tpu_v5e8_config_engines_and_learner_on_disjoint_chips(tmp_path):
+    result = _plan_config(tmp_path, "gsm8k_tpu_v5e8.yaml")  # --target: its hardware
+    _check_plan(result, "v5e:2x4")
+    assert result["platform"] == "tpu" and result["devices"] == 8
+    assert result["learner_devices"] == [0, 1, 2, 3] and result["mesh"]["fsdp"] == 4
     # The engine's prefill gets the chip's kernel, not the host CPU's XLA attention.
     assert result["engine_prefill"]["attention_kernel"].startswith("mosaic:")
+    memory = _memory_by_device(result)
+    assert {d: list(p) for d, p in memory.items()} == {
+        0: ["learner"], 1: ["learner"], 2: ["learner"], 3: ["learner"],
+        4: ["engine 0"], 5: ["engine 1"], 6: ["engine 2"], 7: ["engine 3"]}
+    assert memory[0]["learner"]["need_bytes"] == max(result["learner_grad"]["peak_bytes"],
+                                                     result["learner_apply"]["peak_bytes"])
+    assert memory[0]["learner"]["limit_bytes"] == result["hbm_bytes"]  # a chip to itself
+    assert result["fits"] is True
 
 
 @needs_cuda_plugin
-def test_plan_small_model_for_gpu(tmp_path):
-    config = _small_config(tmp_path, "v5e:2x2")
-    out = _plan(tmp_path, "--config", str(config), "--target", "h100:2", "--search-rows", "0",
-                "--json", "plan.json")
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads((tmp_path / "plan.json").read_text())
-    _check_plan(result, "h100:2")
-    assert result["platform"] == "gpu" and result["mesh"]["fsdp"] == 2
-    # Fit on GPU is the peak against the share of memory JAX's allocator takes by default.
+def test_plan_one_gpu_config_sums_the_shared_card(tmp_path):
+    from areal_jax.config import load_config
+    from areal_jax.parallel.placement import plan_placement, target_host
+    from areal_jax.plan.planner import device_memory
+
+    result = _plan_config(tmp_path, "gsm8k_1gpu.yaml")
+    _check_plan(result, "h100:1")
+    # Fit of one program on GPU: its peak against the share JAX's allocator takes by default.
     assert result["usable_bytes"] == int(0.75 * result["hbm_bytes"])
+    (card,) = result["device_memory"]
+    hbm = result["hbm_bytes"]
+    assert card["device"] == 0 and card["fraction_sum"] == pytest.approx(0.85)
+    shares = {e["process"]: (e["fraction"], e["limit_bytes"]) for e in card["processes"]}
+    assert shares == {"learner": (0.55, int(0.55 * hbm)), "engine 0": (0.3, int(0.3 * hbm))}
+    assert card["fits"] is True
+    # The same compiled peaks with a learner share smaller than its peak: the card does not
+    # fit, and the plan says so (the placement itself refuses shares summing past 0.9).
+    learner_need = card["processes"][0]["need_bytes"]
+    small = learner_need / hbm / 2
+    cfg = load_config(REPO / "configs" / "gsm8k_1gpu.yaml",
+                      [*TINY, f"placement.learner_mem_fraction={small}"])
+    placement = plan_placement(cfg, target_host("h100:1", hbm), learner_platform="cuda")
+    (squeezed,) = device_memory(result, placement, "gpu", hbm)
+    assert squeezed["fits"] is False
+    assert [e["fits"] for e in squeezed["processes"]] == [False, True]
+
+
+@needs_cuda_plugin
+def test_plan_eight_gpu_sglang_config_learner_on_the_other_gpus(tmp_path):
+    result = _plan_config(tmp_path, "gsm8k_8gpu_sglang.yaml")
+    _check_plan(result, "h100:8")
+    assert result["learner_devices"] == [0, 1, 2, 3] and result["mesh"]["fsdp"] == 4
+    memory = _memory_by_device(result)
+    assert [list(memory[d]) for d in range(8)] == [
+        ["learner"]] * 4 + [["sglang 0"], ["sglang 1"], ["sglang 2"], ["sglang 3"]]
+    hbm = result["hbm_bytes"]
+    # SGLang takes its --mem-fraction-static of its card; the learner JAX's default 75%.
+    assert memory[4]["sglang 0"]["need_bytes"] == int(0.85 * hbm)
+    assert memory[0]["learner"]["limit_bytes"] == int(0.75 * hbm)
+    assert result["fits"] is True
 
 
 # The chips' published figures, written here, not read from areal_jax.parallel.targets
@@ -403,7 +457,9 @@ ENTRY %main (a: f32[256,256], b: f32[1024,256], c: f32[1024,1024], d: u32[]) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["qwen2.5-1.5b_gsm8k.yaml", "qwen3-1.7b_gsm8k.yaml"])
+@pytest.mark.parametrize("config", ["qwen2.5-1.5b_gsm8k.yaml", "qwen3-1.7b_gsm8k.yaml",
+                                    "gsm8k_1gpu.yaml", "gsm8k_8gpu_sglang.yaml",
+                                    "gsm8k_tpu_v5e8.yaml"])
 def test_shipped_gsm8k_config_fits_its_hardware(tmp_path, config):
     from areal_jax.config import load_config
     from areal_jax.parallel.targets import target_platform
@@ -420,6 +476,8 @@ def test_shipped_gsm8k_config_fits_its_hardware(tmp_path, config):
     for name in PROGRAMS:
         assert result[name]["fits"] is True, (name, result[name])
         assert 0 < result[name]["peak_bytes"] <= result["usable_bytes"], name
+    # Every process within its share of every device it holds (a shared card summed).
+    assert result["fits"] is True, result["device_memory"]
 
 
 def test_hlo_cost_of_one_matmul_is_its_arithmetic():

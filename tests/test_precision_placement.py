@@ -17,13 +17,15 @@ import pytest
 from safetensors import safe_open
 
 from areal_jax.checkpoint.publish import WeightPublisher
-from areal_jax.config import RolloutConfig
+from areal_jax.config import RolloutConfig, load_config
 from areal_jax.engine import EngineConfig, GenerationEngine, SamplingParams
 from areal_jax.learner.token_logp import packed_token_logprobs
 from areal_jax.run import TrainerError, engine_placement
 from model_defs import load_hf
 from tests.hf_fixtures import logit_tolerance, make_tiny_hf_checkpoint
 from tests.tolerance import EPS, logprob_tolerance
+
+REPO = Path(__file__).resolve().parent.parent
 
 PROMPT = [5, 9, 17, 3, 44, 12, 7]
 
@@ -78,20 +80,12 @@ def test_publisher_writes_bf16_safetensors(tmp_path):
         np.asarray(model.embed_vd[...].astype(jnp.bfloat16), np.float32))
 
 
-def test_engine_placement_defaults_to_the_run_backend():
-    assert engine_placement(RolloutConfig()) == (jax.default_backend(), None)
-    assert engine_placement(RolloutConfig(engine_platform="cpu")) == ("cpu", None)
-    # "gpu" (what jax.default_backend() says on an NVIDIA machine) becomes one platform JAX
-    # accepts alone: JAX_PLATFORMS=gpu means cuda *and* rocm and fails without ROCm.
-    platform, env = engine_placement(RolloutConfig(engine_platform="gpu", engine_devices=[1, 2]))
-    assert platform == "cuda" and env == {"CUDA_VISIBLE_DEVICES": "1,2"}
-    platform, env = engine_placement(RolloutConfig(engine_platform="rocm", engine_devices=[1]))
-    assert platform == "rocm" and env == {"HIP_VISIBLE_DEVICES": "1"}
-    assert engine_placement(RolloutConfig(engine_platform="tpu", engine_devices=[3]))[1] == {
-        "TPU_VISIBLE_CHIPS": "3"}
-    # Sharing the learner's accelerator: no fixed preallocation.
-    assert engine_placement(RolloutConfig(engine_platform="gpu"))[1] == {
-        "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+def test_engine_placement_follows_the_run_placement():
+    """Each embedded engine's JAX_PLATFORMS and device environment come from the run's
+    placement (tests/test_placement.py covers the GPU and TPU placements): on this CPU
+    host, every engine on the CPU with no device variable."""
+    cfg = load_config(REPO / "configs" / "tiny_demo.yaml", ["rollout.num_servers=2"])
+    assert engine_placement(cfg) == [("cpu", None), ("cpu", None)]
 
 
 def test_engine_child_gets_one_platform_jax_accepts_alone():
@@ -115,7 +109,8 @@ def test_engine_placement_errors():
     with pytest.raises(ValueError, match="rollout.engine_devices must be null or a non-empty"):
         RolloutConfig(engine_devices=[])
     with pytest.raises(TrainerError, match="use rollout.server_cpu_cores"):
-        engine_placement(RolloutConfig(engine_platform="cpu", engine_devices=[0]))
+        engine_placement(load_config(REPO / "configs" / "tiny_demo.yaml",
+                                     ["rollout.engine_devices=[0]"]))
 
 
 def test_rollout_engine_tuning_keys_reach_the_launched_server():

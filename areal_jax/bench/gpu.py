@@ -8,7 +8,8 @@ its limit and is reported, never the whole check), and every step's limit is cut
 is left of ``--budget-s``. In order of importance:
 
 1. ``demo``: the README's demo end to end on one GPU, learner and engine sharing it
-   (``rollout.engine_platform=null``: the engine takes the learner's platform).
+   (``rollout.engine_platform=null``: the engine takes the learner's platform; half the
+   card's memory to the learner, 0.3 to the engine).
 2. ``train-0.5b``, ``train-1.5b``: the learner step against transformers + torch on the
    same GPU (fp32 master weights, bf16 autocast, SDPA, fused AdamW; eager and
    ``torch.compile``), 2 x 4,096 tokens, bf16 (``bench train``).
@@ -82,9 +83,10 @@ def steps(out_dir: Path, small: bool, hardware: str) -> dict[str, tuple[list[str
     demo = [py, str(REPO / "scripts" / "train.py"), "--config",
             str(REPO / "configs" / "tiny_demo.yaml"), f"run_dir={out_dir / 'demo'}",
             f"hardware={hardware}"]
-    if hardware != "cpu":  # the engine on the learner's GPU, no CPU pinning
+    if hardware != "cpu":  # the engine on the learner's GPU (each its share), no CPU pinning
         demo += ["rollout.engine_platform=null", "rollout.server_cpu_cores=null",
-                 "rollout.learner_cpu_cores=null", "train.total_versions=30",
+                 "rollout.learner_cpu_cores=null", "placement.learner_mem_fraction=0.5",
+                 "rollout.engine_mem_fraction=0.3", "train.total_versions=30",
                  "eval.every_versions=10"]
     else:
         demo += ["train.total_versions=2", "eval.every_versions=2", "data.max_eval_prompts=8",

@@ -1,4 +1,5 @@
-"""Device mesh (``--mesh data=D,fsdp=F,tensor=T``), batch sharding, multi-host start-up."""
+"""Device mesh (``--mesh data=D,fsdp=F,tensor=T``), batch sharding, multi-host start-up,
+and which devices each process of a run gets (placement)."""
 
 from areal_jax.parallel.distributed import (
     JobGuard,
@@ -24,6 +25,13 @@ from areal_jax.parallel.mesh import (
     put_batch,
     replicated,
 )
+from areal_jax.parallel.placement import (
+    Placement,
+    PlacementError,
+    check_learner_backend,
+    plan_placement,
+    start_placement,
+)
 from areal_jax.parallel.transfer import scatter_from_main
 
 __all__ = [
@@ -31,7 +39,10 @@ __all__ = [
     "JobGuard",
     "MESH_AXES",
     "MeshSpecError",
+    "Placement",
+    "PlacementError",
     "batch_sharding",
+    "check_learner_backend",
     "board_client",
     "detected_cluster",
     "format_mesh_spec",
@@ -43,9 +54,11 @@ __all__ = [
     "mesh_sizes",
     "n_batch_shards",
     "parse_mesh_spec",
+    "plan_placement",
     "process_batch_rows",
     "put_batch",
     "replicated",
     "scatter_from_main",
     "start_job_guard",
+    "start_placement",
 ]

@@ -406,18 +406,27 @@ def plan_run(cfg: Any, target: str, *, mesh_spec: str | None = None, preset: str
     how many times to double (or halve) the micro-batch's rows looking for the largest one
     that fits (0: only the config's)."""
     from areal_jax.parallel.mesh import MeshSpecError, make_mesh, n_batch_shards
+    from areal_jax.parallel.placement import PlacementError, plan_placement, target_host
     from areal_jax.parallel.targets import compile_only_devices, target_chip, target_platform
 
     chip, platform = target_chip(target), target_platform(target)
     usable = int(chip.hbm_bytes * (GPU_MEM_FRACTION if platform == "gpu" else 1.0))
     model_cfg, source = model_config(cfg, preset)
     log(f"plan: {target} ({chip.name}), model from {source}")
+    host = target_host(target, chip.hbm_bytes)
+    try:  # as train.py would place the run's processes on the target's host
+        placement = plan_placement(cfg, host, learner_platform=host.platform)
+    except PlacementError as e:
+        raise PlanError(f"placement on {target}: {e}") from None
+    log(placement.describe())
     devices = compile_only_devices(target)
+    learner_devices = [devices[i] for i in placement.learner.devices]
     spec = mesh_spec or cfg.mesh
     try:
-        mesh = make_mesh(spec, devices)
+        mesh = make_mesh(spec, learner_devices)
     except MeshSpecError as e:
-        raise PlanError(f"--mesh/mesh {spec!r} on {target} ({len(devices)} devices): {e}") from None
+        raise PlanError(f"--mesh/mesh {spec!r} on the learner's {len(learner_devices)} of "
+                        f"{target}'s devices: {e}") from None
     rows, seq_len = cfg.train.rows_per_micro_batch, cfg.train.seq_len
     shards = n_batch_shards(mesh)
     if rows % shards:
@@ -425,6 +434,7 @@ def plan_run(cfg: Any, target: str, *, mesh_spec: str | None = None, preset: str
                         f"data x fsdp = {shards} ({spec} on {target}); use a multiple of {shards}")
     result: dict[str, Any] = {
         "target": target, "chip": chip.name, "devices": len(devices), "platform": platform,
+        "learner_devices": list(placement.learner.devices),
         "mesh": {a: int(mesh.shape[a]) for a in mesh.axis_names}, "model": source,
         "hbm_bytes": chip.hbm_bytes, "usable_bytes": usable,
         "peak_bf16_flops": chip.peak_bf16_flops, "hbm_bytes_per_s": chip.hbm_bytes_per_s,
@@ -463,7 +473,10 @@ def plan_run(cfg: Any, target: str, *, mesh_spec: str | None = None, preset: str
     log(f"    {_brief(apply)}")
     result["learner_apply"] = apply
 
-    prefill, decode, shapes = lower_engine(cfg, model_cfg, devices[0])
+    # The engine on the chip its placement gives it; a rollout that is not on this target's
+    # chips (engines on the CPU, SGLang, external servers): on one chip, as an estimate.
+    engine_chip = placement.engines[0].devices[0] if placement.engines else 0
+    prefill, decode, shapes = lower_engine(cfg, model_cfg, devices[engine_chip])
     result["engine"] = shapes
     for name, lowered, tokens in (
             ("engine_prefill", prefill, shapes["prefill_rows"] * shapes["max_seq_len"]),
@@ -474,7 +487,48 @@ def plan_run(cfg: Any, target: str, *, mesh_spec: str | None = None, preset: str
                    tokens_per_s_ceiling=_rate(tokens, out))
         log(f"    {_brief(out)}")
         result[name] = out
+    result["device_memory"] = device_memory(result, placement, platform, chip.hbm_bytes)
+    result["fits"] = all(d["fits"] for d in result["device_memory"])
     return result
+
+
+def device_memory(result: dict[str, Any], placement: Any, platform: str,
+                  hbm_bytes: int) -> list[dict[str, Any]]:
+    """Every device some process of the run holds, with each process's need against its
+    share of the device: the learner's and an engine's compiled peaks, against their
+    memory fraction (JAX's 75% by default on a GPU; the whole chip on a TPU); an SGLang
+    server takes its ``--mem-fraction-static`` and must hold its share of the serving
+    weights within it. A device fits when every process fits its share and, on a shared
+    card, the shares sum to at most the placement's limit."""
+    from areal_jax.parallel.placement import JAX_DEFAULT_GPU_FRACTION, SHARED_CARD_LIMIT
+
+    def peak(*names: str) -> int | None:
+        peaks = [result[n].get("peak_bytes") for n in names]
+        return None if any(p is None for p in peaks) else max(peaks)
+
+    learner_peak = peak("learner_grad", "learner_apply")
+    engine_peak = peak("engine_prefill", "engine_decode")
+    serving_bytes = result["engine"]["param_bytes"]
+    rows = []
+    for device, procs in placement.by_device().items():
+        entries, total = [], 0.0
+        for p in procs:
+            default = JAX_DEFAULT_GPU_FRACTION if platform == "gpu" else 1.0
+            share = p.mem_fraction if p.mem_fraction is not None else default
+            limit = int(share * hbm_bytes)
+            if p.role == "sglang":
+                need: int | None = limit  # SGLang takes its whole share (weights + KV pool)
+                ok = serving_bytes // max(len(p.devices), 1) < limit
+            else:
+                need = learner_peak if p.role == "learner" else engine_peak
+                ok = need is not None and need <= limit
+            total += share
+            entries.append({"process": p.name, "need_bytes": need, "limit_bytes": limit,
+                            "fraction": share, "fits": ok})
+        shared_ok = len(procs) < 2 or total <= SHARED_CARD_LIMIT + 1e-9
+        rows.append({"device": device, "processes": entries, "fraction_sum": round(total, 4),
+                     "fits": shared_ok and all(e["fits"] for e in entries)})
+    return rows
 
 
 def attention_flops(model_cfg: Any, segment_lengths: Any, *, training: bool = True) -> float:
@@ -558,4 +612,13 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(f"learner micro-batch {g['rows']} x {g['seq_len']}; largest that fits: "
                  f"{g['largest_fitting_rows']} rows (rows tried: {tried}); the engine's "
                  "'optimizer' column is its KV cache")
+    for d in result.get("device_memory", []):
+        parts = ", ".join(f"{e['process']} {_gib(e['need_bytes'])} of {_gib(e['limit_bytes'])}"
+                          for e in d["processes"])
+        lines.append(f"device {d['device']}: {parts}"
+                     + (f" (shares sum to {d['fraction_sum']:g})" if len(d["processes"]) > 1
+                        else "") + ("" if d["fits"] else ": DOES NOT FIT"))
+    if "fits" in result:
+        lines.append("every process fits its devices" if result["fits"] else
+                     "DOES NOT FIT: a process needs more than its share of a device (above)")
     return "\n".join(lines)
