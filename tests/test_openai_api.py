@@ -131,6 +131,11 @@ def test_streaming_gives_the_same_text_and_logprobs(client, chat):
 
 @pytest.mark.parametrize("kwargs, param, fragment", [
     (dict(n=2), "n", "n must be 1"),
+    (dict(n=True), "n", "n must be 1"),  # true == 1 in Python, not in JSON
+    (dict(extra_body={"best_of": True}), "best_of", "best_of must be 1"),
+    (dict(stream=False, extra_body={"stream_options": {"include_usage": "yes"}}),
+     "stream_options", "stream_options.include_usage must be true or false, got 'yes'"),
+    (dict(extra_body={"ignore_eos": 1}), "ignore_eos", "ignore_eos must be true or false"),
     (dict(stop=["A"]), "stop", "stop strings are not supported"),
     (dict(max_tokens=0), "max_tokens", "max_tokens must be a positive integer"),
     (dict(max_tokens=500), "max_tokens", f"exceeds the context length {MAX_SEQ_LEN}"),

@@ -170,9 +170,9 @@ def _refuse_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
         if body.get(key) not in (None, 0, 0.0, False, [], {}, "") and \
                 not (key == "response_format" and body[key] == {"type": "text"}):
             raise OpenAIError(reason, key)
-    if body.get("best_of") not in (None, 1):
+    if body.get("best_of") is not None and not (_is_int(body["best_of"]) and body["best_of"] == 1):
         raise OpenAIError("best_of must be 1", "best_of")
-    if body.get("n") not in (None, 1):
+    if body.get("n") is not None and not (_is_int(body["n"]) and body["n"] == 1):  # not true
         raise OpenAIError("n must be 1; send one request per sample", "n")
     if body.get("parallel_tool_calls") not in (None, True, False):
         raise OpenAIError("parallel_tool_calls must be true or false", "parallel_tool_calls")
@@ -324,14 +324,17 @@ def parse_request(body: dict[str, Any], *, chat: bool, tokenizer: Any, vocab_siz
     if seed is not None and (not _is_int(seed) or seed < 0):
         raise OpenAIError(f"seed must be a non-negative integer, got {seed!r}", "seed")
     stream = body.get("stream")
-    if stream not in (None, True, False):
+    if stream is not None and not isinstance(stream, bool):
         raise OpenAIError(f"stream must be true or false, got {stream!r}", "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise OpenAIError("stream_options supports only include_usage", "stream_options")
+    if not isinstance(options.get("include_usage", False), bool):
+        raise OpenAIError(f"stream_options.include_usage must be true or false, got "
+                          f"{options['include_usage']!r}", "stream_options")
     logprobs = body.get("logprobs")
     if chat:
-        if logprobs not in (None, True, False):
+        if logprobs is not None and not isinstance(logprobs, bool):
             raise OpenAIError(f"logprobs must be true or false, got {logprobs!r}", "logprobs")
         if body.get("top_logprobs") not in (None, 0):
             raise OpenAIError("top_logprobs is not supported (only 0: the sampled token's "
@@ -343,7 +346,7 @@ def parse_request(body: dict[str, Any], *, chat: bool, tokenizer: Any, vocab_siz
                               f"are not returned), got {logprobs!r}", "logprobs")
         want_logprobs = logprobs is not None
     ignore_eos = body.get("ignore_eos")
-    if ignore_eos not in (None, True, False):
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise OpenAIError(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos")
     try:  # SamplingParams also checks what the device can hold (tiny temperatures, seeds)
         params = SamplingParams(
