@@ -30,6 +30,7 @@ __all__ = [
     "EvalConfig",
     "JudgeSection",
     "ModelServerSection",
+    "RewardModelSection",
     "LoraSection",
     "ModelSection",
     "OptimConfig",
@@ -220,6 +221,33 @@ class JudgeSection(ModelServerSection):
 
 
 @dataclass(frozen=True)
+class RewardModelSection(ModelServerSection):
+    """``reward.reward_model``: the classifier of ``reward.fn: reward_model``: SGLang's
+    ``/classify`` (``--is-embedding``) or the run's embedded server of an HF
+    ``*ForSequenceClassification`` checkpoint (areal_jax/rewards/reward_model.py)."""
+
+    template: str = "{question}\n{answer}"  # the text scored; {question} {reference} {answer}
+    label: int = 0  # the head's output that is the reward
+    score_min: float = -1.0e6  # a score outside [score_min, score_max] is a failed call
+    score_max: float = 1.0e6
+    cache_size: int = 10000
+    on_failure: Literal["reject", "fallback"] = "reject"  # as reward.judge.on_failure
+    fallback_score: float | None = None
+
+    SECTION = "reward.reward_model"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.on_failure not in ("reject", "fallback"):
+            raise ValueError(f"reward.reward_model.on_failure must be reject or fallback, got "
+                             f"{self.on_failure!r}")
+        if self.on_failure == "fallback" and self.fallback_score is None:
+            raise ValueError("reward.reward_model.on_failure: fallback needs "
+                             "reward.reward_model.fallback_score")
+        check_non_negative("reward.reward_model", label=self.label, cache_size=self.cache_size)
+
+
+@dataclass(frozen=True)
 class TeacherSection(ModelServerSection):
     """``teacher``: on-policy distillation. The teacher scores each sample's tokens and every
     completion token's advantage gets ``kl_coef * (teacher_logp - behav_logp)``, the negative
@@ -240,8 +268,9 @@ class TeacherSection(ModelServerSection):
 
 @dataclass(frozen=True)
 class RewardConfig:
-    fn: str = "builtin"  # builtin | math | code | judge | package.module:function
+    fn: str = "builtin"  # builtin | math | code | judge | reward_model | package.module:function
     judge: JudgeSection | None = None  # the judge of fn: judge
+    reward_model: RewardModelSection | None = None  # the classifier of fn: reward_model
     # What evals score with (a verifier: builtin | math | code | module:function); default
     # fn. Needed when fn is judge, whose scores evals do not use.
     eval_fn: str | None = None
@@ -263,9 +292,13 @@ class RewardConfig:
         if (self.fn == "judge") != (self.judge is not None):
             raise ValueError("reward.fn: judge needs a reward.judge section (url or model_path), "
                              "and reward.judge is used only with reward.fn: judge")
-        if self.eval_fn == "judge":
+        if (self.fn == "reward_model") != (self.reward_model is not None):
+            raise ValueError("reward.fn: reward_model needs a reward.reward_model section (url or "
+                             "model_path), and reward.reward_model is used only with reward.fn: "
+                             "reward_model")
+        if self.eval_fn in ("judge", "reward_model"):
             raise ValueError("reward.eval_fn: evals score with a verifier (builtin, math, code or "
-                             "module:function), not the judge")
+                             f"module:function), not {self.eval_fn}")
 
 
 ENGINE_PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")

@@ -1,11 +1,12 @@
-"""A run's model servers besides its rollout servers: the judge of ``reward.fn: judge`` and
-the distillation ``teacher``, and what the run builds on them.
+"""A run's model servers besides its rollout servers: the judge of ``reward.fn: judge``, the
+reward model of ``reward.fn: reward_model`` and the distillation ``teacher``, and what the
+run builds on them.
 
 Each is an external server (``url``: SGLang, vLLM, a hosted API) or an embedded server of a
 checkpoint (``model_path``) that the run starts next to its rollout servers, logs to
-``logs/judge.log`` / ``logs/teacher.log``, waits for and stops at the end. The judge
-becomes the training reward (``rewards/judge.py``); the teacher wraps the training workflow
-(``rollout/distill.py``) and its logprobs become the advantages
+``logs/<name>.log``, waits for and stops at the end. The judge or the reward model becomes
+the training reward (``rewards/judge.py``, ``rewards/reward_model.py``); the teacher wraps
+the training workflow (``rollout/distill.py``) and its logprobs become the advantages
 (``data.advantages.distill_advantages_for``). ``run.py`` calls :meth:`ModelServers.start`,
 :meth:`ModelServers.wait`, :meth:`ModelServers.reward`, :meth:`ModelServers.wrap` and
 :func:`advantages_fn`.
@@ -22,12 +23,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from areal_jax.config import JudgeSection, ModelServerSection, TrainConfig
+from areal_jax.config import JudgeSection, ModelServerSection, RewardModelSection, TrainConfig
 from areal_jax.data.advantages import distill_advantages_for, group_advantages_for
 from areal_jax.engine.launch import ServerStartError, jax_platform_name, launch_server, wait_healthy
 from areal_jax.process import LIVE_SERVERS
 from areal_jax.rewards import MODEL_REWARDS
 from areal_jax.rewards.judge import DEFAULT_TEMPLATE, JudgeReward, JudgeSettings, api_key_from_env
+from areal_jax.rewards.reward_model import RewardModelReward, RewardModelSettings
 from areal_jax.rewards.teacher import TeacherScorer, TeacherSettings
 from areal_jax.rollout.distill import TeacherScoredWorkflow
 from areal_jax.run_inputs import TrainerError, input_error, resolve_model_path
@@ -81,11 +83,13 @@ class ModelServers:
             raise TrainerError("teacher (on-policy distillation) gives per-token advantages of "
                                "its own; use it with algo.name grpo, rloo, drgrpo or gspo, not "
                                "ppo (whose advantages come from the critic)")
-        if cfg.reward.fn == "judge" and cfg.rollout.workflow == "agent":
-            raise TrainerError("reward.fn: judge scores single-turn answers; an agent workflow "
-                               "(rollout.workflow: agent) computes its own rewards")
+        if cfg.reward.fn in MODEL_REWARDS and cfg.rollout.workflow == "agent":
+            raise TrainerError(f"reward.fn: {cfg.reward.fn} scores single-turn answers; an agent "
+                               "workflow (rollout.workflow: agent) computes its own rewards")
         sections: list[tuple[str, str, ModelServerSection | None]] = [
-            ("judge", "reward.judge", cfg.reward.judge), ("teacher", "teacher", cfg.teacher)]
+            ("judge", "reward.judge", cfg.reward.judge),
+            ("reward_model", "reward.reward_model", cfg.reward.reward_model),
+            ("teacher", "teacher", cfg.teacher)]
         servers: dict[str, _Server] = {}
         for name, key, section in sections:
             if section is None:
@@ -108,14 +112,20 @@ class ModelServers:
                                    f"start: {e}") from None
 
     def reward(self, spec: str, stack: contextlib.ExitStack) -> Any:
-        """The training reward: the judge (a ``JudgeReward``) with ``reward.fn: judge``,
-        else the pool function ``spec``."""
-        judge = self.cfg.reward.judge
-        if self.cfg.reward.fn != "judge" or judge is None:
+        """The training reward: the judge (``JudgeReward``) with ``reward.fn: judge``, the
+        reward model (``RewardModelReward``) with ``reward_model``, else the pool function
+        ``spec``."""
+        r = self.cfg.reward
+        reward: JudgeReward
+        if r.fn == "judge" and r.judge is not None:
+            with input_error("reward.judge", ValueError, what="reward.judge"):
+                reward = JudgeReward(judge_settings(r.judge, self.servers["judge"].url))
+        elif r.fn == "reward_model" and r.reward_model is not None:
+            with input_error("reward.reward_model", ValueError, what="reward.reward_model"):
+                reward = RewardModelReward(reward_model_settings(
+                    r.reward_model, self.servers["reward_model"].url))
+        else:
             return spec
-        with input_error("reward.judge", ValueError, what="reward.judge"):
-            settings = judge_settings(judge, self.servers["judge"].url)
-        reward = JudgeReward(settings)
         stack.callback(reward.close)
         return reward
 
@@ -147,6 +157,16 @@ def judge_settings(judge: JudgeSection, url: str) -> JudgeSettings:
         retries=judge.retries, backoff_s=judge.backoff_s, cache_size=judge.cache_size,
         on_failure=judge.on_failure, fallback_score=judge.fallback_score,
         api_key=api_key_from_env(judge.api_key_env))
+
+
+def reward_model_settings(rm: RewardModelSection, url: str) -> RewardModelSettings:
+    """``reward.reward_model`` as the reward model client's settings."""
+    return RewardModelSettings(
+        url=url, template=rm.template, label=rm.label, score_min=rm.score_min,
+        score_max=rm.score_max, max_concurrency=rm.max_concurrency, timeout_s=rm.timeout_s,
+        retries=rm.retries, backoff_s=rm.backoff_s, cache_size=rm.cache_size,
+        on_failure=rm.on_failure, fallback_score=rm.fallback_score,
+        api_key=api_key_from_env(rm.api_key_env))
 
 
 def _placement(cfg: TrainConfig, section: ModelServerSection, key: str

@@ -20,7 +20,7 @@ REWARD_FUNCTIONS: dict[str, str] = {
 
 
 # reward.fn names that a model server gives (over HTTP, not in the pool): see rewards/judge.py.
-MODEL_REWARDS = ("judge",)
+MODEL_REWARDS = ("judge", "reward_model")
 
 
 def reward_fn_spec(name: str) -> str:

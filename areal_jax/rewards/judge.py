@@ -214,6 +214,12 @@ class JudgeReward:
         body["prompt"] = prompt
         return "/v1/completions", body
 
+    def _score(self, reply: Any) -> float:
+        """The score in a reply (JudgeUnparsable when there is none in range)."""
+        s = self.settings
+        return parse_score(self._reply_text(reply, s.endpoint == "chat"), self._pattern,
+                           s.score_min, s.score_max)
+
     @staticmethod
     def _reply_text(reply: Any, chat: bool) -> str:
         try:
@@ -240,8 +246,7 @@ class JudgeReward:
             t0 = time.monotonic()
             try:
                 reply = await post_json(self._sessions, s.url, route, body, s.timeout_s)
-                score = parse_score(self._reply_text(reply, s.endpoint == "chat"),
-                                    self._pattern, s.score_min, s.score_max)
+                score = self._score(reply)
             except TimeoutError:
                 self._count("timeouts", count)
                 why = f"no reply within {s.timeout_s:g}s"
