@@ -185,7 +185,7 @@ def load_eval_items(cfg: TrainConfig, eval_path: str | None) -> list[dict[str, A
     """The eval prompts of ``data.eval`` (at most ``data.max_eval_prompts``), each row with
     ``prompt`` and ``answer`` from the run's keys; a row without them names ``data.eval``
     and the key's option."""
-    from areal_jax.data.prompts import read_records
+    from areal_jax.data.prompts import prompt_problem, read_records
 
     if not eval_path:
         return []
@@ -199,6 +199,10 @@ def load_eval_items(cfg: TrainConfig, eval_path: str | None) -> list[dict[str, A
             if key not in row:
                 raise TrainerError(f"data.eval {eval_path}: row {i} has no {key!r} key "
                                    f"({option}); keys: {sorted(row)}")
+        problem = prompt_problem(row[data.prompt_key])
+        if problem is not None:
+            raise TrainerError(f"data.eval {eval_path}: row {i}: {data.prompt_key!r} "
+                               f"(data.prompt_key) {problem}")
         items.append({**row, "prompt": row[data.prompt_key], "answer": row[data.answer_key]})
     if not items:
         raise TrainerError(f"data.eval {eval_path} holds no prompts")
@@ -210,7 +214,7 @@ def check_prompt_lengths(cfg: TrainConfig, tokenizer: Any, train_path: str,
     """The longest of the first ``max_rows`` prompts + ``rollout.max_new_tokens`` must fit a
     packed row (``train.seq_len``) and, with embedded servers, their context. (A longer
     prompt further on stops the run when it is packed, naming train.seq_len.)"""
-    from areal_jax.data.prompts import read_records
+    from areal_jax.data.prompts import prompt_problem, read_records
 
     rows = read_records(train_path)[:max_rows]
     key, ro = cfg.data.prompt_key, cfg.rollout
@@ -219,6 +223,10 @@ def check_prompt_lengths(cfg: TrainConfig, tokenizer: Any, train_path: str,
         if key not in row:
             raise TrainerError(f"data.train {train_path}: row {i} has no {key!r} key "
                                f"(data.prompt_key); keys: {sorted(row)}")
+        problem = prompt_problem(row[key])
+        if problem is not None:
+            raise TrainerError(f"data.train {train_path}: row {i}: {key!r} (data.prompt_key) "
+                               f"{problem}")
         n = len(tokenizer.encode_prompt(row[key]))
         if n > longest:
             longest, where = n, i

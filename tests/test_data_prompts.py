@@ -185,3 +185,20 @@ def test_gs_paths_without_gcsfs_say_what_is_missing():
     assert out.returncode == 0, out.stderr[-3000:]
     message = out.stdout.strip().splitlines()[-1]
     assert re.search(r"prompt dataset 'gs://bucket/train.jsonl'.*gcsfs", message), message
+
+
+@pytest.mark.parametrize("prompt, words", [
+    (None, "is null (None)"), (12345, "is int (12345)"), ("  ", "is an empty string"),
+    ([], "is an empty list of chat messages"), (["hi"], "message 0 is a str"),
+    ([{"role": "user", "content": "a"}, {"content": "b"}], "message 1 has role None"),
+    ([{"role": "user", "content": None}], "message 0 (user) has content of type NoneType"),
+])
+def test_every_row_s_prompt_is_text_or_chat_messages(tmp_path, prompt, words):
+    """Checked for every row when the dataset is built (the run checks the first 512 before
+    anything starts): one line naming the file, the row and the key."""
+    path = tmp_path / "d.jsonl"
+    rows = [{"question": "1+1", "answer": "2"}] * 600 + [{"question": prompt, "answer": "2"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError) as e:
+        load_prompt_dataset(str(path), prompt_key="question", shard_index=0, shard_count=1)
+    assert str(e.value).startswith(f"{path}: row 600: 'question' (the prompt_key) {words}")

@@ -211,6 +211,25 @@ def test_eval_rows_without_the_keys_name_data_eval_and_the_option(tmp_path):
     assert not (tmp_path / "run" / "weights").exists()  # before anything started
 
 
+@pytest.mark.parametrize("row, words", [
+    ('{"question": null, "answer": "2"}', "'question' (data.prompt_key) is null (None); "
+                                             "expected a string or a list of chat messages"),
+    ('{"question": 12345, "answer": "2"}', "'question' (data.prompt_key) is int (12345)"),
+    ('{"question": [{"content": "1+1"}], "answer": "2"}',
+     "'question' (data.prompt_key) message 0 has role None; expected one of system"),
+])
+def test_a_prompt_that_is_not_text_names_its_row_and_key(tmp_path, row, words):
+    """issue 50 item 10: a null or numeric prompt was a TypeError traceback; a chat message
+    without a role an unclear line."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n' + row + "\n")
+    res = _run([f"run_dir={tmp_path / 'run'}", f"data.train={data}"], timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"data.train {data}: row 1: {words}" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "run" / "weights").exists()  # before anything started
+
+
 def test_model_config_json_that_is_not_an_object_names_the_file(tmp_path):
     """issue 39 item 13: a config.json holding a JSON list failed as
     "tokenizer ...: 'list' object has no attribute 'get'"."""

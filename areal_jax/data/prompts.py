@@ -89,6 +89,34 @@ def read_records(path: str) -> list[dict[str, Any]]:
     return rows
 
 
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def prompt_problem(prompt: Any) -> str | None:
+    """Why ``prompt`` (a row's prompt column) cannot be a prompt, else None: it must be a
+    non-empty string or a non-empty list of chat messages, each {role, content} with a
+    known role and string content."""
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "is an empty string"
+    if not isinstance(prompt, list):
+        shown = repr(prompt)
+        return (f"is {'null' if prompt is None else type(prompt).__name__} "
+                f"({shown[:60]}{'...' if len(shown) > 60 else ''}); expected a string or a "
+                "list of chat messages")
+    if not prompt:
+        return "is an empty list of chat messages"
+    for j, m in enumerate(prompt):
+        if not isinstance(m, dict):
+            return f"message {j} is a {type(m).__name__}, expected {{role, content}}"
+        if m.get("role") not in _ROLES:
+            return (f"message {j} has role {m.get('role')!r}; expected one of "
+                    f"{', '.join(_ROLES)}")
+        if not isinstance(m.get("content"), str):
+            return (f"message {j} ({m['role']}) has content of type "
+                    f"{type(m.get('content')).__name__}; expected a string")
+    return None
+
+
 def _normalise_rows(rows_by_file: list[tuple[str, list[dict]]], prompt_key: str,
                     answer_key: str | None, id_key: str | None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
@@ -104,6 +132,9 @@ def _normalise_rows(rows_by_file: list[tuple[str, list[dict]]], prompt_key: str,
                         f"{path}: row {i} has no key {key!r} (the {role}); "
                         f"available keys: {sorted(row)}"
                     )
+            problem = prompt_problem(row[prompt_key])
+            if problem is not None:
+                raise ValueError(f"{path}: row {i}: {prompt_key!r} (the prompt_key) {problem}")
             prompt_id = str(row[id_key]) if id_key is not None else str(len(out))
             if prompt_id in seen_ids:
                 raise ValueError(f"{path}: row {i} repeats prompt id {prompt_id!r} "
