@@ -123,7 +123,8 @@ def attention(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, *,
 
 def cache_attention(q_bkgtd: Array, k_cache: Array, v_bksd: Array, kv_limit_bt: Array,
                     kv_len: Array | int, *, block: int, keys_transposed: bool = True,
-                    rows_b: Array | None = None) -> tuple[Array, Array]:
+                    rows_b: Array | None = None, first_block: int = 0
+                    ) -> tuple[Array, Array]:
     """Attention of the queries to the first ``kv_len`` keys of a cache, read ``block`` keys
     at a time in a loop that stops after the block holding key ``kv_len - 1``: one program
     serves every filled length (``kv_len`` is traced), and a call reads what the live
@@ -139,6 +140,7 @@ def cache_attention(q_bkgtd: Array, k_cache: Array, v_bksd: Array, kv_limit_bt: 
         ``S - block`` and its keys already read are skipped.
       rows_b: the cache row each query row reads (default: row b reads row b); indices
         out of range are clipped (give such rows a limit of -1).
+      first_block: blocks before it are skipped (read by the caller some other way).
     """
     s_axis = 3 if keys_transposed else 2
     s = k_cache.shape[s_axis]
@@ -165,7 +167,8 @@ def cache_attention(q_bkgtd: Array, k_cache: Array, v_bksd: Array, kv_limit_bt: 
     carry = (jnp.zeros((b, kh, g, t, dh), jnp.float32),
              jnp.full((b, kh, g, t), MASK_VALUE, jnp.float32),
              jnp.zeros((b, kh, g, t), jnp.float32))
-    acc, m, l_sum = jax.lax.fori_loop(0, n_blocks, body, carry)
+    acc, m, l_sum = jax.lax.fori_loop(first_block, jnp.maximum(n_blocks, first_block), body,
+                                      carry)
     return _finish(acc, m, l_sum, q_bkgtd.dtype, return_lse=True)
 
 

@@ -26,11 +26,15 @@ of it attention reads.
   each reading its operand in its natural layout. (With keys as ``[S, Dh]`` the score
   product contracts the minor axis of both operands, which XLA's CPU dot runs 2-3x
   slower on these shapes: it was the largest op of a decode step.)
-* Decode attends to the first ``kv_len`` cache positions only (a static bucket that
-  covers every active slot), so a step costs what the live sequences need, not S_max.
-  A call runs several steps; it reads that prefix once and writes the cache once.
-* Prefill computes a bucket of prompts without reading the cache (the learner's causal
-  self-attention over the prompt, blockwise) and writes their keys/values into their slots.
+* Decode attends to the first ``kv_len`` cache positions only (a traced length that
+  covers every active slot), read in blocks of ``DECODE_KV_BLOCK`` keys by a loop that
+  stops after the last filled block (``model_defs.attention.cache_attention``): a step
+  costs what the live sequences need, not S_max, and one program serves every length
+  (a program per power-of-two length before: the engine's start-up compiled each).
+  A call runs several steps and writes the cache once.
+* Prefill computes a chunk of prompts (the learner's causal self-attention over the
+  chunk, blockwise) plus, for a long prompt's later chunks, the same key-block loop over
+  the slot's cache below the chunk, and writes their keys/values into their slots.
 * Decode attends to the cache prefix and to this call's keys separately and merges the
   two by their log-sum-exp (``merge_attention``), exactly equal to one softmax over both.
 
@@ -55,7 +59,8 @@ from model_defs.fused_attention import active_platform
 Array = jax.Array
 # Cache keys per step of the attention loop over a slot's filled prefix (decode, and
 # prefill chunks after a long prompt's first): a call reads the blocks up to the longest
-# live sequence. 64 on CPU: XXX
+# live sequence. Each step of the loop costs a little fixed work, each key read past the
+# live length a little compute: 64 keeps both small on the CPU for demo-sized contexts.
 DECODE_KV_BLOCK = 64
 
 
@@ -223,7 +228,13 @@ def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: Slot
     loop = _LayerLoop(model, cache.stacked)
     kv, _, dh = loop.per_layer(cache.v)[0].shape[-3:]
     start_b = position_b
-    # [B, K, Dh, S] and [B, K, S, Dh]: read up to kv_len by cache_attention's loop
+    # The cache's first block of keys [B, K, Dh, W] and values [B, K, W, Dh], sliced once
+    # per call (every step reads them: short sequences need no loop at all), and the whole
+    # cache [B, K, Dh, S] / [B, K, S, Dh], whose later blocks cache_attention's loop reads
+    # up to kv_len.
+    head = min(DECODE_KV_BLOCK, loop.per_layer(cache.v)[0].shape[-2])
+    head_k = loop.per_layer(cache.k, lambda k: k[..., :head].astype(model.dtype))
+    head_v = loop.per_layer(cache.v, lambda v: v[..., :head, :].astype(model.dtype))
     prefix_k, prefix_v = loop.per_layer(cache.k), loop.per_layer(cache.v)
     local_k0 = loop.zeros((b, kv, dh, steps), model.dtype)
     local_v0 = loop.zeros((b, kv, steps, dh), model.dtype)
@@ -236,18 +247,21 @@ def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: Slot
         local_limit_b1 = jnp.full((b, 1), step, jnp.int32)  # this call's keys 0..step
 
         def layer_step(x_b1d, layer, xs_l):
-            pk, pv, lk, lv = xs_l
+            hk, hv, pk, pv, lk, lv = xs_l
             q_bkg1d, k_bk1d, v_bk1d = layer.attention_inputs(x_b1d, cos_sin)
             lk = jax.lax.dynamic_update_slice_in_dim(lk, k_bk1d.swapaxes(2, 3), step, axis=3)
             lv = jax.lax.dynamic_update_slice_in_dim(lv, v_bk1d, step, axis=2)
-            parts = [cache_attention(q_bkg1d, pk, pv, prefix_limit_b1, kv_len,
-                                     block=DECODE_KV_BLOCK),
+            parts = [attention(q_bkg1d, hk, hv, kv_limit_bt=prefix_limit_b1,
+                               keys_transposed=True, return_lse=True),
+                     cache_attention(q_bkg1d, pk, pv, prefix_limit_b1, kv_len,
+                                     block=DECODE_KV_BLOCK, first_block=1),
                      attention(q_bkg1d, lk, lv, kv_limit_bt=local_limit_b1,
                                keys_transposed=True, return_lse=True)]
             return layer.finish(x_b1d, merge_attention(parts, model.dtype)), (lk, lv)
 
         x_b1d, (local_k, local_v) = loop.run(
-            layer_step, model.embed(token_b[:, None]), (prefix_k, prefix_v, local_k, local_v))
+            layer_step, model.embed(token_b[:, None]),
+            (head_k, head_v, prefix_k, prefix_v, local_k, local_v))
         logits_bv = model.logits_from_hidden(model.final_norm(x_b1d))[:, 0]
         next_token_b, extra = choose(logits_bv, step, position_b + 1)
         return (local_k, local_v, next_token_b, position_b + 1), extra
