@@ -17,6 +17,7 @@ from areal_jax.learner.config import (
     AlgoConfig,
     CriticConfig,
     OptimConfig,
+    check_finite,
     check_non_negative,
     check_positive,
 )
@@ -439,6 +440,11 @@ class RolloutConfig:
                   max_new_tokens=self.max_new_tokens, max_concurrent=self.max_concurrent,
                   top_p=self.top_p, request_timeout_s=self.request_timeout_s,
                   server_startup_timeout_s=self.server_startup_timeout_s)
+        check_finite("rollout", request_timeout_s=self.request_timeout_s,
+                     server_startup_timeout_s=self.server_startup_timeout_s)
+        if self.request_timeout_s < 1.0:  # each request would time out and be retried
+            raise ValueError(f"rollout.request_timeout_s must be >= 1 (seconds a /generate "
+                             f"request may take), got {self.request_timeout_s}")
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"rollout.top_k must be -1 (disabled) or >= 1, got {self.top_k} "
                              "(servers reject every request with top_k=0)")
@@ -486,10 +492,11 @@ class TrainLoopConfig:
                   logp_chunk_size=self.logp_chunk_size)
         if self.row_lengths is not None:
             bad = [n for n in self.row_lengths
-                   if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= self.seq_len]
+                   if not isinstance(n, int) or isinstance(n, bool) or not 1 < n <= self.seq_len]
             if bad or not self.row_lengths:
-                raise ValueError(f"train.row_lengths must be a list of ints in [1, train.seq_len="
-                                 f"{self.seq_len}], got {self.row_lengths}")
+                raise ValueError(f"train.row_lengths must be a list of ints in [2, train.seq_len="
+                                 f"{self.seq_len}] (a row holds at least a prompt token and a "
+                                 f"generated one), got {self.row_lengths}")
 
 
 @dataclass(frozen=True)
@@ -569,6 +576,7 @@ class WatchdogConfig:
                            max_seconds_without_progress=self.max_seconds_without_progress,
                            max_nonfinite_versions=self.max_nonfinite_versions)
         check_positive("watchdog", shutdown_timeout_s=self.shutdown_timeout_s)
+        check_finite("watchdog", shutdown_timeout_s=self.shutdown_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -635,6 +643,9 @@ class TrainConfig:
     compilation_cache_dir: str | None = "~/.cache/areal_jax/jax_compilation_cache"
 
     def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32 - 1] (numpy's seed range), got "
+                             f"{self.seed}")
         if self.hardware is not None and self.hardware != "cpu":
             from areal_jax.parallel.targets import check_target
 

@@ -125,6 +125,9 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         dotted = f"{prefix}.{key}" if prefix else key
         if key not in fields:
             raise ConfigError(f"unknown config key {dotted!r}; allowed keys here: {sorted(fields)}")
+        if value is None and fields[key].default_factory is list and \
+                type(None) not in get_args(hints[key]):
+            value = []  # null for a list that defaults to empty (rollout.servers): none
         kwargs[key] = _coerce(value, hints[key], dotted)
     missing = [name for name, f in fields.items() if name not in kwargs
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]

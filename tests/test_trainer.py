@@ -538,14 +538,34 @@ def test_shipped_configs_load_and_validate_as_shipped(path):
     ("algo.gamma=1.5", "algo.gamma"),
     ("watchdog.shutdown_timeout_s=0", "watchdog.shutdown_timeout_s"),
     ("reward.max_abs=-1", "reward.max_abs"),
+    # issue 50: accepted, then an OverflowError at every request, ~1,300 warnings, no
+    # shutdown deadline, a seed error blaming data.train, an infinite learning rate
+    ("rollout.request_timeout_s=.inf", "rollout.request_timeout_s must be a finite number"),
+    ("rollout.request_timeout_s=0.001", "rollout.request_timeout_s must be >= 1"),
+    ("watchdog.shutdown_timeout_s=.inf", "watchdog.shutdown_timeout_s must be a finite"),
+    ("seed=4294967296", "seed must be in [0, 2**32 - 1]"),
+    ("seed=-1", "seed must be in [0, 2**32 - 1]"),
+    ("optim.lr=.inf", "optim.lr must be a finite number"),
+    ("train.row_lengths=[1]", "train.row_lengths must be a list of ints in [2,"),
+    ("rollout.n_samples=1", "algo.dynamic_filter needs rollout.n_samples >= 2"),
 ])
 def test_config_errors_name_the_users_key(override, key):
     """Values that used to pass the config and fail inside the learner under its own names
     (ppo.temperature, optimizer.lr) now fail at load time, naming the run config's key."""
     with pytest.raises(ConfigError) as info:
-        load_config(REPO / "configs" / "tiny_demo.yaml", [override, "optim.schedule=cosine"])
+        load_config(REPO / "configs" / "tiny_demo.yaml",
+                    [override, "optim.schedule=cosine",
+                     *(["algo.dynamic_filter=true"] if "n_samples" in override else [])])
     assert key in str(info.value)
     assert "ppo." not in str(info.value) and "optimizer." not in str(info.value)
+
+
+def test_null_for_a_list_that_defaults_to_empty_is_empty():
+    """rollout.servers=null means no external servers (was 'expected a list, got None')."""
+    cfg = load_config(REPO / "configs" / "tiny_demo.yaml", ["rollout.servers=null"])
+    assert cfg.rollout.servers == []
+    with pytest.raises(ConfigError, match="rollout.servers: expected a list, got 3"):
+        load_config(REPO / "configs" / "tiny_demo.yaml", ["rollout.servers=3"])
 
 
 def test_cosine_warmup_longer_than_the_run_names_the_users_keys():

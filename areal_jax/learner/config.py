@@ -61,6 +61,14 @@ def check_non_negative(section: str, **values: float | int | None) -> None:
             raise ValueError(f"{section}.{key} must be >= 0, got {v}")
 
 
+def check_finite(section: str, **values: float | int | None) -> None:
+    """``section.key must be a finite number`` for each value that is not None (.inf
+    passes the > 0 checks, then overflows where a library uses it)."""
+    for key, v in values.items():
+        if v is not None and not math.isfinite(v):
+            raise ValueError(f"{section}.{key} must be a finite number, got {v}")
+
+
 def _check_choice(section: str, key: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"{section}.{key}={value!r}; expected one of {list(allowed)}")
@@ -91,6 +99,8 @@ class OptimConfig:
     def __post_init__(self) -> None:
         check_positive("optim", lr=self.lr, max_grad_norm=self.max_grad_norm, eps=self.eps,
                        total_steps=self.total_steps)
+        check_finite("optim", lr=self.lr, max_grad_norm=self.max_grad_norm, eps=self.eps,
+                     weight_decay=self.weight_decay, b1=self.b1, b2=self.b2)
         check_non_negative("optim", warmup_steps=self.warmup_steps,
                            weight_decay=self.weight_decay)
         _check_choice("optim", "schedule", self.schedule, SCHEDULES)
