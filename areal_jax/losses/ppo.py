@@ -419,7 +419,8 @@ def decoupled_ppo_loss(
         (``loss_mask != 0``):
 
         - ``clip_frac``: fraction of valid tokens whose clipped branch is active (their
-          ratio gradient is cut by eps_clip / eps_clip_higher);
+          ratio gradient is cut by eps_clip / eps_clip_higher); with ``objective="cispo"``
+          those whose weight was clipped, with ``"sapo"`` 0 (no hard clip);
         - ``dual_clip_frac``: fraction of valid tokens capped by the dual clip;
         - ``cap_drop_frac``: fraction of valid tokens dropped because w > cap (dropped
           tokens count as neither clipped nor dual-clipped);
