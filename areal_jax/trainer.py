@@ -43,7 +43,7 @@ import jax
 import numpy as np
 
 from areal_jax.checkpoint.meta import CheckpointMeta
-from areal_jax.checkpoint.orbax_ckpt import rng_to_json
+from areal_jax.checkpoint.orbax_ckpt import CheckpointWriteError, rng_to_json
 from areal_jax.checkpoint.publish import join_inline_publish, serving_copy
 from areal_jax.checkpoint.stream import serving_arrays
 from areal_jax.config import TrainConfig, to_dict
@@ -312,6 +312,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ step 6
     def save_checkpoint(self) -> None:
+        with _checkpoint_write_stops_the_run():
+            self._save_checkpoint()
+
+    def _save_checkpoint(self) -> None:
         self.wait_published()  # the executor state must be at the published version
         st = self.learner.state_dict()
         version = int(st["version"])
@@ -352,9 +356,10 @@ class Trainer:
             if self.is_main:
                 with _weight_sync_stops_the_run():
                     self.rollout_side.weights.write_files(params, self.learner.version)
-        self.checkpointer.wait()
-        if self.critic_checkpointer is not None:
-            self.critic_checkpointer.wait()
+        with _checkpoint_write_stops_the_run():
+            self.checkpointer.wait()
+            if self.critic_checkpointer is not None:
+                self.critic_checkpointer.wait()
 
     # ------------------------------------------------------------------ eval and metrics
     def evaluate(self, prefix: str = "eval_") -> dict[str, float]:
@@ -417,6 +422,16 @@ class Trainer:
             row.update({f"startup/{k}": v for k, v in self.startup.items() if k.endswith("_s")})
         row.update(headline(train_metrics))  # top-level copies for plots
         return row
+
+
+@contextlib.contextmanager
+def _checkpoint_write_stops_the_run() -> Iterator[None]:
+    """A checkpoint that cannot be written (a full disk) stops the run with one line (exit
+    3), the newest complete checkpoint kept."""
+    try:
+        yield
+    except CheckpointWriteError as e:
+        raise RunStopped(f"{e}. Free space (or set checkpoint.dir), then resume") from None
 
 
 @contextlib.contextmanager

@@ -459,3 +459,46 @@ def test_meta_record_errors():
         CheckpointMeta.from_json([1, 2])
     with pytest.raises(ValueError, match=r"extra keys \['version'\] are fields"):
         CheckpointMeta(extra={"version": 3})
+
+
+_FULL_DISK_CHILD = textwrap.dedent("""
+    import resource, signal, sys
+    import numpy as np
+    from areal_jax.checkpoint import CheckpointMeta, CheckpointWriteError
+    from areal_jax.checkpoint.orbax_ckpt import TrainCheckpointer
+
+    ckpt = TrainCheckpointer(sys.argv[1], keep=3)
+    small = {"w": np.ones((4,), np.float32)}
+    ckpt.save(1, small, None, CheckpointMeta(version=1))
+    ckpt.wait()
+    # The disk fills up: no file may grow past 64 KiB (EFBIG, not a signal), so the 1 MiB
+    # array of step 2 fails in Orbax's background write threads.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+    big = {"w": np.random.default_rng(0).standard_normal(1 << 18).astype(np.float32)}
+    try:
+        ckpt.save(2, big, None, CheckpointMeta(version=2))
+        ckpt.wait()
+    except CheckpointWriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(3)
+    print("saved", file=sys.stderr)
+""")
+
+
+def test_a_save_that_cannot_be_written_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """A full disk under checkpoint.dir (issue 50 item 10: 468 log lines and five Orbax
+    tracebacks from its background write threads): the failure is raised once, by the next
+    save or wait, as one line naming the directory and the newest complete checkpoint."""
+    ckpt_dir = tmp_path / "ckpt"
+    res = subprocess.run([sys.executable, "-c", _FULL_DISK_CHILD, str(ckpt_dir)],
+                         capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 3, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and len(lines) == 1, res.stderr[-3000:]
+    assert lines[0].startswith(f"error: checkpoint directory {ckpt_dir}: a checkpoint could "
+                               "not be written ("), lines
+    assert lines[0].endswith("the newest complete checkpoint is step 1"), lines
+    with TrainCheckpointer(ckpt_dir, read_only=True) as ckpt:
+        assert ckpt.all_steps() == [1]
+        np.testing.assert_array_equal(np.asarray(ckpt.restore()[0]["w"]), np.ones(4))

@@ -3,6 +3,7 @@
 from areal_jax.checkpoint.meta import CheckpointMeta
 from areal_jax.checkpoint.orbax_ckpt import (
     CheckpointError,
+    CheckpointWriteError,
     TrainCheckpointer,
     rng_from_json,
     rng_to_json,
@@ -20,6 +21,7 @@ __all__ = [
     "COMMIT_MARKER",
     "CheckpointError",
     "CheckpointMeta",
+    "CheckpointWriteError",
     "PublishError",
     "TrainCheckpointer",
     "WeightPublisher",

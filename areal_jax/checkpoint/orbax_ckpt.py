@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import sys
@@ -159,6 +160,24 @@ def rng_from_json(data: list[int], *, typed: bool = True) -> jax.Array:
     return jax.random.wrap_key_data(words) if typed else words
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk, a lost bucket): a fault of the
+    environment, reported in one line; the newest complete checkpoint is kept."""
+
+
+class _DropReraisedSaveErrors(logging.Filter):
+    """Drops the ERROR records with tracebacks that Orbax's save threads log for a failed
+    write (five or more per failure): the same error is raised again in the caller by the
+    next ``save`` or ``wait``, where :class:`TrainCheckpointer` makes it one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and record.exc_info is not None
+                    and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+_SAVE_ERRORS_FILTER = _DropReraisedSaveErrors()
+
+
 class _DropReadOnlyNotice(logging.Filter):
     """Drops Orbax's ``Given directory is read only=DIR``: a WARNING that CheckpointManager
     logs whenever it is opened with ``read_only=True``, which is how a checkpoint is only
@@ -219,6 +238,24 @@ class TrainCheckpointer:
         with _quiet_read_only_notice(read_only):
             self._manager = ocp.CheckpointManager(directory, options=options,
                                                   item_handlers=_item_handlers())
+        if not read_only and _SAVE_ERRORS_FILTER not in logging.getLogger("absl").filters:
+            logging.getLogger("absl").addFilter(_SAVE_ERRORS_FILTER)
+
+    def _write_error(self, e: Exception) -> CheckpointWriteError:
+        """One line for a failed save: the directory, the reason ("No space left on device"
+        rather than Orbax's tensorstore text), and the newest complete checkpoint."""
+        text = " ".join(str(e).split())
+        if "No space left on device" in text or getattr(e, "errno", None) == errno.ENOSPC:
+            reason = "No space left on device"
+        else:
+            reason = f"{type(e).__name__}: {text[:300]}"
+        newest: int | None = None
+        with contextlib.suppress(Exception):
+            newest = self.latest_step()
+        kept = (f"the newest complete checkpoint is step {newest}" if newest is not None
+                else "no complete checkpoint is there yet")
+        return CheckpointWriteError(f"checkpoint directory {self.directory}: a checkpoint "
+                                    f"could not be written ({reason}); {kept}")
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, params: PyTree, opt_state: PyTree | None, meta: CheckpointMeta,
@@ -245,12 +282,19 @@ class TrainCheckpointer:
         }
         if opt_state is not None:
             items[OPT_STATE] = ocp.args.StandardSave(_to_pure(opt_state))
-        return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
+        try:  # an earlier async save's failure surfaces here too
+            return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
+        except (OSError, ValueError, RuntimeError) as e:
+            raise self._write_error(e) from None
 
     def wait(self) -> None:
-        """Blocks until every started save is durable (and raises if one failed)."""
-        self._manager.wait_until_finished()
-        self._manager.check_for_errors()
+        """Blocks until every started save is durable (and raises if one failed: a
+        :class:`CheckpointWriteError`)."""
+        try:
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except (OSError, ValueError, RuntimeError) as e:
+            raise self._write_error(e) from None
 
     # --------------------------------------------------------------- queries
     def all_steps(self) -> list[int]:
