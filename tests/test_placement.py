@@ -224,3 +224,24 @@ def test_imports_print_no_plugin_traceback_on_a_cpu_host():
     # Without the package's guard, jax itself prints the plugin's traceback here.
     raw = _run(["-c", "import jax; jax.default_backend()"])
     assert "Traceback" in raw.stderr, "the CUDA plugin no longer prints: the guard is moot"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
+                    reason="needs the CUDA plugin (the aot extra) to have something to print")
+@pytest.mark.skipif(not _on_a_cpu_host(), reason="this host has an accelerator")
+def test_eval_ckpt_and_the_small_gpu_check_print_no_plugin_traceback(tmp_path):
+    hf = REPO / "areal_jax" / "data" / "assets" / "arith_sft"
+    out = _run(["scripts/convert.py", "hf-to-orbax", "--hf", str(hf), "--out",
+                str(tmp_path / "ckpt")], timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = _run(["scripts/eval.py", "--ckpt", str(tmp_path / "ckpt"), "--tokenizer", str(hf),
+                "--data", "builtin:eval", "--reward", "builtin", "--max-prompts", "4", "-n", "1",
+                "--max-new-tokens", "8", "--max-seq-len", "96", "--max-slots", "4"],
+               timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "cuFFT" not in out.stderr, out.stderr[-3000:]
+    out = _run(["scripts/bench.py", "gpu", "--small", "--steps", "attention", "--out-dir",
+                str(tmp_path / "g")], timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "cuFFT" not in out.stderr, out.stderr[-3000:]

@@ -136,7 +136,8 @@ class Placement:
         for p in self.processes:
             where = (f"{unit}{'s' if len(p.devices) > 1 else ''} "
                      f"{','.join(map(str, p.devices))}" if p.devices else p.platform)
-            share = f", {p.mem_fraction:g} of each card's memory" if p.mem_fraction else ""
+            whose = "its" if len(p.devices) == 1 else "each one's"
+            share = f", {p.mem_fraction:g} of {whose} memory" if p.mem_fraction else ""
             env = " ".join(f"{k}={v}" for k, v in p.env.items())
             flags = " ".join(p.args)
             lines.append(f"  {p.name:<9} {where}{share}"
