@@ -18,6 +18,7 @@ measured side by side in the same run.
     python -m areal_jax.bench engine-compile [opts] # the engine's compile time per layer count
     python -m areal_jax.bench gpu       [options]   # the one-call GPU check: each step above
     python -m areal_jax.bench serve-load [options]  # 200 vs 1,000 concurrent requests on serve.py
+    python -m areal_jax.bench weight-sync [options] # a version bump's phases vs memcpy, fsync
 
 (``python scripts/bench.py ...`` is the same command.) Each benchmark is the module
 ``areal_jax.bench.<name>``; the contract it follows and what they share are in
@@ -56,6 +57,7 @@ def benchmarks() -> dict[str, Benchmark]:
         startup,
         train,
         trl,
+        weight_sync,
     )
 
     return {"forward": forward, "train": train, "generate": generate,
@@ -63,7 +65,8 @@ def benchmarks() -> dict[str, Benchmark]:
             "executor": executor, "memory": memory, "memory-run": memory_run,
             "startup": startup, "trl": trl, "longtail": longtail,
             "process-rows": process_rows, "attention": attention,
-            "engine-compile": engine_compile, "gpu": gpu, "serve-load": serve_load}
+            "engine-compile": engine_compile, "gpu": gpu, "serve-load": serve_load,
+            "weight-sync": weight_sync}
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Benchmark]]:
