@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shlex
 import sys
@@ -20,6 +21,18 @@ if TYPE_CHECKING:  # annotations only: this room never loads the run config
     from areal_jax.config import TrainConfig
 
 logger = logging.getLogger("areal_jax.trainer")
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, +-inf) as null, so that a metrics line is
+    valid JSON (``json.dumps`` writes a bare ``NaN`` otherwise, which strict readers refuse)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 class MetricsWriter:
@@ -60,7 +73,7 @@ class MetricsWriter:
         row = {k: (float(v) if isinstance(v, np.floating | np.integer) else v)
                for k, v in row.items()}
         row["time"] = time.time()
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
         self._file.flush()
         step = int(row.get("version", 0))
         if self._tb is not None:
