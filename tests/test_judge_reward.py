@@ -57,12 +57,12 @@ def test_api_key_comes_from_the_named_variable(monkeypatch):
 
 class JudgeServer:
     """An OpenAI-style /v1/chat/completions of the test's own. ``script`` is the behaviour of
-    each request in turn (the last one repeats): "ok" answers "Score: 1" if the prompt's
-    answer holds "right", else "Score: 0"; "500", "garbage" (200 with no score), "notjson"
-    and "slow" (answers after ``slow_s``)."""
+    each request in turn (the last one repeats, or all cycle): "ok" answers "Score: 1" if
+    the prompt's answer holds "right", else "Score: 0"; "500", "garbage" (200 with no
+    score), "notjson" and "slow" (answers after ``slow_s``)."""
 
-    def __init__(self, script: list[str], slow_s: float = 2.0) -> None:
-        self.script, self.slow_s = script, slow_s
+    def __init__(self, script: list[str], slow_s: float = 2.0, cycle: bool = False) -> None:
+        self.script, self.slow_s, self.cycle = script, slow_s, cycle
         self.bodies: list[dict] = []
         self.headers: list[dict] = []
         self.in_flight = self.max_in_flight = 0
@@ -75,7 +75,9 @@ class JudgeServer:
                 with lock:
                     outer.bodies.append(body)
                     outer.headers.append(dict(self.headers))
-                    step = outer.script[min(len(outer.bodies), len(outer.script)) - 1]
+                    n = len(outer.bodies)
+                    step = (outer.script[(n - 1) % len(outer.script)] if outer.cycle
+                            else outer.script[min(n, len(outer.script)) - 1])
                     outer.in_flight += 1
                     outer.max_in_flight = max(outer.max_in_flight, outer.in_flight)
                 try:
@@ -287,3 +289,42 @@ def test_rlvr_workflow_rewarded_by_the_embedded_judge(judge_url):
                     for t in group})
     assert counts["judge_calls"] == 4 and counts["judge_requests"] == distinct
     assert counts["judge_ok"] == distinct
+
+
+@pytest.mark.slow
+def test_a_run_goes_on_through_a_faulty_judge(tmp_path):
+    """train.py with a judge that answers in turn well, 500, garbage and too late: the failed
+    judgments reject their groups (counted), the good ones train, and the run finishes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    server = JudgeServer(["ok"] * 3 + ["500"] + ["ok"] * 3 + ["garbage"] + ["ok"] * 3 + ["slow"],
+                         slow_s=3.0, cycle=True)
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, str(repo / "scripts" / "train.py"), "--config",
+           str(repo / "configs" / "tiny_demo.yaml"), f"run_dir={run_dir}", "reward.fn=judge",
+           "reward.eval_fn=builtin",
+           f"reward.judge={{url: '{server.url}', retries: 0, timeout_s: 1.0}}",
+           "train.total_versions=2", "train.batch_size=4", "rollout.n_samples=4",
+           "rollout.max_new_tokens=40", "rollout.max_slots=16", "eval.every_versions=0",
+           "eval.at_start=false", "progress_bar=false", "rollout.server_cpu_cores=null",
+           "rollout.learner_cpu_cores=null", "checkpoint.every_versions=0"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env,
+                              cwd=repo)
+    finally:
+        server.close()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "rollout/judge_calls" in r][-1]
+    for key in ("judge_http_errors", "judge_unparsable", "judge_timeouts", "judge_ok",
+                "reward_failed_groups"):
+        assert last[f"rollout/{key}"] > 0, key
+    assert last["rollout/judge_failed"] == (last["rollout/judge_http_errors"]
+                                            + last["rollout/judge_unparsable"]
+                                            + last["rollout/judge_timeouts"])
