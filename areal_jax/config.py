@@ -8,6 +8,7 @@ bad values fail with a :class:`ConfigError` that names the dotted key.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -402,6 +403,10 @@ class RolloutConfig:
     agent: str | None = None
     max_turns: int = 4  # agent: model calls per trajectory
     max_total_tokens: int | None = None  # agent: tokens per trajectory; null: train.seq_len
+    # Each workflow run (one prompt's group: its requests, rewards, an agent's episodes and
+    # tools) must end within this many seconds, in training and in eval; one that does not
+    # is cancelled and counts as a failed attempt naming the workflow. 0: no limit.
+    episode_timeout_s: float = 1200.0
     # JAX platform of the embedded engines ("cpu", "gpu", "tpu"); null: the learner's.
     # engine_devices: the accelerator each engine runs on (one id per server, or one id
     # for all), e.g. [1] to keep it off device 0; null: the host's last num_servers devices
@@ -456,6 +461,9 @@ class RolloutConfig:
         if not self.temperature > 0:
             raise ValueError("rollout.temperature must be > 0 for RL sampling, "
                              f"got {self.temperature}")
+        if not 0 <= self.episode_timeout_s < math.inf:
+            raise ValueError("rollout.episode_timeout_s must be a finite number of seconds >= 0 "
+                             f"(0: no limit), got {self.episode_timeout_s}")
         if not self.request_retry_deadline_s >= 0:
             raise ValueError(f"rollout.request_retry_deadline_s must be >= 0, got "
                              f"{self.request_retry_deadline_s}")

@@ -93,6 +93,7 @@ from areal_jax.run_inputs import (
     resolve_dataset,
     resolve_model_path,
 )
+from areal_jax.run_lock import lock_run_dir
 from areal_jax.run_models import ModelServers, advantages_fn, eval_reward_name
 from areal_jax.sampling_params import SamplingParams
 from areal_jax.tokenizer import ChatTokenizer, load_tokenizer
@@ -230,6 +231,8 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
         check_servers_reachable(list(cfg.rollout.servers), cfg.rollout.api_key)
     raise_if_interrupted()  # a safe point for SIGINT/SIGTERM
     run_dir, ckpt_dir, has_ckpt = prepare_run_dir(cfg, resume)
+    if is_main:  # one trainer per run dir (a second one exits 2 naming the holder)
+        stack.enter_context(lock_run_dir(run_dir))
     restore = has_ckpt and resume is not False
     if not is_main:  # a learner only: its rows of every batch come from process 0
         side = build_learner_side(cfg, stack, model_path, ckpt_dir, restore=restore)

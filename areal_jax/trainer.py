@@ -378,7 +378,8 @@ class Trainer:
         # trains on); eval_single_turn_* the prompt answered in one turn without tools.
         agent = ro.executor.run_coroutine(evaluate_workflow(
             ro.executor.client, ro.eval_items, ro.eval_workflow, tokenizer=ro.tokenizer,
-            reward_pool=ro.reward_pool, seed=self.cfg.seed))
+            reward_pool=ro.reward_pool, seed=self.cfg.seed,
+            episode_timeout_s=self.cfg.rollout.episode_timeout_s))
         return {**{f"{prefix}{k}": v for k, v in agent.items()},
                 **{f"{prefix}single_turn_{k}": v for k, v in out.items()}}
 

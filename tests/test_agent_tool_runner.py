@@ -271,3 +271,117 @@ def test_a_plain_agent_runs_its_tools_with_run_sync_and_is_counted(server, tok):
     assert traj.reward == 0.5 and traj.info["turns"] == 2
     assert traj.info["tool_calls"] == 1 and traj.info["tool_errors"] == 1
     assert counts["tool_errors"] == 1
+
+
+# --- issue 50: agents and tools that exit, interrupt, cancel themselves or hang ------------
+
+
+def test_run_sync_honours_timeout_s_and_a_str_that_raises_is_named():
+    from tests._faulty_agents import slow_tool
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no str")
+
+    def unprintable(expression):
+        raise Unprintable
+
+    runner = ToolRunner({"calculator": slow_tool, "unprintable": unprintable}, timeout_s=0.2)
+    args = json.dumps({"expression": "1"})
+    messages = runner.run_sync([call("calculator", args), call("unprintable", args, "c2")])
+    assert messages[0]["content"] == "Error: the tool did not answer within 0.2 s"
+    assert messages[1]["content"] == "Error: Unprintable: <its str() raised>"
+    (message,) = asyncio.run(runner.run([call("unprintable", args)]))
+    assert message["content"] == "Error: Unprintable: <its str() raised>"
+
+
+def test_a_tool_past_its_timeout_holds_neither_the_loops_executor_nor_the_exit(tmp_path):
+    """A plain tool ran in the loop's shared default executor: a few hung ones queued the
+    weight write behind them, and the process could not exit. Each now has a daemon thread
+    of its own: the default executor stays free and the process exits."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "hung_tools.py"
+    script.write_text(
+        "import asyncio, json, threading\n"
+        "from areal_jax.rollout.tools import ToolRunner\n"
+        "from tests._faulty_agents import blocking_tool\n"
+        "runner = ToolRunner({'calculator': blocking_tool}, timeout_s=0.05)\n"
+        "call = {'id': 'c', 'function': {'name': 'calculator',\n"
+        "        'arguments': json.dumps({'expression': '1'})}}\n"
+        "async def main():\n"
+        "    out = await asyncio.gather(*(runner.run([call]) for _ in range(40)))\n"
+        "    loop = asyncio.get_running_loop()\n"  # the default executor is free
+        "    write = await asyncio.wait_for(loop.run_in_executor(None, lambda: 'written'), 60)\n"
+        "    return out[0][0]['content'], write\n"
+        "print(*asyncio.run(main()), sep='|', flush=True)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, cwd=str(tmp_path),
+                          env={**__import__("os").environ,
+                               "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "Error: the tool did not answer within 0.05 s|written"
+
+
+@pytest.mark.parametrize("agent, culprit", [
+    ("exits", "agent tests._faulty_agents:exits failed: SystemExit (sys.exit(3))"),
+    ("exits_in_thread", "agent tests._faulty_agents:exits_in_thread failed: SystemExit "
+                        "(sys.exit(4))"),
+    ("interrupts", "agent tests._faulty_agents:interrupts failed: KeyboardInterrupt"),
+    ("cancels_itself", "agent tests._faulty_agents:cancels_itself failed: it raised "
+                       "CancelledError itself"),
+    ("calls_an_exiting_tool", "tool 'calculator' raised SystemExit (sys.exit(5))"),
+])
+def test_an_agent_or_tool_that_exits_fails_its_episode_by_name(server, tok, agent, culprit,
+                                                               caplog):
+    """Issue 50 item 6: sys.exit or KeyboardInterrupt in an agent or a tool ended the
+    executor's loop silently; now the episode fails with a line naming the culprit, the
+    loop lives on, and the failed episodes' turns are still counted."""
+    workflow = AgenticWorkflow(f"tests._faulty_agents:{agent}", n_samples=2, gconfig=GREEDY,
+                               tokenizer=tok, max_turns=3, max_total_tokens=128)
+    group, counts = run_workflow(workflow, server.url, tok, ITEM, seed=1, group_id="g3")
+    assert group is None and counts["agent_failed_groups"] == 1
+    assert culprit in caplog.text
+    assert counts["agent_turns"] == 2  # one call each, although the episodes failed
+
+
+def test_eval_ends_a_hanging_or_exiting_agent_and_counts_its_turns(server, tok):
+    """Issue 50 items 6 and 7: in eval (which has no progress watchdog) an agent that hangs
+    waited forever and one that calls sys.exit ended the loop; now each episode ends by
+    rollout.episode_timeout_s or its failure, counts as failed, and its turns count."""
+    from areal_jax.rewards.pool import RewardPool
+    from areal_jax.rollout.evaluate import evaluate_workflow
+    from tests._faulty_agents import RELEASE
+
+    items = [{"prompt_id": "e0", "prompt": "Q:3+4=", "answer": "7"}]
+    hanging = AgenticWorkflow("tests._faulty_agents:hangs_ignoring_cancellation", n_samples=2,
+                              gconfig=GREEDY, tokenizer=tok, max_turns=3, max_total_tokens=128)
+    threaded = AgenticWorkflow("tests._faulty_agents:hangs_in_thread", n_samples=1,
+                               gconfig=GREEDY, tokenizer=tok, max_turns=3, max_total_tokens=128)
+    exiting = AgenticWorkflow("tests._faulty_agents:exits_in_thread", n_samples=2,
+                              gconfig=GREEDY, tokenizer=tok, max_turns=3, max_total_tokens=128)
+    pool = RewardPool(num_workers=1)
+
+    async def go():
+        async with RolloutClient([server.url]) as client:
+            results = [await evaluate_workflow(client, items, wf, tokenizer=tok,
+                                               reward_pool=pool, episode_timeout_s=limit,
+                                               seed=seed)
+                       for seed, (wf, limit) in enumerate(((hanging, 10.0), (threaded, 10.0),
+                                                           (exiting, 0.0)))]
+            RELEASE.set()  # the abandoned episodes may end now (asyncio.run waits for them)
+            return results
+
+    try:
+        hung, hung_thread, exited = asyncio.run(go())
+    finally:
+        RELEASE.set()
+        for wf in (hanging, threaded, exiting):
+            wf.close()
+        pool.close()
+    for result in (hung, hung_thread):
+        assert result["failed_groups"] == 1 and result["episode_timeouts"] == 1
+        assert result["accuracy"] == 0.0
+    assert exited["failed_groups"] == 1 and exited["episode_timeouts"] == 0
+    assert exited["agent_turns"] == 2  # failed episodes' turns are counted

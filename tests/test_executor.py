@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import sys
 import threading
 import time
 
@@ -405,3 +406,108 @@ def test_a_group_one_version_older_than_eta_is_regenerated_and_one_at_eta_is_tra
         assert [(g[0].prompt_id, g[0].start_version) for g in batch] == [("p1", 2)]
     finally:
         ex.stop()
+
+
+class Misbehaving:
+    """Misbehaves on p0's first attempt (``fault``), then answers like any workflow."""
+
+    def __init__(self, fault):
+        self.fault, self.attempts, self.release = fault, [], threading.Event()
+
+    async def arun(self, client, item, ctx):
+        self.attempts.append((item["prompt_id"], ctx.attempt))
+        if item["prompt_id"] == "p0" and ctx.attempt == 0:
+            if self.fault == "exit":
+                sys.exit(3)
+            if self.fault == "interrupt":
+                raise KeyboardInterrupt
+            if self.fault == "cancelled":
+                raise asyncio.CancelledError()
+            if self.fault == "bad_str":
+                raise BadStr()
+            if self.fault == "hang":  # and ignore the cancellation, until the test ends
+                while not self.release.is_set():
+                    try:
+                        await asyncio.sleep(0.05)
+                    except asyncio.CancelledError:
+                        pass
+        return make_group(ctx)
+
+
+class BadStr(Exception):
+    def __str__(self):
+        raise RuntimeError("no str for you")
+
+
+@pytest.mark.parametrize("fault, cause", [
+    ("exit", "SystemExit (sys.exit(3))"),
+    ("interrupt", "raised KeyboardInterrupt"),
+    ("cancelled", "raised CancelledError itself"),
+    ("bad_str", "BadStr: <its str() raised>"),
+    ("hang", "did not finish within rollout.episode_timeout_s=0.5s"),
+])
+def test_a_workflow_that_exits_cancels_itself_or_hangs_is_a_failed_attempt(fault, cause):
+    """Issue 50 items 6, 7, 9: sys.exit or KeyboardInterrupt in a workflow ended the
+    executor's loop silently; a CancelledError it raised itself kept its run "running" for
+    good; a hung run blocked every batch; an exception whose __str__ raises escaped the
+    accounting. Each is now one failed attempt naming the workflow, then retried."""
+    wf = Misbehaving(fault)
+    ex = RolloutExecutor(None, wf, prompt_items_from_list(items(4)), batch_size=4,
+                         max_staleness=0, max_retries=1, episode_timeout_s=0.5)
+    try:
+        with ex:
+            groups = ex.prepare_batch(timeout=60)
+            m = ex.metrics()
+            wf.release.set()  # the abandoned run may end now (stop() need not wait for it)
+    finally:
+        wf.release.set()
+    assert sorted(g[0].prompt_id for g in groups) == ["p0", "p1", "p2", "p3"]
+    assert ("p0", 1) in wf.attempts
+    assert m["attempt_errors"] == 1 and m["retried"] == 1 and m["running"] == 0
+    (error,) = ex.last_errors
+    assert error.startswith("prompt 'p0' attempt 0: ") and cause in error
+    if fault != "bad_str":
+        assert "test_executor.Misbehaving" in error  # the culprit is named
+
+
+def test_the_retry_queue_survives_a_checkpoint():
+    """A prompt waiting for its retry (its attempt failed while submission was paused) is in
+    the checkpoint and is retried, with its attempt count, after the restore: dropping the
+    retry queue from state_dict lost the prompt and passed the whole suite."""
+    gate = threading.Event()
+
+    async def first_fails(client, item, ctx):
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+        if item["prompt_id"] == "p0" and ctx.attempt == 0:
+            raise RuntimeError("p0 fails once")
+        return make_group(ctx)
+
+    ex = RolloutExecutor(None, first_fails, prompt_items_from_list(items(2)), batch_size=2,
+                         max_staleness=0, max_retries=2)
+    with ex:
+        deadline = time.monotonic() + 30
+        while ex.metrics()["running"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        ex.pause()  # the retry stays queued
+        gate.set()
+        while ex.metrics()["attempt_errors"] < 1 or ex.metrics()["running"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        state = json.loads(json.dumps(ex.state_dict()))
+    assert ex.metrics()["pending"] == 1
+
+    seen = []
+
+    async def ok(client, item, ctx):
+        seen.append((item["prompt_id"], ctx.attempt))
+        return make_group(ctx)
+
+    ex2 = RolloutExecutor(None, ok, prompt_items_from_list(items(2)), batch_size=2,
+                          max_staleness=0, max_retries=2)
+    ex2.load_state_dict(state)
+    with ex2:
+        groups = ex2.prepare_batch(timeout=30)
+    assert sorted(g[0].prompt_id for g in groups) == ["p0", "p1"]
+    assert seen == [("p0", 1)]  # only the queued retry ran again, as attempt 1

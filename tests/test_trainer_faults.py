@@ -492,3 +492,36 @@ def test_repeated_short_runs_all_exit_cleanly(tmp_path):
         time.sleep(0.5)
     assert done == n_runs
     assert not failures, failures
+
+
+# ----------------------------------------------------------------------------- run-dir lock
+def test_a_second_trainer_on_a_live_run_dir_exits_2_naming_the_holder(tmp_path):
+    """Issue 50 item 3: a second train.py on a run dir whose trainer still ran rewrote its
+    metrics.jsonl and wrote the same weights/ and checkpoints/. Now it stops at once with
+    one line naming the run dir and the holder; a holder killed with kill -9 leaves no
+    stale lock."""
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from areal_jax.run_lock import lock_run_dir\n"
+         "with lock_run_dir(sys.argv[1]):\n"
+         "    print('locked', flush=True)\n"
+         "    time.sleep(600)\n", str(run_dir)],
+        stdout=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        proc = _run([f"run_dir={run_dir}"], timeout=300)
+        assert proc.returncode == BAD_INPUT, proc.stderr[-3000:]
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert "Traceback" not in proc.stderr
+        assert f"run_dir {run_dir} is in use by another trainer (pid {holder.pid} " \
+               in lines[-1]
+        assert not (run_dir / "metrics.jsonl").exists()  # it touched nothing
+    finally:
+        holder.kill()  # SIGKILL: no cleanup of its own
+        holder.wait(30)
+    from areal_jax.run_lock import lock_run_dir
+
+    with lock_run_dir(str(run_dir)) as path:  # the dead holder's lock is free
+        assert f"pid {os.getpid()} " in Path(path).read_text()

@@ -71,8 +71,14 @@ from areal_jax.engine.openai_api import Generated, OpenAIError, OpenAIRoutes, re
 from areal_jax.engine.tool_calls import ToolSpec
 from areal_jax.plugins import import_callable
 from areal_jax.rewards.pool import check_reward_value
-from areal_jax.rollout.tools import TOOL_COUNTS, counting_tools
+from areal_jax.rollout.tools import TOOL_COUNTS, counting_tools, tool_faults
 from areal_jax.rollout.types import FINISH_LENGTH, FINISH_STOP
+from areal_jax.rollout.user_code import (
+    Escaped,
+    describe_error,
+    is_own_cancellation,
+    run_in_daemon_thread,
+)
 from areal_jax.rollout.workflows import WorkflowContext, keep_group, sample_request
 from areal_jax.sampling_params import SamplingParams
 from areal_jax.trajectory import FINISH_CONTEXT, Trajectory
@@ -429,19 +435,32 @@ class AgenticWorkflow:
                         max_turns=self.max_turns, max_total_tokens=self.max_total_tokens)
         key = proxy.open(rec)
         max_abs = self.reward_max_abs or ctx.reward_max_abs
-        try:
-            with counting_tools() as tool_counts:
+        reward: float | None = None
+        problem: str | None = None
+        with counting_tools() as tool_counts:
+            try:
                 if inspect.iscoroutinefunction(self.agent):
                     value = await self.agent(proxy.base_url(key), item, **self.agent_kwargs)
-                else:  # a plain agent blocks: it runs in a thread, the loop stays free
-                    value = await asyncio.to_thread(self.agent, proxy.base_url(key), item,
-                                                    **self.agent_kwargs)
-            reward, problem = check_reward_value(value, max_abs), None
-        except Exception as e:  # noqa: BLE001 - one bad episode must not stop the run
-            name = getattr(self.agent, "__name__", repr(self.agent))
-            reward, problem = None, f"agent {name} failed: {type(e).__name__}: {e}"
-        finally:
-            proxy.release(key)
+                else:  # a plain agent blocks: it runs in a daemon thread of its own (never
+                    # the loop's shared executor, which a hung agent would hold)
+                    value = await run_in_daemon_thread(
+                        self.agent, proxy.base_url(key), item, name=f"agent-{self.name}",
+                        **self.agent_kwargs)
+                reward = check_reward_value(value, max_abs)
+            except asyncio.CancelledError:
+                if is_own_cancellation():  # a deadline or a shutdown: the run's to handle
+                    raise
+                problem = f"agent {self.name} failed: it raised CancelledError itself"
+            except Escaped as e:  # a plain agent's sys.exit, as its thread reported it
+                problem = f"agent {self.name} failed: {describe_error(e.__cause__ or e)}"
+            except BaseException as e:  # noqa: BLE001 - one bad episode (sys.exit, ^C
+                # raised by the agent, an exception) must not stop the run
+                problem = f"agent {self.name} failed: {describe_error(e)}"
+            finally:
+                proxy.release(key)
+            faults = tool_faults()
+        if faults:  # a broken tool fails the episode, even if the agent swallowed it
+            reward, problem = None, f"agent {self.name}: {faults[0]}"
         calls = [c for c in rec.calls if c is not None]
         if problem is None and not calls:
             problem = "the agent made no model call"
@@ -455,14 +474,26 @@ class AgenticWorkflow:
             reward, problem = 0.0, None
         return _Episode(reward, calls, problem, overflow, dict(tool_counts))
 
+    @property
+    def name(self) -> str:
+        """The agent as ``module:function``, as the run's config names it."""
+        module = getattr(self.agent, "__module__", None)
+        qualname = getattr(self.agent, "__qualname__", None) or repr(self.agent)
+        return f"{module}:{qualname}" if module else qualname
+
+    def __repr__(self) -> str:
+        return f"AgenticWorkflow(agent {self.name})"
+
     async def arun(self, client: Any, item: dict[str, Any],
                    ctx: WorkflowContext) -> list[Trajectory] | None:
         episodes = await asyncio.gather(*(self._sample(client, item, ctx, i)
                                           for i in range(self.n_samples)))
-        group = []
-        for i, ep in enumerate(episodes):
+        for ep in episodes:  # every episode's turns and tools, failed ones included
             for name, n in ep.tool_counts.items():
                 ctx.count(name, n)
+            ctx.count("agent_turns", len(ep.calls))
+        group = []
+        for i, ep in enumerate(episodes):
             if ep.problem is not None or ep.reward is None:
                 logger.warning("agent sample %s/%d: %s", ctx.group_id, i, ep.problem)
                 ctx.count("agent_failed_groups")
@@ -479,7 +510,6 @@ class AgenticWorkflow:
                 ctx.count("agent_assistant_mismatch", traj.info["assistant_mismatch"])
             if traj.info["history_retokenized"]:
                 ctx.count("agent_history_retokenized")
-            ctx.count("agent_turns", len(ep.calls))
             group.append(traj)
         if not keep_group(self.group_filter, group, ctx):
             return None

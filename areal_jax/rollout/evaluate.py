@@ -19,6 +19,7 @@ columns, reward and prompt.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -28,6 +29,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from areal_jax.rewards.pool import RewardFn, RewardPool, resolve_reward_fn
+from areal_jax.rollout.user_code import (
+    DeadlineExceeded,
+    Escaped,
+    describe_error,
+    escaped,
+    is_own_cancellation,
+    wait_abandoning,
+)
 from areal_jax.rollout.workflows import (
     GenerateClient,
     PromptItem,
@@ -41,6 +50,7 @@ from areal_jax.sampling_params import SamplingParams
 if TYPE_CHECKING:  # annotations only: the run loads the tokenizer and hands it in
     from areal_jax.tokenizer import ChatTokenizer
 
+logger = logging.getLogger(__name__)
 EVAL_BATCH = 16  # samples per batched /generate
 
 # The instruction after each benchmark problem (Qwen2.5-Math's chain-of-thought prompt); the
@@ -172,12 +182,16 @@ async def evaluate_prompts(client: GenerateClient, items: Sequence[PromptItem], 
 
 async def evaluate_workflow(client: GenerateClient, items: Sequence[PromptItem], workflow: Any,
                             *, tokenizer: ChatTokenizer | None, reward_pool: RewardPool | None,
-                            seed: int = 0, max_concurrency: int = 256) -> dict[str, float]:
+                            seed: int = 0, max_concurrency: int = 256,
+                            episode_timeout_s: float = 0.0) -> dict[str, float]:
     """The run's own workflow (e.g. ``AgenticWorkflow.for_eval``: the agent with its tools)
     on ``items``: ``accuracy`` is the mean reward of its trajectories, ``pass_at_k`` the
     share of prompts with a positive reward in any of its ``workflow.n_samples``. A group the
-    workflow rejects or that raises (an agent failed) counts as reward 0 for each sample and
-    in ``failed_groups``. Tool and turn counts of the episodes are summed in the result."""
+    workflow rejects, that raises (an agent failed, ``sys.exit`` included) or that runs past
+    ``episode_timeout_s`` (0: no limit; it is cancelled, not waited for) counts as reward 0
+    for each sample and in ``failed_groups`` (``episode_timeouts`` for the latter), and is
+    logged with its cause. Tool and turn counts of the episodes, failed ones included, are
+    summed in the result."""
     if not items:
         raise ValueError("evaluate_workflow got no prompts")
     n_samples = int(workflow.n_samples)
@@ -190,9 +204,30 @@ async def evaluate_workflow(client: GenerateClient, items: Sequence[PromptItem],
                               _count=lambda name, n: counts.update({name: n}))
         async with sem:
             try:
-                return await workflow.arun(client, item, ctx)
-            except Exception:  # noqa: BLE001 - one failed episode is a 0, not a failed eval
+                if not episode_timeout_s:
+                    return await guarded(item, ctx)
+                return await wait_abandoning(guarded(item, ctx), episode_timeout_s)
+            except DeadlineExceeded:
+                counts["episode_timeouts"] += 1
+                logger.warning("eval: %r on prompt %r did not finish within "
+                               "rollout.episode_timeout_s=%gs; counted as failed", workflow,
+                               item.get("prompt_id"), episode_timeout_s)
                 return None
+            except Exception as e:  # noqa: BLE001 - one failed episode is a 0, not a failed eval
+                logger.warning("eval: %r on prompt %r failed: %s", workflow,
+                               item.get("prompt_id"), describe_error(e))
+                return None
+
+    async def guarded(item: PromptItem, ctx: WorkflowContext) -> list[Any] | None:
+        try:
+            result: list[Any] | None = await workflow.arun(client, item, ctx)
+            return result
+        except asyncio.CancelledError:
+            if is_own_cancellation():
+                raise
+            raise Escaped(f"{workflow!r} raised CancelledError itself") from None
+        except (SystemExit, KeyboardInterrupt) as e:  # would end the loop running the eval
+            raise escaped(e, repr(workflow)) from None
 
     groups = await asyncio.gather(*(one(i, item) for i, item in enumerate(items)))
     rewards = np.array([[t.reward for t in g] if g else [0.0] * n_samples for g in groups],
@@ -206,5 +241,6 @@ async def evaluate_workflow(client: GenerateClient, items: Sequence[PromptItem],
         "mean_completion_tokens": float(np.mean(generated)) if generated else 0.0,
         "failed_groups": float(sum(g is None for g in groups)),
         **{name: float(counts[name]) for name in ("agent_turns", "tool_calls", "tool_errors",
-                                                  "agent_context_exceeded")},
+                                                  "agent_context_exceeded",
+                                                  "episode_timeouts")},
     }

@@ -33,7 +33,16 @@ is generated entirely at version v, and nothing is generated while the learner t
 ``attempt_errors`` and the prompt is retried (a fresh run, new start version) up to
 ``max_retries`` times, then dropped and counted in ``failed`` (logged with its prompt id).
 Every prompt taken from the iterator ends up exactly once as consumed, rejected or
-failed, or is still accepted/in flight/queued.
+failed, or is still accepted/in flight/queued. Whatever a workflow (or the agent and tools
+it runs) raises is such a failure, named in the log and the watchdog's message:
+``SystemExit`` and ``KeyboardInterrupt`` (which would otherwise end the loop) and a
+``CancelledError`` it raised itself (which would otherwise leave its run "running" for
+good, holding its capacity) included.
+
+**Deadline.** Each run must end within ``episode_timeout_s`` (``rollout.episode_timeout_s``;
+0: no limit); one that does not is cancelled, without waiting for a coroutine that ignores
+the cancellation, and counts as a failed attempt (:class:`EpisodeTimeout`, naming the
+workflow). So one stuck episode cannot hold a batch for longer than that.
 
 **Progress watchdog.** A run that can never progress must not look like one that is
 running. ``prepare_batch`` raises :class:`NoProgressError` when
@@ -71,6 +80,14 @@ from typing import TYPE_CHECKING, TypeVar
 from areal_jax.interrupt import POLL_S, raise_if_interrupted, wait_future
 from areal_jax.rewards.pool import RewardPool
 from areal_jax.rollout.staleness import StalenessGate
+from areal_jax.rollout.user_code import (
+    DeadlineExceeded,
+    Escaped,
+    describe_error,
+    escaped,
+    is_own_cancellation,
+    wait_abandoning,
+)
 from areal_jax.rollout.workflows import (
     GenerateClient,
     PromptItem,
@@ -95,6 +112,10 @@ _STOP_GRACE_S = 10.0  # stop(): how long cancelled tasks and the client's close 
 
 class PromptsExhausted(RuntimeError):
     """The prompt iterator ended and fewer groups than requested can still be produced."""
+
+
+class EpisodeTimeout(TimeoutError):
+    """A workflow run did not finish within ``episode_timeout_s``."""
 
 
 class NoProgressError(RuntimeError):
@@ -155,6 +176,7 @@ class RolloutExecutor:
                    max_concurrent=cfg.max_concurrent, max_staleness=cfg.eta, seed=cfg.seed,
                    reward_pool=reward_pool, tokenizer=tokenizer,
                    reward_timeout_s=cfg.reward.timeout_s,
+                   episode_timeout_s=cfg.rollout.episode_timeout_s,
                    max_attempts_without_progress=wd.max_attempts_without_progress,
                    max_seconds_without_progress=wd.max_seconds_without_progress)
 
@@ -163,7 +185,7 @@ class RolloutExecutor:
                  batch_size: int, max_concurrent: int = 64, max_staleness: int | None = 0,
                  seed: int = 0, max_retries: int = 2, reward_pool: RewardPool | None = None,
                  tokenizer: ChatTokenizer | None = None, reward_timeout_s: float = 30.0,
-                 reward_max_abs: float | None = None,
+                 reward_max_abs: float | None = None, episode_timeout_s: float = 0.0,
                  max_attempts_without_progress: int = 0,
                  max_seconds_without_progress: float = 0.0) -> None:
         self._gate = StalenessGate(batch_size, max_staleness, max_concurrent)  # validates them
@@ -186,6 +208,10 @@ class RolloutExecutor:
                                else getattr(reward_pool, "max_abs", None))
         self.max_attempts_without_progress = max_attempts_without_progress
         self.max_seconds_without_progress = max_seconds_without_progress
+        if not episode_timeout_s >= 0:
+            raise ValueError(f"episode_timeout_s must be >= 0 (0: no limit), got "
+                             f"{episode_timeout_s}")
+        self.episode_timeout_s = episode_timeout_s
 
         self._cond = threading.Condition()
         self._next_seq = 0
@@ -324,7 +350,12 @@ class RolloutExecutor:
         Async clients hold connections bound to one loop; use this for every call the
         trainer makes on the client while the executor runs.
         """
-        return wait_future(self.submit_coroutine(coro), timeout)  # SIGINT/SIGTERM end the wait
+        try:
+            return wait_future(self.submit_coroutine(coro), timeout)  # SIGINT/SIGTERM end it
+        except concurrent.futures.CancelledError:
+            with self._cond:  # the loop died under it: say why, not "CancelledError"
+                self._raise_if_dead_locked()
+            raise
 
     def submit_coroutine(self, coro: Coroutine) -> concurrent.futures.Future:
         """Schedules ``coro`` on the executor's loop; the executor must be running."""
@@ -391,17 +422,54 @@ class RolloutExecutor:
         with self._cond:
             self._counts[name] += n
 
+    @property
+    def workflow_name(self) -> str:
+        """The workflow as its failures name it (an agent workflow names its agent)."""
+        wf = self.workflow
+        if type(wf).__repr__ is not object.__repr__:
+            return repr(wf)
+        if hasattr(wf, "arun"):
+            return f"workflow {type(wf).__module__}.{type(wf).__qualname__}"
+        return f"workflow {getattr(wf, '__module__', '?')}.{getattr(wf, '__qualname__', wf)}"
+
     async def _execute(self, run: _Run) -> None:
         try:
-            result = await self._workflow_fn(self.client, run.item, self._context(run))
+            result = await self._attempt(run)
             group = _validate_group(result, self.workflow)
         except asyncio.CancelledError:
-            raise  # stop(): the run stays in _running and is replayed after a restore
+            if self._stopping or is_own_cancellation():
+                raise  # stop(): the run stays in _running and is replayed after a restore
+            # The workflow raised CancelledError itself: a failed attempt, not a run
+            # left "running" for good, holding its capacity.
+            self._on_failure(run, Escaped(f"{self.workflow_name} raised CancelledError itself"))
         except Exception as e:  # noqa: BLE001 - workflow errors never stop the executor
             self._on_failure(run, e)
         else:
             self._on_result(run, group)
         self._wake()
+
+    async def _attempt(self, run: _Run) -> object:
+        """One run of the workflow, within ``episode_timeout_s``. What it raises comes out
+        as an Exception: ``SystemExit``/``KeyboardInterrupt`` (which would end the loop) and
+        a ``CancelledError`` nobody asked for as :class:`Escaped` naming the workflow."""
+        async def guarded() -> object:
+            try:
+                return await self._workflow_fn(self.client, run.item, self._context(run))
+            except asyncio.CancelledError:
+                if self._stopping or is_own_cancellation():
+                    raise
+                raise Escaped(f"{self.workflow_name} raised CancelledError itself") from None
+            except (SystemExit, KeyboardInterrupt) as e:
+                raise escaped(e, self.workflow_name) from None
+
+        if not self.episode_timeout_s:
+            return await guarded()
+        try:
+            return await wait_abandoning(guarded(), self.episode_timeout_s)
+        except DeadlineExceeded:
+            raise EpisodeTimeout(
+                f"{self.workflow_name} did not finish within rollout.episode_timeout_s="
+                f"{self.episode_timeout_s:g}s; cancelled") from None
 
     def _on_result(self, run: _Run, group: list[Trajectory] | None) -> None:
         with self._cond:
@@ -433,9 +501,10 @@ class RolloutExecutor:
     def _record_failure(self, run: _Run, error: Exception) -> bool:
         """Counts and logs a failed attempt; True when the prompt gets another attempt."""
         prompt_id = run.item.get("prompt_id")
-        message = f"prompt {prompt_id!r} attempt {run.attempt}: {type(error).__name__}: {error}"
+        what = describe_error(error)  # even when the error's __str__ raises
+        message = f"prompt {prompt_id!r} attempt {run.attempt}: {what}"
         with self._cond:
-            self._no_progress_locked(f"{type(error).__name__}: {error}")
+            self._no_progress_locked(what)
             self._counts["attempt_errors"] += 1
             self.last_errors.append(message)
             retry = run.attempt < self.max_retries

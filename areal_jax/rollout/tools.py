@@ -15,8 +15,17 @@ what went wrong as the tool's result. For each call:
   (``null``, ``{"a": 1}``); what JSON cannot hold is written with ``str``;
 - a result longer than ``max_result_chars`` keeps its head and ends with
   ``...[truncated: N of M characters]``, so one huge result cannot fill the context;
-- with ``timeout_s``, a tool that takes longer is answered with an error (a plain tool's
-  thread is left to finish on its own).
+- with ``timeout_s``, a tool that takes longer is answered with an error, in ``run`` and
+  ``run_sync`` alike. A plain tool runs in a daemon thread of its own (never the event
+  loop's shared default executor), which is left to finish on its own: a hung tool holds
+  neither other work of the loop (a weight write) nor the process's exit; an async tool
+  that ignores its cancellation is left behind the same way;
+- an exception whose ``str()`` itself raises is named by its type.
+
+A tool that calls ``sys.exit`` or raises ``KeyboardInterrupt`` or ``asyncio.CancelledError``
+is not a failing tool but a broken one: the runner raises :class:`ToolFault` naming the
+tool, and the agentic workflow fails the episode with that line even if the agent swallows
+the exception (the run's loop goes on).
 
 Inside an :class:`areal_jax.rollout.agent.AgenticWorkflow` episode the runner counts its
 calls, errors and truncations; the workflow adds them to the trajectory's ``info`` and the
@@ -29,27 +38,60 @@ import asyncio
 import contextvars
 import inspect
 import json
+import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from areal_jax.rollout.user_code import (
+    DeadlineExceeded,
+    Escaped,
+    describe_error,
+    is_own_cancellation,
+    run_in_daemon_thread,
+    wait_abandoning,
+)
+
 TRUNCATED = "...[truncated: {shown} of {total} characters]"
 TOOL_COUNTS = ("tool_calls", "tool_errors", "tool_results_truncated")
 _EPISODE: contextvars.ContextVar[Counter[str] | None] = contextvars.ContextVar(
     "areal_tool_counts", default=None)
+_FAULTS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "areal_tool_faults", default=None)
+
+
+class ToolFault(Escaped):
+    """A tool called ``sys.exit`` or raised ``KeyboardInterrupt``/``CancelledError``."""
 
 
 @contextmanager
 def counting_tools() -> Iterator[Counter[str]]:
     """Counts the tool calls that runners make in this context (the agentic workflow opens
-    one per episode; a plain agent's thread inherits it)."""
+    one per episode; a plain agent's thread inherits it). :func:`tool_faults` holds the
+    context's broken tools (see :class:`ToolFault`)."""
     counts: Counter[str] = Counter()
     token = _EPISODE.set(counts)
+    faults = _FAULTS.set([])
     try:
         yield counts
     finally:
+        _FAULTS.reset(faults)
         _EPISODE.reset(token)
+
+
+def tool_faults() -> list[str]:
+    """The :class:`ToolFault` messages raised in this :func:`counting_tools` context."""
+    return list(_FAULTS.get() or ())
+
+
+def _fault(call_name: str, error: BaseException) -> ToolFault:
+    fault = ToolFault(f"tool {call_name!r} raised {describe_error(error)}")
+    _count("tool_errors")
+    faults = _FAULTS.get()
+    if faults is not None:
+        faults.append(str(fault))
+    return fault
 
 
 def _count(name: str) -> None:
@@ -122,7 +164,7 @@ class ToolRunner:
     def error_text(self, error: str | BaseException) -> str:
         """The result of a call that failed: ``Error: ...``, bounded."""
         if isinstance(error, BaseException):
-            error = f"{type(error).__name__}: {error}"
+            error = describe_error(error)
         _count("tool_errors")
         return _bounded(f"Error: {error}", self.max_error_chars)[0]
 
@@ -152,17 +194,29 @@ class ToolRunner:
         tool, args, error = self._prepare(call)
         if tool is None:
             return self._message(call, self.error_text(error))
+        name = _field(_field(call, "function"), "name")
+        assert tool is not None
+
         async def call_tool() -> Any:
-            if inspect.iscoroutinefunction(tool):
-                return await tool(**args)
-            value = await asyncio.to_thread(tool, **args)
-            return await value if inspect.isawaitable(value) else value
+            try:
+                if inspect.iscoroutinefunction(tool):
+                    return await tool(**args)
+                return await run_in_daemon_thread(_plain_call, tool, args, name=f"tool-{name}")
+            except (KeyboardInterrupt, SystemExit, Escaped) as e:
+                raise _fault(name, e.__cause__ if isinstance(e, Escaped) and e.__cause__
+                             else e) from e
 
         try:
-            value = await asyncio.wait_for(call_tool(), self.timeout_s)
-        except TimeoutError:
+            value = await wait_abandoning(call_tool(), self.timeout_s)
+        except DeadlineExceeded:
             return self._message(call, self.error_text(
                 f"the tool did not answer within {self.timeout_s} s"))
+        except asyncio.CancelledError as e:
+            if is_own_cancellation():
+                raise
+            raise _fault(name, e) from None
+        except ToolFault:
+            raise
         except Exception as e:  # noqa: BLE001 - a failing tool is the model's to read
             return self._message(call, self.error_text(e))
         return self._message(call, self.result_text(value))
@@ -180,12 +234,51 @@ class ToolRunner:
             if tool is None:
                 out.append(self._message(call, self.error_text(error)))
                 continue
+            name = _field(_field(call, "function"), "name")
             try:
-                value = tool(**args)
-                if inspect.isawaitable(value):
-                    value = asyncio.run(_awaited(value))
+                value = self._call_in_thread(tool, args, name)
+            except DeadlineExceeded:
+                out.append(self._message(call, self.error_text(
+                    f"the tool did not answer within {self.timeout_s} s")))
+                continue
+            except (KeyboardInterrupt, SystemExit, asyncio.CancelledError) as e:
+                raise _fault(name, e) from None
             except Exception as e:  # noqa: BLE001 - a failing tool is the model's to read
                 out.append(self._message(call, self.error_text(e)))
                 continue
             out.append(self._message(call, self.result_text(value)))
         return out
+
+    def _call_in_thread(self, tool: Callable[..., Any], args: dict[str, Any], name: str
+                        ) -> Any:
+        """``tool(**args)`` (an async tool run to completion) for ``run_sync``: without a
+        timeout in this thread; with one in a daemon thread of its own, left behind when
+        it runs past (DeadlineExceeded)."""
+        if self.timeout_s is None:
+            return _plain_call(tool, args)
+        box: list[tuple[bool, Any]] = []
+        context = contextvars.copy_context()
+
+        def target() -> None:
+            try:
+                box.append((True, context.run(_plain_call, tool, args)))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                box.append((False, e))
+
+        thread = threading.Thread(target=target, name=f"tool-{name}", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if not box:
+            raise DeadlineExceeded(f"not done within {self.timeout_s} s")
+        ok, value = box[0]
+        if ok:
+            return value
+        raise value
+
+
+def _plain_call(tool: Callable[..., Any], args: dict[str, Any]) -> Any:
+    """A tool called from a thread: a coroutine it returns is run to completion there."""
+    value = tool(**args)
+    if inspect.isawaitable(value):
+        value = asyncio.run(_awaited(value))
+    return value
