@@ -369,6 +369,24 @@ def test_dynamic_filter_from_the_config_drops_all_equal_groups_and_names_itself(
         load_config(None, base + ["algo.dynamic_filter=true", "rollout.n_samples=1"])
 
 
+def test_chat_on_a_model_without_a_chat_template_says_it_is_not_a_chat_model(fleet):
+    """serve.py on a base model (the tokenizer has no chat template, like the demo's): a
+    chat request is a 400 saying so (it was answered with empty content by a plain
+    'user: ...' rendering); text completions work."""
+    import httpx
+
+    url = fleet[0].url
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": "m", "messages": [{"role": "user", "content": "Q:1+1="}], "max_tokens": 4})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "not_a_chat_model" and err["param"] == "messages"
+    assert "has no chat template" in err["message"] and "/v1/completions" in err["message"]
+    r = httpx.post(f"{url}/v1/completions", timeout=120,
+                   json={"model": "m", "prompt": "Q:1+1=", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+
+
 class CountingEnv:
     """Answers every model turn with the tokens of ';' + turn number; done after 3 turns."""
 

@@ -271,12 +271,15 @@ def completion_prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
 def parse_request(body: dict[str, Any], *, chat: bool, tokenizer: Any, vocab_size: int,
                   max_seq_len: int, stop_token_ids: tuple[int, ...] = (),
                   default_max_tokens: int = 16, renderer: Callable[..., list[int]] | None = None,
-                  cap_max_tokens: bool = False) -> ParsedRequest:
+                  cap_max_tokens: bool = False, chat_without_template: bool = True
+                  ) -> ParsedRequest:
     """Validates an OpenAI body and turns it into token ids and sampling params.
     ``renderer(messages, tool_spec, prefix)`` makes a chat request's prompt ids (default:
     the chat template's text, tokenized). ``cap_max_tokens``: a ``max_tokens`` past the
     context is lowered to what is left (the agent proxy, whose context is the trajectory's
-    token budget), instead of a 400."""
+    token budget), instead of a 400. ``chat_without_template=False``: a chat request to a
+    model whose tokenizer has no chat template (not a chat model) is a 400 saying so,
+    instead of the plain ``role: content`` fallback a base model answers with nothing."""
     _refuse_unsupported(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -289,6 +292,11 @@ def parse_request(body: dict[str, Any], *, chat: bool, tokenizer: Any, vocab_siz
             raise OpenAIError(str(e), e.param) from None
         if tokenizer is None:
             raise OpenAIError(NO_TOKENIZER)
+        if not chat_without_template and getattr(tokenizer, "chat_template", None) is None:
+            raise OpenAIError("this model's tokenizer has no chat template: it is not a chat "
+                              "model, and /v1/chat/completions cannot format messages for it; "
+                              "send text to /v1/completions", "messages",
+                              code="not_a_chat_model")
         msgs = template_messages(body.get("messages"))
         prefix = forced_prefix(tool_call_format(getattr(tokenizer, "chat_template", None)), spec)
         if renderer is None:
@@ -454,13 +462,15 @@ class OpenAIRoutes:
                  model_name: str, stop_token_ids: tuple[int, ...] = (),
                  params_hook: Callable[[SamplingParams], SamplingParams] | None = None,
                  renderer: ChatRenderer | None = None, on_reply: ReplyHook | None = None,
-                 on_error: ErrorHook | None = None, cap_max_tokens: bool = False):
+                 on_error: ErrorHook | None = None, cap_max_tokens: bool = False,
+                 chat_without_template: bool = True):
         self.backend, self.tokenizer = backend, tokenizer
         self.vocab_size, self.max_seq_len, self.model_name = vocab_size, max_seq_len, model_name
         self.stop_token_ids = tuple(stop_token_ids)
         self.params_hook = params_hook
         self.renderer, self.on_reply, self.on_error = renderer, on_reply, on_error
         self.cap_max_tokens = cap_max_tokens  # else max_tokens past the context is a 400
+        self.chat_without_template = chat_without_template  # else chat needs a template
         self.tool_format = tool_call_format(getattr(tokenizer, "chat_template", None))
 
     def register(self, app: FastAPI, prefix: str = "") -> None:
@@ -498,7 +508,8 @@ class OpenAIRoutes:
             parsed = parse_request(body, chat=chat, tokenizer=self.tokenizer,
                                    vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
                                    stop_token_ids=self.stop_token_ids, renderer=renderer,
-                                   cap_max_tokens=self.cap_max_tokens)
+                                   cap_max_tokens=self.cap_max_tokens,
+                                   chat_without_template=self.chat_without_template)
             if self.params_hook:
                 parsed = dataclasses.replace(parsed, params=self.params_hook(parsed.params))
             if parsed.stream:
@@ -740,10 +751,11 @@ def engine_backend(engine: Any) -> Backend:
 def register_engine_routes(app: FastAPI, engine: Any) -> None:
     """Adds the OpenAI routes for the embedded engine to its server app. Text goes through
     the model directory's tokenizer and chat template (the engine's, loaded by
-    areal_jax.tokenizer); without one, text requests get a clear 400."""
+    areal_jax.tokenizer); without one, text requests get a clear 400, and so do chat
+    requests to a model without a chat template (a base model: use /v1/completions)."""
     tok = engine.tokenizer
     stops = tuple(dict.fromkeys([*(getattr(tok, "stop_token_ids", None) or []),
                                  *engine.eos_token_ids]))
     OpenAIRoutes(engine_backend(engine), tokenizer=tok, vocab_size=engine.vocab_size,
                  max_seq_len=engine.max_seq_len, model_name=str(engine.model_path),
-                 stop_token_ids=stops).register(app)
+                 stop_token_ids=stops, chat_without_template=False).register(app)
