@@ -39,6 +39,7 @@ __all__ = [
     "PlacementConfig",
     "RewardConfig",
     "RolloutConfig",
+    "SFTConfig",
     "SGLangConfig",
     "StorageConfig",
     "TeacherSection",
@@ -620,11 +621,31 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
+class SFTConfig:
+    """``sft``: supervised fine-tuning (``mode: sft``; docs/training.md, "Supervised
+    fine-tuning"). data.train (and data.eval, for the held-out loss) hold chat messages or
+    prompt/completion pairs."""
+
+    # A row with this key is chat messages (a list of {role, content}); the loss is on the
+    # assistant turns only.
+    messages_key: str = "messages"
+    # Otherwise data.prompt_key is the prompt and this key the completion (learned, + EOS).
+    completion_key: str = "completion"
+    # Start from random weights (drawn from seed) of model.path's architecture (config.json)
+    # instead of its trained ones: a model trained from scratch, like the demo's warm start.
+    random_init: bool = False
+    # Evaluate the task's accuracy too (data.eval's prompt_key/answer_key, reward.fn, through
+    # the run's rollout servers); false: the held-out loss only (data.eval rows need no answer).
+    eval_accuracy: bool = True
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelSection
     run_dir: str = "runs/default"  # a local path or gs://bucket/path
     seed: int = 0
-    mode: Literal["async", "sync"] = "async"
+    # async / sync: RL (sync is eta = 0); sft: supervised fine-tuning (the sft section).
+    mode: Literal["async", "sync", "sft"] = "async"
     mesh: str = "data=-1"  # data=D,fsdp=F,tensor=T; one -1 means "the rest"
     # The hardware this config is sized for: "cpu", a TPU slice (v5e:2x2, v5e:2x4, v4:2x2x1,
     # v5p:2x2x1, v6e:2x2) or N GPUs of one host (h100:N, h200:N). Documentation that
@@ -642,6 +663,7 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     teacher: TeacherSection | None = None  # on-policy distillation (TeacherSection)
     log_every: int = 1

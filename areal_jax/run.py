@@ -608,14 +608,25 @@ def learner_configs(cfg: TrainConfig) -> tuple[OptimConfig, AlgoConfig, dict[str
                              "seq_token_sum_normalizer": seq_norm}
 
 
+PROCESS_START_ENV = "AREAL_JAX_PROCESS_START"  # scripts/train.py's first statement sets it
+
+
 def process_start_time() -> float:
-    """When this process started (seconds since the epoch), for start-up timings."""
+    """When this process started (seconds since the epoch), for start-up timings and the
+    run summary: the later of its creation (a shell that execs python created it earlier,
+    e.g. ``bash -c "...; python scripts/train.py"``) and ``$AREAL_JAX_PROCESS_START``,
+    which train.py sets as it starts (one inherited from a parent is older: ignored)."""
     try:
         import psutil
 
-        return float(psutil.Process().create_time())
+        created = float(psutil.Process().create_time())
     except (ImportError, OSError):
-        return time.time()
+        created = time.time()
+    try:
+        marked = float(os.environ.get(PROCESS_START_ENV, "") or 0.0)
+    except ValueError:
+        marked = 0.0
+    return max(created, marked) if marked <= time.time() else created
 
 
 def run_placement(cfg: TrainConfig) -> Placement:

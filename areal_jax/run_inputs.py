@@ -155,16 +155,17 @@ def saved_run_config(ckpt_dir: str, meta: CheckpointMeta | None) -> dict[str, An
 
 
 def resolve_dataset(spec: str, run_dir: Path, key: str) -> str:
-    """``builtin:SPLIT`` (train, eval, longtail_train, longtail_eval) -> a JSONL written into
+    """``builtin:SPLIT`` (train, eval, longtail_train, longtail_eval; for SFT train_sft,
+    longtail_train_sft) -> a JSONL written into
     the (local) run dir; ``hf://REPO?...`` -> the hub dataset (``datasets.load_dataset``)
     written as Parquet into the run dir; else the path (local or ``gs://``), checked to exist."""
     if spec.startswith("builtin:"):
         from areal_jax.data import builtin_task
 
         split = spec.split(":", 1)[1]
-        if split not in builtin_task.SPLITS:
-            raise TrainerError(f"{key} {spec!r}: the builtin task has splits "
-                               f"{', '.join(builtin_task.SPLITS)}")
+        splits = (*builtin_task.SPLITS, *builtin_task.SFT_SPLITS)
+        if split not in splits:
+            raise TrainerError(f"{key} {spec!r}: the builtin task has splits {', '.join(splits)}")
         return str(builtin_task.write_split(run_dir / "data" / f"builtin_{split}.jsonl", split))
     with input_error(key, hub.HubError, storage.StorageError):
         if hub.is_dataset_uri(spec):

@@ -35,7 +35,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from areal_jax.storage import RunFiles
     from areal_jax.tokenizer import ChatTokenizer
 
-__all__ = ["LearnerSide", "Progress", "RolloutSide", "Trainer"]
+__all__ = ["LearnerSide", "Progress", "RolloutSide", "SFTTrainer", "Trainer"]
 
 logger = logging.getLogger("areal_jax.trainer")
 
@@ -443,3 +443,111 @@ def _weight_sync_stops_the_run() -> Iterator[None]:
         yield
     except WeightSyncError as e:
         raise RunStopped(str(e)) from e
+
+
+class SFTTrainer(Trainer):
+    """Supervised fine-tuning (``mode: sft``): the same learner, mesh, checkpoints and run
+    files as RL, one version per batch of examples (``data/sft.py``). Each version is one
+    ``Learner.sft_step`` (the token-mean NLL over the loss mask); every
+    ``eval.every_versions`` it measures the held-out loss on ``data.eval``'s examples and,
+    after publishing the weights to the run's rollout servers, the task's accuracy as an
+    RL run does (``Trainer.evaluate``). The last version is published too: ``weights/v{N}``
+    (HF safetensors, config, tokenizer) is the model an RL run starts from."""
+
+    def __init__(self, cfg: TrainConfig, side: LearnerSide, *, batches: Iterator[TrainBatch],
+                 rollout: RolloutSide | None, eval_batches: Sequence[MicroBatch] = (),
+                 startup: dict[str, float] | None = None) -> None:
+        super().__init__(cfg, side, batches=batches, rollout=rollout, startup=startup)
+        self.eval_batches = list(eval_batches)  # data.eval's examples, packed
+        self.examples_consumed = 0
+        self._published = side.progress.start_version  # the servers hold this version
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        row: dict[str, Any] = {}
+        start = self.progress.start_version
+        if self.is_main and start == 0 and cfg.eval.at_start:
+            t0 = time.perf_counter()
+            evaluated = self.evaluate_sft()
+            if evaluated:
+                row = self.rollout_side.writer.log({"version": 0, "step": 0, **evaluated,
+                                                    "eval_s": time.perf_counter() - t0})
+        for version in range(start, cfg.train.total_versions):
+            raise_if_interrupted()
+            row = self.step(version) or row
+        self.publish_latest()  # weights/v{N}: the fine-tuned model, for RL and serving
+        if self.learner.version != self.progress.last_saved_version:
+            self.save_checkpoint()
+        self.finish()
+        return row
+
+    def step(self, version: int) -> dict[str, Any] | None:
+        """Trains version ``version`` into ``version + 1`` on the next batch of examples;
+        returns its metrics row (process 0)."""
+        cfg, first = self.cfg, version == self.progress.start_version
+        t_step = time.perf_counter()
+        batch = self.next_batch(version)
+        if first:
+            self.mark_startup("first_batch_s")
+        metrics = self.learner.sft_step(batch.micro_batches)
+        if first:
+            self.mark_startup("first_step_s")
+        self._check_finite(metrics, version)
+        raise_if_interrupted()
+        if cfg.checkpoint.every_versions and (version + 1) % cfg.checkpoint.every_versions == 0:
+            self.save_checkpoint()
+        if not self.is_main:
+            return None
+        trajs = batch.trajectories
+        self.examples_consumed += len(trajs)
+        self.progress.consumed_tokens += int(sum(t.num_tokens for t in trajs))
+        row: dict[str, Any] = {
+            "version": version + 1, "step": self.learner.step, "loss": metrics["loss"],
+            "examples_consumed": self.examples_consumed,
+            "tokens_consumed": self.progress.consumed_tokens,
+            "step_time_s": time.perf_counter() - t_step,
+            "wall_time_s": self.progress.elapsed(),
+            **row_entries(metrics),
+        }
+        if version == self.progress.start_version:
+            row.update({f"startup/{k}": v for k, v in self.startup.items() if k.endswith("_s")})
+        every, is_last = cfg.eval.every_versions, version + 1 == cfg.train.total_versions
+        if (every and (version + 1) % every == 0) or (is_last and cfg.eval.at_end):
+            t0 = time.perf_counter()
+            row.update(self.evaluate_sft())
+            row["eval_s"] = time.perf_counter() - t0
+            raise_if_interrupted()
+        return self.rollout_side.writer.log(row)
+
+    def _check_finite(self, metrics: dict[str, float], version: int) -> None:
+        finite = math.isfinite(float(metrics.get("loss", 0.0)))
+        self._nonfinite = 0 if finite else self._nonfinite + 1
+        limit = self.cfg.watchdog.max_nonfinite_versions
+        if limit and self._nonfinite >= limit:
+            raise RunStopped(
+                f"the SFT loss was not finite for {self._nonfinite} versions in a row "
+                f"(versions {version + 2 - self._nonfinite}-{version + 1}): the learner "
+                f"skipped those updates. Lower optim.lr (or set optim.max_grad_norm), then "
+                f"resume from the last checkpoint (watchdog.max_nonfinite_versions={limit})")
+
+    def publish_latest(self) -> None:
+        """The learner's current version to the servers (and ``weights/v{N}``), unless they
+        hold it already; every process takes part (the host copy is a gather)."""
+        if self._published != self.learner.version:
+            self.publish(self.learner.version)
+            self._published = self.learner.version
+        self.wait_published()
+
+    def evaluate_sft(self) -> dict[str, float]:
+        """``eval_loss`` (the token-mean NLL of data.eval's examples) and, with eval
+        prompts, the accuracy of the current weights through the rollout servers
+        (``eval_accuracy`` etc., as an RL run measures it)."""
+        out: dict[str, float] = {}
+        if self.eval_batches:
+            loss, count = self.learner.sft_loss(self.eval_batches)
+            out.update({"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0)),
+                        "eval_loss_tokens": float(count)})
+        if self.rollout_side.eval_items:
+            self.publish_latest()
+            out.update(self.evaluate())
+        return out

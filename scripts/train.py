@@ -20,6 +20,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+
+# This interpreter's start, for the start-up timings and the run summary's "done in": the
+# process's creation time is its launcher's when a shell execs it (bash -c "...; python").
+os.environ["AREAL_JAX_PROCESS_START"] = repr(time.time())
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,6 +37,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS = [PAD, BOS, EOS]
 CHARS = list("0123456789+-=;:QA")
@@ -157,14 +159,50 @@ def make_split(
     return [{"prompt_id": f"{name}-{i}", **p} for i, p in enumerate(items)]
 
 
+# The SFT splits (``train_sft``, ``longtail_train_sft``): the train split with
+# SFT_ANSWER_NOISE of its solutions ending in a random wrong answer (the steps stay right),
+# the data of the demos' warm starts (configs/tiny_demo_sft.yaml; docs/training.md).
+SFT_SUFFIX = "_sft"
+SFT_SPLITS = tuple(f"{t}_train{SFT_SUFFIX}" if t else f"train{SFT_SUFFIX}" for t in TASKS)
+SFT_ANSWER_NOISE = 0.7
+
+
+def noisy_solution(item: dict, rng: np.random.Generator, answer_noise: float,
+                   max_value: int) -> str:
+    """The solution, with its final answer replaced by a random wrong one w.p. answer_noise."""
+    solution = item["solution"]
+    if rng.random() >= answer_noise:
+        return solution
+    wrong = int(item["answer"])
+    while wrong == int(item["answer"]):
+        wrong = int(rng.integers(0, max_value + 1))
+    return solution[: solution.rindex("A:")] + f"A:{wrong}"
+
+
+def make_sft_split(split: str, answer_noise: float = SFT_ANSWER_NOISE, seed: int = 0
+                   ) -> list[dict]:
+    """An SFT split (:data:`SFT_SPLITS`): the train split's rows with each ``solution`` noisy
+    (:func:`noisy_solution`, drawn from ``seed`` in row order); ``answer`` stays the right one."""
+    if split not in SFT_SPLITS:
+        raise ValueError(f"builtin SFT split must be one of {list(SFT_SPLITS)}, got {split!r}")
+    base = split[: -len(SFT_SUFFIX)]
+    rng = np.random.default_rng(seed + 7)
+    max_value = parse_split(base)[1].max_value
+    return [{**item, "prompt_id": f"{split}-{i}",
+             "solution": noisy_solution(item, rng, answer_noise, max_value)}
+            for i, item in enumerate(make_split(base))]
+
+
 def write_split(path: str | Path, split: str, n: int | None = None,
                 cfg: ArithmeticTaskConfig | None = None) -> Path:
-    """Write a split as JSONL (keys: prompt_id, question, solution, answer, num_steps)."""
+    """Write a split as JSONL (keys: prompt_id, question, solution, answer, num_steps); an
+    SFT split (:data:`SFT_SPLITS`) with its noisy solutions."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
+    items = make_sft_split(split) if split in SFT_SPLITS else make_split(split, n, cfg)
     with tmp.open("w") as f:
-        for item in make_split(split, n, cfg):
+        for item in items:
             f.write(json.dumps(item) + "\n")
     tmp.replace(path)
     return path

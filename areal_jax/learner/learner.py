@@ -37,6 +37,7 @@ from areal_jax.learner.steps import (
     make_denominator_fn,
     make_grad_fn,
     make_logp_fn,
+    make_sft_grad_fn,
     zero_sums,
 )
 from areal_jax.learner.trainable import (
@@ -46,6 +47,7 @@ from areal_jax.learner.trainable import (
     configure_model,
     with_arrays,
 )
+from areal_jax.losses.sft import SFTSums, finalise_sft_step
 from areal_jax.losses.step_metrics import StepSums, finalise_step, step_timing
 from areal_jax.parallel.mesh import (
     make_mesh,
@@ -63,8 +65,16 @@ from model_defs import (
 
 LOGP_KEYS = ("input_ids", "positions", "segment_ids")
 TRAIN_KEYS = tuple(PACKED_FIELDS)
+SFT_KEYS = (*LOGP_KEYS, "loss_mask")  # what sft_step reads of a micro-batch
+
 def _logp_program(params, rest, batch, *, graphdef, compute_dtype, temperature, chunk_size):
     return make_logp_fn(graphdef, compute_dtype, temperature, chunk_size)(params, rest, batch)[0]
+
+
+def _sft_grad_program(params, rest, grads, sums, batch, n_loss_tokens, *, graphdef,
+                      compute_dtype, chunk_size):
+    fn = make_sft_grad_fn(graphdef, compute_dtype, logp_chunk_size=chunk_size)
+    return fn(params, rest, grads, sums, batch, n_loss_tokens)
 
 
 def _denominator_program(batch, *, agg_mode):
@@ -149,12 +159,18 @@ class Learner(TrainableModel[CausalLM]):
     def from_hf(cls, path: str, optim: OptimConfig, algo: AlgoConfig, *,
                 mesh: Mesh | None = None, compute_dtype: DTypeLike = "float32",
                 remat: bool | str = False, lora: LoraConfig | None = None, lora_seed: int = 0,
+                random_init_seed: int | None = None,
                 **kwargs: Any) -> Learner:  # Any: the constructor's keywords, passed on
         """Loads an HF checkpoint as fp32 master weights, placed directly on the mesh;
         with ``lora``, fresh adapters (B = 0, A from ``lora_seed``) are the trainable part.
-        ``kwargs`` as for the constructor."""
+        ``random_init_seed``: the checkpoint's architecture with fresh weights drawn from
+        this seed (``CausalLM``'s initialisers) instead of its own. ``kwargs`` as for the
+        constructor."""
         mesh = make_mesh("data=-1") if mesh is None else mesh
         model, cfg = load_hf(path, dtype="float32", mesh=mesh)
+        if random_init_seed is not None:
+            fresh = CausalLM(cfg, rngs=nnx.Rngs(random_init_seed))
+            nnx.update(model, nnx.state(fresh, nnx.Param))
         if lora is not None:
             add_lora(model, lora, rngs=nnx.Rngs(lora_seed))
         return cls(model, cfg, optim, algo, mesh=mesh, compute_dtype=compute_dtype, remat=remat,
@@ -176,6 +192,9 @@ class Learner(TrainableModel[CausalLM]):
             "chunk_size": self.logp_chunk_size, "seq_norm": self.seq_token_sum_normalizer,
             "prox_from_logp": p}, donate_argnums=(2, 3), out_shardings=(param_sh, rep), **opts)
             for p in (False, True)}
+        self._sft_grads = Program(_sft_grad_program, {
+            **model, "chunk_size": self.logp_chunk_size}, donate_argnums=(2, 3),
+            out_shardings=(param_sh, rep), **opts)
         self._logp_programs: dict[float, Program] = {}
 
     def _logp_fn(self, temperature: float) -> Program:
@@ -301,6 +320,87 @@ class Learner(TrainableModel[CausalLM]):
             metrics, prox_logp_recomputed=self.algo.decoupled and not prox_from_logp,
             n_micro_batches=len(micro_batches), step_time_s=time.perf_counter() - t0)
 
+    # ------------------------------------------------------------------ SFT
+    def sft_step(self, micro_batches: Sequence[MicroBatch]) -> dict[str, float]:
+        """Supervised fine-tuning: ``n_minibatches`` AdamW steps of the token-mean NLL over
+        each micro-batch's ``loss_mask`` (``losses.sft_loss``, logprobs at temperature 1),
+        normalised by each minibatch's global mask count; one version. Micro-batches need
+        input_ids, positions, segment_ids and loss_mask (``SFT_KEYS``); returns metrics
+        (``losses.sft.SFTStepMetrics`` and the step's timing)."""
+        t0 = time.perf_counter()
+        self._require_trainable("sft_step")
+        micro_batches = list(micro_batches)
+        self._check_micro_batches(micro_batches, SFT_KEYS)
+        metrics = self._optimizer_steps(
+            self.minibatches(micro_batches), SFT_KEYS, jnp.zeros((), jnp.float32),
+            finalise=lambda per_step, lrs: finalise_sft_step(
+                [p[0] for p in per_step], [float(p[1]) for p in per_step],
+                [bool(p[2]) for p in per_step], lrs[-1]).as_dict(),
+            sft=True)
+        step_time_s = time.perf_counter() - t0
+        return metrics | {"n_micro_batches": float(len(micro_batches)),
+                          "step_time_s": step_time_s,
+                          "tokens_per_s": metrics["n_tokens"] / max(step_time_s, 1e-9)}
+
+    def sft_loss(self, micro_batches: Sequence[MicroBatch]) -> tuple[float, int]:
+        """(token-mean NLL over the micro-batches' ``loss_mask``, the mask count) under the
+        current weights, no gradient: the held-out loss of supervised fine-tuning."""
+        logps = self.compute_logp(micro_batches, temperature=1.0)
+        nll, count = 0.0, 0
+        for mb, logp in zip(micro_batches, logps, strict=True):
+            mask = np.asarray(mb["loss_mask"]) != 0
+            nll -= float(np.sum(logp[mask], dtype=np.float64))
+            count += int(mask.sum())
+        return nll / max(count, 1), count
+
+    def sft_gradients(self, micro_batches: Sequence[MicroBatch]) -> tuple[float, PyTree]:
+        """(SFT loss, grads) of all ``micro_batches`` taken as ONE minibatch, without
+        updating anything (checks and debugging; grads have the params' structure)."""
+        self._require_trainable("sft_gradients")
+        micro_batches = list(micro_batches)
+        self._check_micro_batches(micro_batches, SFT_KEYS)
+        with use_mesh(self.mesh):
+            grads, sums = self._accumulate_sft(micro_batches, SFT_KEYS)
+        return float(sums.loss), grads
+
+    def _accumulate_sft(self, group: Sequence[MicroBatch], keys: Sequence[str]
+                        ) -> tuple[PyTree, SFTSums]:
+        """One minibatch's SFT gradient (sum over its micro-batches of nll_sum / global
+        mask count) and sums, on device."""
+        batches = [self._put(mb, keys) for mb in group]
+        n_loss = jnp.zeros((), jnp.float32)
+        for b in batches:
+            n_loss = n_loss + self._denominator(b)[1]
+        grads = self._zeros(self.params)
+        sums = jax.device_put(SFTSums.zeros(), replicated(self.mesh))
+        for b in batches:
+            grads, sums = self._sft_grads(self.params, self._rest, grads, sums, b, n_loss)
+        return grads, sums
+
+    def precompile_sft(self, rows: int, seq_len: int) -> float:
+        """``precompile`` for ``sft_step`` on [rows, seq_len] micro-batches (and the
+        held-out loss's logprob program); returns the seconds it took."""
+        t0 = time.perf_counter()
+        self._require_trainable("precompile_sft")
+        dummy = {k: np.zeros((rows, seq_len), np.int32) for k in SFT_KEYS}
+        dummy["segment_ids"][:] = 1
+        with use_mesh(self.mesh):
+            batch = self._put(dummy, SFT_KEYS)
+            self._logp_fn(1.0).lower(self.params, self._rest,
+                                     self._put(dummy, LOGP_KEYS)).compile()
+            self._denominator.lower(batch).compile()
+            n_loss = jnp.zeros((), jnp.float32)
+            for _ in range(2):  # committed operands, as the accumulation's later adds
+                n_loss = n_loss + self._denominator(batch)[1]
+            self._zeros.lower(self.params).compile()
+            grads = self._zeros(self.params)
+            sums = jax.device_put(SFTSums.zeros(), replicated(self.mesh))
+            self._sft_grads.lower(self.params, self._rest, grads, sums, batch, n_loss).compile()
+            assert self._apply is not None
+            self._apply.lower(self.params, self.opt_state, grads).compile()
+            del grads
+        return time.perf_counter() - t0
+
     def _train_keys(self, prox_from_logp: bool) -> list[str]:
         keys = list(TRAIN_KEYS)
         if self.algo.decoupled and not prox_from_logp:
@@ -310,10 +410,12 @@ class Learner(TrainableModel[CausalLM]):
         return keys
 
     def _accumulate(self, group: Sequence[MicroBatch], keys: Sequence[str], version: jax.Array,
-                    prox_from_logp: bool = False, **_: bool
-                    ) -> tuple[PyTree, StepSums]:
+                    prox_from_logp: bool = False, sft: bool = False, **_: bool
+                    ) -> tuple[PyTree, StepSums | SFTSums]:
         """Gradient of one minibatch (sum over its micro-batches of loss_sum / global
-        denominator) and its statistic sums, on device."""
+        denominator) and its statistic sums, on device (``sft``: the SFT loss's)."""
+        if sft:
+            return self._accumulate_sft(group, keys)
         batches = [self._put(mb, keys) for mb in group]
         denom = n_loss = jnp.zeros((), jnp.float32)
         for b in batches:

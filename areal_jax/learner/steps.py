@@ -21,9 +21,11 @@ from areal_jax.learner.token_logp import packed_token_logprobs
 from areal_jax.losses import (
     PPOInputs,
     PPOLossTerms,
+    SFTSums,
     StepSums,
     decoupled_ppo_loss_terms,
     loss_denominator,
+    sft_loss_terms,
     token_kl,
 )
 from areal_jax.losses.mismatch import mismatch_terms
@@ -196,6 +198,36 @@ def make_grad_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None, algo: 
                                 held_bt)
         sums = sums.add(new)
         return grads, sums
+
+    return grad_fn
+
+
+def make_sft_grad_fn(graphdef: nnx.GraphDef, compute_dtype: DTypeLike | None, *,
+                     logp_chunk_size: int = 4096) -> Callable:
+    """(params, rest, grads, sums, batch, n_loss_tokens) -> (grads, sums): supervised
+    fine-tuning's gradient program, the same accumulation as :func:`make_grad_fn` with the
+    token-mean NLL (``losses.sft_loss_terms``) over ``batch["loss_mask"]`` in place of the
+    PPO loss. ``n_loss_tokens`` is the minibatch's global mask count. Logprobs are those
+    of the model itself (temperature 1)."""
+    logp_fn = make_logp_fn(graphdef, compute_dtype, 1.0, logp_chunk_size)
+
+    def loss_fn(params, rest, batch, n_loss_tokens, layer_grad_acc, head_grad_acc):
+        logp_bt, _ = logp_fn(params, rest, batch, layer_grad_acc, head_grad_acc)
+        terms = sft_loss_terms(logp_bt, batch["loss_mask"])
+        return terms.nll_sum / jnp.maximum(n_loss_tokens, 1.0), terms
+
+    def grad_fn(params, rest, grads, sums, batch, n_loss_tokens):
+        layer_acc = _layer_accumulators(grads)  # as in make_grad_fn
+        head_key = _head_key(params, rest)
+        head_acc = _head_accumulator(grads, head_key)
+        with fp32_matmuls(compute_dtype):
+            (loss, terms), g = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, rest, batch, n_loss_tokens, layer_acc, head_acc)
+        grads = accumulate(grads, g, layers_done=layer_acc is not None,
+                           head_done=head_key if head_acc is not None else None)
+        n_tokens = jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)
+        return grads, sums.add(SFTSums(loss=loss, nll_sum=terms.nll_sum,
+                                       token_count=terms.token_count, n_tokens=n_tokens))
 
     return grad_fn
 

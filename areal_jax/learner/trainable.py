@@ -350,9 +350,12 @@ class TrainableModel(ABC, Generic[ModelT]):
                                "logprobs")
 
     def _optimizer_steps(self, groups: Sequence[Sequence[MicroBatch]], keys: Sequence[str],
-                         version: jax.Array, **accumulate_kw: bool) -> dict[str, float]:
+                         version: jax.Array, *,
+                         finalise: Callable[[list, list[float]], dict[str, float]] | None = None,
+                         **accumulate_kw: bool) -> dict[str, float]:
         """One AdamW step per minibatch group (its gradient from the subclass's
-        ``_accumulate``), then bump the version; returns the subclass's ``_metrics``."""
+        ``_accumulate``), then bump the version; returns the subclass's ``_metrics`` (or
+        ``finalise``'s, for another loss of the same model: the learner's SFT step)."""
         # Host values, for logging only (this process's own CPU device: with several
         # processes jax.devices() lists every process's devices).
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
@@ -368,7 +371,7 @@ class TrainableModel(ABC, Generic[ModelT]):
                 per_step.append((sums, grad_norm, applied))
             per_step = jax.device_get(per_step)
         self.version += 1
-        return self._metrics(per_step, lrs)
+        return (finalise or self._metrics)(per_step, lrs)
 
     # ------------------------------------------------------------------ state
     @property

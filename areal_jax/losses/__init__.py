@@ -36,6 +36,7 @@ from areal_jax.losses.ppo import (
     ppo_stats_from_terms,
 )
 from areal_jax.losses.segments import AGG_MODES, loss_denominator
+from areal_jax.losses.sft import SFTLossTerms, SFTSums, finalise_sft_step, sft_loss, sft_loss_terms
 from areal_jax.losses.step_metrics import StepMetrics, StepSums, finalise_step
 
 __all__ = [
@@ -49,6 +50,8 @@ __all__ = [
     "PPOInputs",
     "PPOLossConfig",
     "PPOLossTerms",
+    "SFTLossTerms",
+    "SFTSums",
     "StepMetrics",
     "StepSums",
     "behav_correction",
@@ -57,6 +60,7 @@ __all__ = [
     "decoupled_ppo_loss_terms",
     "empty_ppo_terms",
     "entropy_from_logits",
+    "finalise_sft_step",
     "finalise_step",
     "gae",
     "group_advantages",
@@ -71,6 +75,8 @@ __all__ = [
     "packed_gae",
     "ppo_stats_from_terms",
     "ppo_value_loss",
+    "sft_loss",
+    "sft_loss_terms",
     "shape_rewards",
     "token_kl",
 ]

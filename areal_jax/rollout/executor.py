@@ -166,7 +166,7 @@ class RolloutExecutor:
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, client: GenerateClient, workflow: Workflow,
-                    prompts: Iterable[PromptItem], *, reward_pool: RewardPool | None,
+                    prompts: Iterable[PromptItem] | None, *, reward_pool: RewardPool | None,
                     tokenizer: ChatTokenizer | None) -> RolloutExecutor:
         """The run's executor: the gate from ``train.batch_size``, ``rollout.max_concurrent``
         and η, the reward timeout from ``reward``, the no-progress limits from
