@@ -202,3 +202,54 @@ def test_every_row_s_prompt_is_text_or_chat_messages(tmp_path, prompt, words):
     with pytest.raises(ValueError) as e:
         load_prompt_dataset(str(path), prompt_key="question", shard_index=0, shard_count=1)
     assert str(e.value).startswith(f"{path}: row 600: 'question' (the prompt_key) {words}")
+
+
+def test_parquet_timestamp_and_bytes_columns_reach_a_checkpoint(tmp_path):
+    """Issue 50 item 4: a Parquet dataset with a timestamp (or bytes) column trained
+    version 1, then the first checkpoint crashed (the executor's state, which holds the
+    prompts in flight, was not JSON-serialisable), so no checkpoint was ever written. Items
+    are JSON now: timestamps as ISO 8601 text, bytes as UTF-8 text or base64."""
+    import asyncio
+    import datetime
+    import decimal
+
+    from areal_jax.rollout.executor import RolloutExecutor
+    from areal_jax.trajectory import Trajectory
+
+    when = datetime.datetime(2024, 5, 17, 8, 30, 15, tzinfo=datetime.UTC)
+    rows = [{"question": f"q{i}", "answer": str(i), "created": when, "day": when.date(),
+             "blob": b"caf\xc3\xa9", "raw": b"\xff\x00", "price": decimal.Decimal("1.50")}
+            for i in range(4)]
+    path = tmp_path / "stamped.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    item = next(iter(load_prompt_dataset(str(path), shard_index=0, shard_count=1)))
+    assert item["created"] == "2024-05-17T08:30:15+00:00" and item["day"] == "2024-05-17"
+    assert item["blob"] == "café" and item["raw"] == "base64:/wA="
+    assert item["price"] == "1.50"
+    assert json.loads(json.dumps(item)) == item
+
+    gate = asyncio.Event()
+
+    async def waits(client, item, ctx):  # keeps prompts in flight at the checkpoint
+        if item["prompt_id"] != "0":
+            await gate.wait()
+        return [Trajectory(input_ids=[1, 2], loss_mask=[0, 1], behav_logp=[0.0, -1.0],
+                           versions=[-1, 0], reward=1.0)]
+
+    ds = load_prompt_dataset(str(path), shard_index=0, shard_count=1, seed=0, num_epochs=1)
+    with RolloutExecutor(None, waits, iter(ds), batch_size=1, max_concurrent=4,
+                         max_staleness=None) as ex:
+        ex.prepare_batch(1, timeout=30)
+        state = ex.state_dict()  # raised "executor state is not JSON-serialisable"
+    assert len(state["in_flight"]) == 3
+    assert json.loads(json.dumps(state))["in_flight"][0]["item"]["created"] == item["created"]
+
+
+def test_a_column_a_checkpoint_cannot_hold_is_refused_naming_it(tmp_path):
+    path = tmp_path / "odd.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "q", "answer": "1"}]), path)
+    from areal_jax.data import prompts
+
+    with pytest.raises(ValueError, match=r"row 0: column 'odd' holds a builtins.object"):
+        prompts._normalise_rows([(str(path), [{"question": "q", "odd": object()}])],
+                                "question", None, None)

@@ -6,7 +6,10 @@ Hugging Face hub dataset ``hf://ORG/NAME?config=C&split=S`` (read through ``data
     item = next(it)         # {"prompt_id": "17", "prompt": ..., "answer": ..., "epoch": 0, ...}
     state = it.get_state()  # JSON-serialisable; it.set_state(state) resumes exactly there
 
-Every item is the original row plus five normalised keys:
+Every item is the original row (as JSON types: Parquet timestamps and dates become ISO
+8601 text, bytes UTF-8 text or ``base64:...``, decimals text, so an item can go into a
+checkpoint; a column of any other type is refused at load, naming it) plus five normalised
+keys:
 
 - ``prompt_id``: stable id of the row: the ``id_key`` column; by default the
   ``prompt_id`` column when every row has one, else the row's index counted over all
@@ -117,6 +120,44 @@ def prompt_problem(prompt: Any) -> str | None:
     return None
 
 
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def _json_value(value: Any, where: str) -> Any:
+    """``value`` as JSON types, so every item can go into a checkpoint (the executor's state
+    holds the prompts in flight): dates and times (Parquet timestamps) as ISO 8601 text,
+    bytes as UTF-8 text (``base64:...`` when they are not UTF-8), decimals as text, NumPy
+    scalars and arrays as numbers and lists. Anything else is refused naming its column."""
+    if isinstance(value, _JSON_SCALARS):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _json_value(v, where) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_value(v, where) for v in value]
+    import datetime
+    import decimal
+
+    if isinstance(value, datetime.date | datetime.time):
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, bytes | bytearray | memoryview):
+        raw = bytes(value)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            import base64
+
+            return "base64:" + base64.b64encode(raw).decode("ascii")
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if hasattr(value, "tolist") and callable(value.tolist):  # NumPy scalars and arrays
+        return _json_value(value.tolist(), where)
+    raise ValueError(f"{where} holds a {type(value).__module__}.{type(value).__qualname__}, "
+                     "which a checkpoint cannot hold; drop the column or convert it to text, "
+                     "numbers or lists")
+
+
 def _normalise_rows(rows_by_file: list[tuple[str, list[dict]]], prompt_key: str,
                     answer_key: str | None, id_key: str | None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
@@ -140,7 +181,8 @@ def _normalise_rows(rows_by_file: list[tuple[str, list[dict]]], prompt_key: str,
                 raise ValueError(f"{path}: row {i} repeats prompt id {prompt_id!r} "
                                  f"(id_key={id_key!r}); ids must be unique")
             seen_ids.add(prompt_id)
-            item = dict(row)
+            item = {key: _json_value(value, f"{path}: row {i}: column {key!r}")
+                    for key, value in row.items()}
             item["prompt_id"] = prompt_id
             item["prompt"] = row[prompt_key]
             if answer_key is not None:
