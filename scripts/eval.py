@@ -156,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
             if not args.model.startswith("builtin:") and storage.name_of(weights_dir) == "weights":
                 # a run's published weights (RUN_DIR/weights/vN): that run's config.yaml
                 run_cfg = saved_run_config(weights_dir, None) or {}
+        rollout_cfg = run_cfg.get("rollout") or {}
+        if rollout_cfg.get("workflow") == "agent":  # said, not silently done differently
+            print(f"note: this run trains an agent (rollout.workflow: agent, rollout.agent "
+                  f"{rollout_cfg.get('agent')}); eval.py evaluates single-turn, one reply per "
+                  "prompt, without the agent or its tools. The run's own evaluation with its "
+                  "agent is eval_accuracy in its metrics.jsonl (eval_single_turn_accuracy is "
+                  "this single-turn one)", file=sys.stderr)
         if bench is not None:  # the benchmark's columns and reward, not the run's
             run_cfg = {}
             args.prompt_key = args.prompt_key or bench.prompt_key

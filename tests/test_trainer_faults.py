@@ -454,6 +454,30 @@ def test_eval_and_convert_use_the_runs_config_and_only_the_parameters(tmp_path):
     assert (tmp_path / "hf" / "config.json").exists()
 
 
+def test_eval_py_on_an_agent_run_says_it_evaluates_single_turn(tmp_path):
+    """issue 50: eval.py on an agent run's weights evaluated single-turn without tools and
+    said nothing. (The missing --data ends it before any server starts: the note comes
+    first.)"""
+    import shutil
+    import sys
+
+    import yaml
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(REPO / "areal_jax" / "data" / "assets" / "arith_sft",
+                    run_dir / "weights" / "v3")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({
+        "model": {"path": "builtin:arith_sft"},
+        "rollout": {"workflow": "agent", "agent": "pkg.agents:solver"}}))
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "eval.py"), "--model",
+                          str(run_dir / "weights" / "v3"), "--data",
+                          str(tmp_path / "none.jsonl")],
+                         capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert ("note: this run trains an agent (rollout.workflow: agent, rollout.agent "
+            "pkg.agents:solver); eval.py evaluates single-turn") in res.stderr, res.stderr[-3000:]
+
+
 # ----------------------------------------------------------------------------- start/stop
 @pytest.mark.slow
 def test_repeated_short_runs_all_exit_cleanly(tmp_path):
