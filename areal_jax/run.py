@@ -357,6 +357,7 @@ def _rollout_inputs(cfg: TrainConfig, run_dir: str, tokenizer_dir: Path,
                      what=f"reward.fn {cfg.reward.fn!r}"):
         reward_fn = reward_fn_spec(eval_reward_name(cfg))  # the pool's (evals'); see run_models
         resolve_reward_fn(reward_fn)
+    ModelServers.check(cfg)  # the judge's, reward model's and teacher's inputs, now
     with input_error("data.train", ValueError, KeyError, FileNotFoundError):
         check_prompt_lengths(cfg, tokenizer, train_path)
     eval_items = load_eval_items(cfg, eval_path)

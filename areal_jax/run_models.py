@@ -74,24 +74,35 @@ class ModelServers:
         self.cfg = cfg
         self.servers = servers
 
+    @staticmethod
+    def check(cfg: TrainConfig) -> None:
+        """What bad input can break, checked before the learner loads (TrainerError naming
+        the key): the combinations, each ``model_path`` (a hub id is fetched now), the
+        templates and patterns, and each ``api_key_env``."""
+        _check_combinations(cfg)
+        for _, key, section in _sections(cfg):
+            if section is not None and section.model_path is not None:
+                resolve_model_path(section.model_path, cfg.storage.cache_dir,
+                                   f"{key}.model_path")
+        r = cfg.reward
+        if r.judge is not None:
+            with input_error("reward.judge", ValueError):
+                judge_settings(r.judge, "check")
+        if r.reward_model is not None:
+            with input_error("reward.reward_model", ValueError):
+                reward_model_settings(r.reward_model, "check")
+        if cfg.teacher is not None:
+            with input_error("teacher.api_key_env", ValueError, what="teacher"):
+                api_key_from_env(cfg.teacher.api_key_env)
+
     @classmethod
     def start(cls, cfg: TrainConfig, run_dir: Path, stack: contextlib.ExitStack,
               cache_dir: str | None) -> ModelServers:
         """Starts the embedded ones (not waited for; see :meth:`wait`); registers their
         shutdown on ``stack``."""
-        if cfg.teacher is not None and cfg.algo.name == "ppo":
-            raise TrainerError("teacher (on-policy distillation) gives per-token advantages of "
-                               "its own; use it with algo.name grpo, rloo, drgrpo or gspo, not "
-                               "ppo (whose advantages come from the critic)")
-        if cfg.reward.fn in MODEL_REWARDS and cfg.rollout.workflow == "agent":
-            raise TrainerError(f"reward.fn: {cfg.reward.fn} scores single-turn answers; an agent "
-                               "workflow (rollout.workflow: agent) computes its own rewards")
-        sections: list[tuple[str, str, ModelServerSection | None]] = [
-            ("judge", "reward.judge", cfg.reward.judge),
-            ("reward_model", "reward.reward_model", cfg.reward.reward_model),
-            ("teacher", "teacher", cfg.teacher)]
+        _check_combinations(cfg)
         servers: dict[str, _Server] = {}
-        for name, key, section in sections:
+        for name, key, section in _sections(cfg):
             if section is None:
                 continue
             if section.url is not None:
@@ -143,6 +154,23 @@ class ModelServers:
         wrapped = TeacherScoredWorkflow(workflow, scorer)
         stack.callback(wrapped.close)
         return wrapped
+
+
+def _check_combinations(cfg: TrainConfig) -> None:
+    if cfg.teacher is not None and cfg.algo.name == "ppo":
+        raise TrainerError("teacher (on-policy distillation) gives per-token advantages of "
+                           "its own; use it with algo.name grpo, rloo, drgrpo or gspo, not "
+                           "ppo (whose advantages come from the critic)")
+    if cfg.reward.fn in MODEL_REWARDS and cfg.rollout.workflow == "agent":
+        raise TrainerError(f"reward.fn: {cfg.reward.fn} scores single-turn answers; an agent "
+                           "workflow (rollout.workflow: agent) computes its own rewards")
+
+
+def _sections(cfg: TrainConfig) -> list[tuple[str, str, ModelServerSection | None]]:
+    """(name, config key, section) of each model server the config may ask for."""
+    return [("judge", "reward.judge", cfg.reward.judge),
+            ("reward_model", "reward.reward_model", cfg.reward.reward_model),
+            ("teacher", "teacher", cfg.teacher)]
 
 
 def judge_settings(judge: JudgeSection, url: str) -> JudgeSettings:

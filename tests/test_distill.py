@@ -185,3 +185,28 @@ def test_a_run_with_an_embedded_teacher(tmp_path):
     assert abs(trained[0]["distill/reverse_kl"]) < 1e-3
     assert trained[-1]["rollout/teacher_scored_groups"] >= 8
     assert (run_dir / "logs" / "teacher.log").exists()
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["reward.fn=judge", "reward.judge={url: '127.0.0.1:1'}"],
+     "reward.fn: judge needs reward.eval_fn"),
+    (["reward.fn=judge", "reward.eval_fn=builtin",
+      "reward.judge={url: '127.0.0.1:1', template: '{oops} {answer}'}"],
+     "reward.judge: template names ['oops']"),
+    (["teacher={model_path: /nonexistent/teacher}"],
+     "teacher.model_path /nonexistent/teacher does not exist"),
+    (["teacher={url: '127.0.0.1:1', api_key_env: AREAL_TEST_UNSET_KEY}"],
+     "environment variable AREAL_TEST_UNSET_KEY"),
+])
+def test_bad_judge_and_teacher_inputs_fail_early_naming_the_key(tmp_path, overrides, message):
+    """One line naming the key, exit status 2, before anything is served or trained."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    env.pop("AREAL_TEST_UNSET_KEY", None)
+    cmd = [sys.executable, str(REPO / "scripts" / "train.py"), "--config",
+           str(REPO / "configs" / "tiny_demo.yaml"), f"run_dir={tmp_path / 'run'}",
+           "rollout.server_cpu_cores=null", "rollout.learner_cpu_cores=null", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "weights").exists()
