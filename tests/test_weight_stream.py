@@ -18,9 +18,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from areal_jax.checkpoint.delta import DeltaPublisher
 from areal_jax.checkpoint.publish import PublishError
 from areal_jax.checkpoint.stream import StreamPublisher, serving_arrays
-from areal_jax.weight_wire import CRC_HEADER, bucket_views, checksum, manifest_for
+from areal_jax.weight_wire import (
+    CRC_HEADER,
+    bucket_views,
+    checksum,
+    manifest_for,
+    read_delta_header,
+)
 from model_defs import load_hf
 from tests.hf_fixtures import make_tiny_hf_checkpoint, token_logprob_tolerance
 from tests.server_fixtures import start_servers
@@ -38,7 +45,8 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(ckpts, tmp_path_factory):
     # Same shapes as tests/test_client_stall.py (the shared compilation cache).
-    handles = start_servers(ckpts[0], 2, tmp_path_factory, max_slots=4, max_seq_len=MAX_SEQ_LEN)
+    handles = start_servers(ckpts[0], 2, tmp_path_factory, max_slots=4, max_seq_len=MAX_SEQ_LEN,
+                            allowed_weight_dirs=[ckpts[0].parent])
     yield handles
     for h in handles:
         h.terminate()
@@ -279,6 +287,41 @@ def test_non_finite_weights_are_refused_on_the_learner_and_by_the_probe(on_a, ck
     for u in urls:
         assert status(u)["staged"] is None
         assert_serves(u, learners[0], ckpts[0], 0)
+
+
+def delta_update(url, path, version):
+    return httpx.post(f"{url}/update_weights_from_delta", timeout=120, json={
+        "model_path": str(path), "weight_version": str(version), "abort_all_requests": True})
+
+
+def test_a_delta_bump_serves_the_learners_weights_and_a_bad_one_is_refused(on_a, ckpts,
+                                                                           learners):
+    """Deltas on a shared path: v1 as the XOR of its bits with v0's; a delta against a
+    version the server does not serve, and a corrupted one, are refused (the server keeps
+    its version); the full version then applies."""
+    url = on_a[0]
+    folder = ckpts[0].parent / "deltas"
+    deltas = DeltaPublisher(folder, full_every=10)
+    a, b = (serving_arrays(m, "float32").host() for m in learners)
+    deltas.publish(a, 0)  # the base the servers hold
+    path, _ = deltas.publish(b, 1)
+    assert read_delta_header(open(path, "rb").read())["base_version"] == 0
+    assert delta_update(url, path, 1).status_code == 200
+    assert_serves(url, learners[1], ckpts[1], 1)
+    deltas.publish(a, 2)
+    path, _ = deltas.publish(b, 3)  # against v2, which this server never got
+    r = delta_update(url, path, 3)
+    assert r.status_code == 400 and "a delta against v2" in r.json()["error"]
+    full, _ = deltas.full(3)
+    corrupted = bytearray(open(full, "rb").read())
+    corrupted[-20] ^= 0xFF
+    (folder / "corrupted.delta").write_bytes(bytes(corrupted))
+    r = delta_update(url, folder / "corrupted.delta", 3)
+    assert r.status_code == 400 and "weights not updated" in r.json()["error"]
+    assert_serves(url, learners[1], ckpts[1], 1)
+    assert delta_update(url, full, 3).status_code == 200
+    assert_serves(url, learners[1], ckpts[1], 3)
+    assert delta_update(url, "/etc/hostname", 4).status_code == 403
 
 
 def test_a_server_killed_leaves_the_others_on_v0(servers, on_a, ckpts, learners):

@@ -47,7 +47,7 @@ from areal_jax.engine.config import EngineConfig
 from areal_jax.engine.model_dir import ModelPathError, check_model_dir, read_eos_token_ids
 from areal_jax.engine.request import EngineRequest
 from areal_jax.engine.runner import ModelRunner, chunk_plan, program_name
-from areal_jax.engine.staging import StagingError, WeightStaging
+from areal_jax.engine.staging import StagingError, WeightStaging, load_delta
 from areal_jax.engine.weight_check import WeightCheckError, check_probe_forward, load_update
 from areal_jax.sampling_params import SamplingParams
 from areal_jax.tokenizer import ChatTokenizer, load_tokenizer
@@ -395,6 +395,18 @@ class GenerationEngine:
             result = done.result()
             result["message"] += f" (loaded in {load_s:.2f}s)"
             return result
+
+    def update_weights_from_delta(self, path: str, weight_version: str | None = None,
+                                  abort_all_requests: bool = False) -> JsonDict:
+        """Applies the weight delta file ``path`` (``areal_jax.weight_wire``: the XOR with
+        the served version's bits, compressed, or a full version) to the served weights in
+        the calling thread, while generation goes on, then swaps the result in between
+        steps as :meth:`update_weights_from_disk` does. A delta against another version
+        than the served one, or a corrupted one, is refused: the served weights stay."""
+        served = self.weight_version
+        return self._swap_in(
+            lambda: load_delta(path, served, self.runner, self.config.check_weights),
+            weight_version, abort_all_requests, path, adapter=None)
 
     def swap_staged(self, transfer: str, weight_version: str | None = None,
                     abort_all_requests: bool = False) -> JsonDict:

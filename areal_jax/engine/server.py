@@ -7,7 +7,8 @@ Routes: /generate, /pause_generation, /continue_generation, /update_weights_from
 /load_lora_adapter, /unload_lora_adapter, /update_weight_version, /abort_request,
 /flush_cache, /health, /health_generate,
 /get_model_info, /get_server_info, the in-memory weight updates /weights/* (begin,
-bucket, stage, swap, abort, status: areal_jax.engine.weight_routes); OpenAI-compatible
+bucket, stage, swap, abort, status) and /update_weights_from_delta
+(areal_jax.engine.weight_routes); OpenAI-compatible
 /v1/completions, /v1/chat/completions
 and /v1/models (areal_jax.engine.openai_api, errors in OpenAI's shape). Malformed requests
 get HTTP 400 ``{"error": message}`` (413 for a body over ``--max-body-bytes``; on the OpenAI
@@ -428,7 +429,9 @@ def create_app(engine: GenerationEngine, *, api_key: str | None = None,
                 "version": areal_jax.__version__}
 
     register_engine_routes(app, engine)  # /v1/completions, /v1/chat/completions, /v1/models
-    register_weight_routes(app, engine)  # /weights/*: in-memory weight updates
+    # /weights/*: in-memory weight updates; /update_weights_from_delta
+    register_weight_routes(app, engine, lambda path: path_allowed(path, allowed),
+                           PATH_NOT_ALLOWED)
     return app
 
 

@@ -21,14 +21,24 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 from flax import nnx
 
+from areal_jax import storage
 from areal_jax.engine.weight_check import WeightCheckError, check_probe_forward
-from areal_jax.weight_wire import Assembler, Manifest, WireError, check_against, leaf_name
+from areal_jax.weight_wire import (
+    Assembler,
+    Manifest,
+    WireError,
+    apply_delta,
+    check_against,
+    leaf_name,
+    read_delta_header,
+)
 
 if TYPE_CHECKING:
     from areal_jax.engine.runner import ModelRunner
@@ -38,6 +48,81 @@ STALE_AFTER_S = 300.0
 
 class StagingError(ValueError):
     """A transfer the engine refuses (the message says why); the served weights stay."""
+
+
+def place_named(arrays: Mapping[str, np.ndarray], runner: ModelRunner, check: bool
+                ) -> nnx.State:
+    """Host arrays by wire name, placed like ``runner``'s params (on a CPU device an
+    aligned array is aliased, not copied) and, with ``check``, probed."""
+    old = jax.tree_util.tree_leaves_with_path(runner.state)
+    leaves = [jax.device_put(arrays[leaf_name(path)], x.sharding) for path, x in old]
+    state = jax.tree.unflatten(jax.tree.structure(runner.state), leaves)
+    problem = runner.check_compatible(state)
+    if problem:
+        raise StagingError(f"weights not updated: {problem}")
+    if check:
+        check_probe_forward(state, runner)
+    return state
+
+
+class ServedWeights(Mapping[str, np.ndarray]):
+    """The served params as host arrays by wire name, converted one at a time (a CPU
+    device's arrays are viewed, not copied): the base a delta applies to."""
+
+    def __init__(self, state: Any):
+        self._leaves = {leaf_name(path): x
+                        for path, x in jax.tree_util.tree_leaves_with_path(state)}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.asarray(jax.device_get(self._leaves[name]))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._leaves)
+
+    def __len__(self) -> int:
+        return len(self._leaves)
+
+
+def load_delta(path: str, served_version: str, runner: ModelRunner, check: bool
+               ) -> nnx.State:
+    """The params of the delta file ``path`` (``areal_jax.weight_wire.encode_delta``)
+    applied to the served ones, placed and checked like a transfer's. A delta against
+    another version than ``served_version``, or a corrupted one, raises StagingError."""
+    try:
+        data = storage.read_bytes(path)  # a local file or gs://
+    except (OSError, storage.StorageError) as e:
+        raise StagingError(f"model_path {path}: {e}") from None
+    try:
+        header = read_delta_header(data)
+        base = header.get("base_version")
+        if base is not None and str(base) != str(served_version):
+            raise StagingError(
+                f"{path} is a delta against v{base}, and this server "
+                f"serves v{served_version}: send the full version")
+        served = ServedWeights(runner.state)
+        arrays = dict(apply_delta(data, served if base is not None else None))
+        del data
+        check_against_arrays(arrays, runner)
+        return place_named(arrays, runner, check)
+    except WireError as e:
+        raise StagingError(f"{path}: {e}") from None
+    except WeightCheckError as e:
+        raise StagingError(f"{path}: {e}") from None
+
+
+def check_against_arrays(arrays: Mapping[str, np.ndarray], runner: ModelRunner) -> None:
+    """Raises WireError unless ``arrays`` are exactly the served tensors, shapes, dtype."""
+    served = {leaf_name(path): (tuple(x.shape), str(np.dtype(x.dtype)))
+              for path, x in jax.tree_util.tree_leaves_with_path(runner.state)}
+    have = {n: (tuple(a.shape), str(a.dtype)) for n, a in arrays.items()}
+    missing, extra = sorted(set(served) - set(have)), sorted(set(have) - set(served))
+    if missing or extra:
+        raise WireError(f"the update's tensors differ from the served model's: missing "
+                        f"{missing[:3]}, unexpected {extra[:3]}")
+    for name, want in served.items():
+        if have[name] != want:
+            raise WireError(f"tensor {name} is {have[name][1]}{list(have[name][0])}; the "
+                            f"server serves {want[1]}{list(want[0])}")
 
 
 class WeightStaging:
@@ -135,15 +220,8 @@ class WeightStaging:
                 self._fail(str(e))
                 raise StagingError(f"weights not updated: {e}") from None
             self._assembler = None  # from here the arrays belong to the staged params
-        old = jax.tree_util.tree_leaves_with_path(self.runner.state)
         try:
-            leaves = [jax.device_put(arrays[leaf_name(path)], x.sharding) for path, x in old]
-            state = jax.tree.unflatten(jax.tree.structure(self.runner.state), leaves)
-            problem = self.runner.check_compatible(state)
-            if problem:
-                raise StagingError(f"weights not updated: {problem}")
-            if self.check:
-                check_probe_forward(state, self.runner)
+            state = place_named(arrays, self.runner, self.check)
         except WeightCheckError as e:
             self.last_error = str(e)
             raise StagingError(f"weights not updated: v{a.manifest.version}: {e}") from None

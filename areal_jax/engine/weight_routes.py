@@ -14,6 +14,11 @@
   ``paused_s``: the staged weights are served from the next step boundary on.
 - ``POST /weights/abort`` ``{"transfer"}`` (or ``{}``: any) → ``{"success", "dropped"}``.
 - ``GET /weights/status`` → what is being received or staged, and the last error.
+- ``POST /update_weights_from_delta`` ``{"model_path", "weight_version",
+  "abort_all_requests"}``: a delta file (``checkpoint/delta.py``, on a shared path or
+  ``gs://``, under ``--allowed-weight-dir``) applied to the served weights, then swapped in
+  as ``/update_weights_from_disk`` does; a delta against another version than the served
+  one, or a corrupted one, is a 400 (send the full version).
 
 A failure leaves the served weights as they were.
 """
@@ -21,6 +26,7 @@ A failure leaves the served weights as they were.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -51,8 +57,34 @@ def _transfer(body: dict, route: str, required: bool = True) -> str | None:
     return transfer
 
 
-def register_weight_routes(app: FastAPI, engine: GenerationEngine) -> None:
+def register_weight_routes(app: FastAPI, engine: GenerationEngine,
+                           path_ok: Callable[[str], bool], not_allowed: str) -> None:
+    """The routes above; ``path_ok(path)``: may the server read that delta file
+    (``not_allowed``: the 403's message otherwise)."""
     staging = engine.staging
+
+    @app.post("/update_weights_from_delta")
+    async def update_weights_from_delta(request: Request):
+        body = parse_json_body(await request.body(), "/update_weights_from_delta")
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise ProtocolError("/update_weights_from_delta: 'model_path' must be the delta "
+                                "file's path")
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, str | int):
+            raise ProtocolError("/update_weights_from_delta: 'weight_version' must be a string")
+        abort_all = body.get("abort_all_requests", False)
+        if not isinstance(abort_all, bool):
+            raise ProtocolError("/update_weights_from_delta: 'abort_all_requests' must be "
+                                "true or false")
+        if not path_ok(path):
+            return JSONResponse({"success": False, "message": not_allowed, "error": not_allowed,
+                                 "num_paused_requests": 0}, status_code=403)
+        result = await asyncio.to_thread(engine.update_weights_from_delta, path,
+                                         None if version is None else str(version), abort_all)
+        if not result["success"]:
+            return _refused(result["message"], 400 if engine.healthy else 503)
+        return result
 
     @app.post("/weights/begin")
     async def begin(request: Request):
