@@ -122,6 +122,9 @@ def test_tpu_config_gives_engines_and_learner_disjoint_chips_with_libtpu_split()
     with pytest.raises(PlacementError, match="are not a rectangle"):  # the default split
         plan_placement(_cfg("gsm8k_tpu_v5e8.yaml", "placement.learner_devices=null",
                             "rollout.engine_devices=null", "rollout.num_servers=1"), _v5e8())
+    # One host of a multi-host job: its chips belong to the job's mesh, never split.
+    with pytest.raises(PlacementError, match="one host of a multi-host slice"):
+        plan_placement(_cfg("gsm8k_tpu_v5e8.yaml", "distributed.num_processes=2"), _v5e8())
     # The planner's host for the target is the same grid: chips 0-3 are v5e:2x4's 2x2 block.
     assert plan_placement(_cfg("gsm8k_tpu_v5e8.yaml"), target_host("v5e:2x4", 16 * GIB)
                           ).learner.env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "2,2,1"

@@ -399,6 +399,12 @@ def plan_placement(cfg: Any, host: Host, learner_platform: str | None = None) ->
                 env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:g}"
         elif devices and accel == "tpu" and len(devices) < len(available):
             key = "placement.learner_devices" if role == "learner" else "rollout.engine_devices"
+            if _multi_host_tpu(cfg):
+                raise PlacementError(
+                    f"{key}: this TPU VM is one host of a multi-host slice, whose chips form "
+                    "one job's mesh; splitting them between processes here would cut this "
+                    "host out of it. Give the learner every chip (rollout.engine_platform: cpu, "
+                    "or engines on other machines through rollout.servers)")
             env.update(TPU_VISIBLE_CHIPS=",".join(map(str, devices)),
                        TPU_CHIPS_PER_PROCESS_BOUNDS=_tpu_bounds(tuple(devices), host.tpu_grid,
                                                                 key),
@@ -409,6 +415,13 @@ def plan_placement(cfg: Any, host: Host, learner_platform: str | None = None) ->
         processes.append(ProcessPlacement(role, index, platform, tuple(devices), env,
                                           fraction if devices else None, flags))
     return Placement(host, tuple(processes))
+
+
+def _multi_host_tpu(cfg: Any) -> bool:
+    """A process of a multi-host job (several processes configured, or a TPU pod slice's
+    worker list in the environment)."""
+    n = cfg.distributed.num_processes
+    return (n is not None and n > 1) or "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
 
 
 _FRACTION_KEYS = {"learner": "placement.learner_mem_fraction",
