@@ -555,7 +555,7 @@ def build_learner_side(cfg: TrainConfig, stack: contextlib.ExitStack, model_path
     if restore:
         meta = _restore_newest(checkpointer, learner, is_main)
         if critic is not None and critic_ckpt is not None:
-            _restore_critic(critic_ckpt, critic, meta.version)
+            _restore_critic(critic_ckpt, critic, meta.version, is_main)
         if is_main:
             print(f"resumed from {ckpt_dir} at version {meta.version} (step {meta.step})",
                   flush=True)
@@ -588,12 +588,44 @@ def _restore_newest(checkpointer: TrainCheckpointer, model: TrainableModel,
     return meta
 
 
-def _restore_critic(checkpointer: TrainCheckpointer, critic: Critic, version: int) -> None:
-    """The critic's checkpoint of ``version`` (else its newest), loaded into ``critic``."""
+def _restore_critic(checkpointer: TrainCheckpointer, critic: Critic, version: int,
+                    is_main: bool) -> None:
+    """The critic's checkpoint of the policy's restored ``version``, loaded into ``critic``:
+    the two always resume together. Newer critic checkpoints (a timeline the policy fell
+    back from: its newest checkpoint did not restore) are renamed ``<step>.unrestorable``,
+    kept, so that version can be saved again. A critic checkpoint of that version that is
+    missing (a run trained without a critic, e.g. algo.name=grpo, resumed as ppo) or does
+    not restore is a TrainerError: one line, the run dir left as it is."""
+    where = checkpointer.directory
+    hint = ("the run dir is left as it is: resume it with the algo.name it was trained with, "
+            "or start the run in another run_dir")
+    steps = checkpointer.all_steps()
+    if version not in steps:
+        held = f"it holds versions {steps}" if steps else "it holds no critic checkpoint"
+        raise TrainerError(
+            f"checkpoint.dir: algo.name=ppo resumes the critic with the policy, but {where} "
+            f"has no critic checkpoint of the policy's version {version} ({held}; was the run "
+            f"trained with another algo.name?); {hint}")
+    newer = [s for s in steps if s > version]
     state = critic.state_dict()
-    step = version if version in checkpointer.all_steps() else None
-    params, opt_state, meta = checkpointer.restore(step, params_target=state["params"],
-                                                   opt_state_target=state["opt_state"])
+    try:
+        params, opt_state, meta = checkpointer.restore(version, params_target=state["params"],
+                                                       opt_state_target=state["opt_state"])
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore/json raise many kinds
+        cause = e.__cause__ if isinstance(e, CheckpointError) and e.__cause__ else e
+        text = " ".join(str(cause).split())[:300]
+        raise TrainerError(f"checkpoint.dir: the critic's checkpoint of version {version} in "
+                           f"{where} cannot be restored ({type(cause).__name__}: {text}); "
+                           f"{hint}") from None
+    if newer and is_main:
+        for step in newer:
+            kept = checkpointer.set_aside(step)
+            print(f"critic checkpoint {step} is newer than the policy's restored version "
+                  f"{version} (the policy fell back); set aside as {kept}", file=sys.stderr,
+                  flush=True)
+    if newer and jax.process_count() > 1:
+        multihost_utils.sync_global_devices("areal_jax: newer critic checkpoints set aside")
+        checkpointer.reload()
     critic.load_state(params, opt_state, step=meta.step, version=meta.version)
 
 

@@ -36,12 +36,15 @@ def test_cispo_and_sapo_train_on_the_demo(tmp_path, name, extra):
 
 @pytest.mark.slow
 def test_ppo_with_huber_value_loss_bootstraps_truncated_answers(tmp_path):
-    """max_new_tokens=6 cuts most of the demo's answers: their trajectories reach the
-    packed batch flagged ``truncated`` (the recorded batch holds the flag), the critic's GAE
-    bootstraps them, and both models step on it with critic.loss=huber."""
+    """max_new_tokens=6 cuts the demo's answers: their trajectories reach the packed batch
+    flagged ``truncated`` (the recorded batch holds the flag), the critic's GAE bootstraps
+    them, and both models step on it with critic.loss=huber. (A cut answer scores 0: the
+    reward bias gives the critic a return to learn, gamma < 1 the tokens distinct
+    advantages.)"""
     run_dir = tmp_path / "run"
     res = _run([f"run_dir={run_dir}", "train.total_versions=2", "mode=sync", "algo.name=ppo",
                 "critic.loss=huber", "critic.huber_delta=0.5", "rollout.max_new_tokens=6",
+                "reward.bias=0.5", "algo.gamma=0.9", "algo.lam=0.95",
                 "train.record_batches=true"])
     assert res.returncode == 0, res.stderr[-4000:]
     rows = _rows(run_dir)
