@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -260,7 +261,9 @@ def test_a_stalled_external_server_stops_the_run_within_its_deadline(tmp_path):
 
 # ----------------------------------------------------------------------------- corrupt checkpoints
 def _tree(root: Path) -> dict[str, int]:
-    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+    """Every file's size, but the run-dir lock's (each start writes its holder in it)."""
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*")
+            if p.is_file() and p.name != ".lock"}
 
 
 @pytest.mark.slow
@@ -549,3 +552,55 @@ def test_a_second_trainer_on_a_live_run_dir_exits_2_naming_the_holder(tmp_path):
 
     with lock_run_dir(str(run_dir)) as path:  # the dead holder's lock is free
         assert f"pid {os.getpid()} " in Path(path).read_text()
+
+
+# ----------------------------------------------------------------------------- PPO resume
+@pytest.mark.slow
+def test_ppo_resumes_policy_and_critic_at_the_same_version(tmp_path):
+    """Issue 50 item 2: with the newest policy checkpoint unreadable the policy fell back
+    and the critic did not: retraining crashed (checkpoint step 4 already exists) and the
+    next resume paired the new policy with the abandoned timeline's critic. A truncated
+    critic checkpoint gave an 84-line traceback, a missing critic dir (a GRPO run resumed
+    as PPO) a CheckpointError traceback. Now the critic follows the policy's version and
+    the others are one line each, exit 2, the run dir untouched."""
+    run_dir = tmp_path / "run"
+    args = [f"run_dir={run_dir}", "checkpoint.every_versions=2", "checkpoint.keep=3",
+            "algo.name=ppo", "mode=sync"]
+    res = _run(args + ["train.total_versions=4"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    ckpts, critic = run_dir / "checkpoints", run_dir / "checkpoints-critic"
+    for p in (ckpts / "4" / "params").rglob("*"):
+        if p.is_file() and p.parent.name == "d":
+            p.unlink()
+    res = _run(args + ["train.total_versions=5"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming from checkpoint 2 instead" in res.stderr
+    assert "critic checkpoint 4 is newer than the policy's restored version 2" in res.stderr
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert [r["version"] for r in _rows(run_dir)] == [1, 2, 3, 4, 5]
+    assert (critic / "4.unrestorable").is_dir()
+    steps = {p.name for p in critic.iterdir() if p.name.isdigit()}
+    assert steps >= {"4", "5"} and steps == {p.name for p in ckpts.iterdir() if p.name.isdigit()}
+
+    newest = max(int(s) for s in steps)
+    (critic / str(newest) / "meta" / "metadata").write_text('{"step": ')  # truncated
+    before = _tree(run_dir)
+    res = _run(args + ["train.total_versions=6"])
+    assert res.returncode == BAD_INPUT, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: checkpoint.dir: the critic's checkpoint of version {newest} "
+                           f"in {critic} cannot be restored ("), last
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert _tree(run_dir) == before
+
+    for p in critic.iterdir():  # as a run trained without a critic (algo.name=grpo) has it
+        if p.name.isdigit():
+            shutil.rmtree(p)
+    before = _tree(run_dir)
+    res = _run(args + ["train.total_versions=6"])
+    assert res.returncode == BAD_INPUT, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert (f"has no critic checkpoint of the policy's version {newest} (it holds no critic "
+            "checkpoint; was the run trained with another algo.name?)") in last, last
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert _tree(run_dir) == before
