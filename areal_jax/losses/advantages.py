@@ -60,7 +60,9 @@ def group_advantages(
             when given.
 
     Returns:
-        fp32 [N] advantages.
+        fp32 [N] advantages. A group of equal rewards gets exactly 0 in every mode, at any
+        group size and magnitude (each group is centred on its first reward before any
+        sum); otherwise the fp32 error is a few roundoffs of the group's spread.
     """
     fn = "group_advantages"
     if mode is not None:
