@@ -86,3 +86,78 @@ def test_named_errors(tmp_path, plot, capsys):
     assert plot.main([str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "metrics.jsonl:1: not valid JSON" in err and "has no valid rows" in err
+
+
+def _realistic_rows(n: int = 30) -> list[dict]:
+    """A run's rows as the trainer writes them: an eval-at-start row without wall_time_s,
+    throughput on very different scales, fractions that stay 0, mismatch keys that appear
+    in scattered rows only, eval every 10 versions, an epoch ``time`` and 30+ keys (two
+    all_metrics pages)."""
+    rows = [{"version": 0, "step": 0, "eval_accuracy": 0.2, "time": 1.7e9}]
+    for v in range(1, n + 1):
+        row = {"version": v, "step": v, "reward_mean": 0.2 + 0.02 * v, "time": 1.7e9 + 3 * v,
+               "wall_time_s": 3.0 * v - 1.5, "step_time_s": 0.9 + 0.01 * (v % 3),
+               "tokens_per_s": 8000.0 + 10 * v, "clip_frac": 0.0, "cap_frac": 0.0,
+               "behav_cap_frac": 0.0, "dual_clip_frac": 0.0, "logp_mismatch": 0.02 + 1e-3 * v,
+               "staleness_mean": 0.5, "staleness_max": 1.0}
+        if v % 7 == 0:  # a lag seen in a few versions only
+            row["mismatch/lag2_abs_diff_mean"] = 0.01 * v
+        row["mismatch/lag0_abs_diff_mean"] = 0.001 * v
+        if v % 10 == 0:
+            row["eval_accuracy"] = 0.2 + 0.02 * v
+        row.update({f"train/extra_{i}": float(i * v) for i in range(20)})
+        rows.append(row)
+    return rows
+
+
+def test_every_plot_shows_each_series_on_a_readable_scale(plot):
+    """issue 50 item 18: each axis holds its data; series on one axis are of one scale
+    (each reaches at least 1/25 of the axis' span: tokens/s ~8,000 and step time ~1 are
+    on separate axes); no series that is 0 throughout lies flat under another; no line
+    joins points of rows that are not neighbours; reward_vs_time's x is wall_time_s
+    (the eval-at-start row placed by its time); all_metrics pages stay small."""
+    rows = [{k: float(v) for k, v in r.items()} for r in _realistic_rows()]
+    figs = plot.figures(rows, log=lambda m: None)
+    assert {"throughput.png", "clip_cap.png", "mismatch.png", "reward_vs_time.png",
+            "all_metrics.png", "all_metrics_2.png"} <= set(figs)
+    row_x = [r["version"] for r in rows]
+    for name, fig in figs.items():
+        for ax in fig.axes:
+            lines = list(ax.get_lines())
+            if not lines:
+                continue
+            (x0, x1), (y0, y1) = sorted(ax.get_xlim()), sorted(ax.get_ylim())
+            span = y1 - y0
+            for ln in lines:
+                xs = [float(a) for a in ln.get_xdata()]
+                ys = [float(b) for b in ln.get_ydata()]
+                pts = [(a, b) for a, b in zip(xs, ys, strict=True)
+                       if math.isfinite(a) and math.isfinite(b)]
+                assert pts, (name, ln.get_label())
+                assert all(x0 <= a <= x1 and y0 <= b <= y1 for a, b in pts), (name,
+                                                                               ln.get_label())
+                if len(lines) > 1:
+                    assert max(abs(b) for _, b in pts) >= span / 25, (name, ln.get_label())
+                if ln.get_linestyle() not in ("None", "") and name != "reward_vs_time.png":
+                    # consecutive drawn points are neighbouring rows (x = version here)
+                    drawn = list(zip(xs, ys, strict=True))
+                    for (a, b), (c, d) in zip(drawn, drawn[1:], strict=False):
+                        if all(math.isfinite(v) for v in (a, b, c, d)):
+                            assert row_x.index(c) - row_x.index(a) == 1, (name, a, c)
+        w, h = fig.get_size_inches() * (80 if name.startswith("all_metrics") else 100)
+        assert w <= 1400 and h <= 1400, (name, w, h)
+    throughput = figs["throughput.png"]
+    assert len([ax for ax in throughput.axes if ax.get_lines()]) == 2
+    clip = figs["clip_cap.png"]
+    assert [ln.get_label() for ax in clip.axes for ln in ax.get_lines()] == ["logp_mismatch"]
+    assert "0 throughout: behav_cap_frac, cap_frac, clip_frac, dual_clip_frac" in " ".join(
+        t.get_text() for t in clip.texts)
+    (ax,) = [a for a in figs["reward_vs_time.png"].axes if a.get_lines()]
+    evals = [ln for ln in ax.get_lines() if ln.get_label() == "eval_accuracy"][0]
+    got = [(float(a), float(b)) for a, b in zip(evals.get_xdata(), evals.get_ydata(),
+                                                strict=True) if math.isfinite(b)]
+    # version 0 (no wall_time_s) at time - (time - wall_time_s) = -1.5; version 10 at 28.5
+    assert got[:2] == [(-1.5, 0.2), (28.5, 0.4)]
+    assert ax.get_xlabel() == "wall_time_s (s)"
+    for fig in figs.values():
+        plot.plt.close(fig)
