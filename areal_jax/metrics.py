@@ -23,6 +23,27 @@ if TYPE_CHECKING:  # annotations only: this room never loads the run config
 logger = logging.getLogger("areal_jax.trainer")
 
 
+# The start-up milestones in the order a run reaches them, as the console line names them.
+_STARTUP_NAMES = (("imports_s", "imports"), ("servers_launched_s", "servers launched"),
+                  ("learner_loaded_s", "learner loaded"),
+                  ("learner_compiled_s", "learner compiled"), ("servers_ready_s", "servers ready"),
+                  ("setup_s", "set up"), ("first_batch_s", "first batch"),
+                  ("first_step_s", "first step"))
+
+
+def startup_line(row: dict[str, Any]) -> str:
+    """A row's ``startup/*`` entries as one console line: seconds from process start to each
+    milestone, and the first server's own breakdown (load, compile, ready)."""
+    parts = [f"{label} {row[f'startup/{key}']:.1f}s" for key, label in _STARTUP_NAMES
+             if f"startup/{key}" in row]
+    engine = [f"{label} {row[f'startup/engine_{key}']:.1f}s"
+              for key, label in (("load_s", "load"), ("compile_s", "compile"),
+                                 ("ready_s", "ready"))
+              if f"startup/engine_{key}" in row]
+    line = "start-up (s from process start): " + ", ".join(parts)
+    return line + (f"; engine: {', '.join(engine)}" if engine else "")
+
+
 def json_safe(value: Any) -> Any:
     """``value`` with every non-finite float (NaN, +-inf) as null, so that a metrics line is
     valid JSON (``json.dumps`` writes a bare ``NaN`` otherwise, which strict readers refuse)."""
@@ -93,6 +114,12 @@ class MetricsWriter:
                                 + reward)
         elif text:
             print(f"version {step}: {text}", flush=True)
+        if "startup/first_step_s" in row:  # the first version's row: the whole breakdown
+            line = startup_line(row)
+            if self._bar is not None:
+                self._bar.write(line)
+            else:
+                print(line, flush=True)
         return row
 
     def log_consumed(self, version: int, prompt_ids: list[str]) -> None:

@@ -43,6 +43,7 @@ from areal_jax.data.prompts import load_prompt_dataset
 from areal_jax.data.trajectories import ProcessRowsDataset, TrainBatch, TrajectoryBatchDataset
 from areal_jax.engine.launch import (
     ServerStartError,
+    engine_startup,
     jax_platform_name,
     launch_server,
     wait_healthy,
@@ -221,6 +222,7 @@ def _summary(cfg: TrainConfig, trainer: Trainer) -> str:
 def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitStack) -> Trainer:
     """Everything a run needs, in dependency order; registers shutdown on ``stack``."""
     startup = {"process_start": process_start_time()}  # then seconds to each milestone
+    _mark(startup, "imports_s")  # the interpreter, train.py's imports and the config
     xla_cache_dir = _start_process(cfg)
     # Cheap checks first: nothing below this block takes long.
     is_main, cache_dir = jax.process_index() == 0, cfg.storage.cache_dir
@@ -409,6 +411,7 @@ def _rollout_side(cfg: TrainConfig, stack: contextlib.ExitStack, inputs: _Rollou
     if handles:
         _wait_for_servers(cfg, handles)
         _mark(startup, "servers_ready_s")
+        startup.update(engine_startup(handles[0]))  # the first server's own breakdown
     models.wait()
     executor.set_version(version)
     raise_if_interrupted()  # a safe point for SIGINT/SIGTERM

@@ -171,8 +171,11 @@ class Trainer:
         if self.is_main and start == 0 and cfg.eval.at_start and self.rollout_side.eval_items:
             t0 = time.perf_counter()
             evaluated = self.evaluate()
+            # The run's first row: the start-up breakdown so far (the first version's row
+            # repeats it with the first batch and step).
             row = self.rollout_side.writer.log({"version": 0, "step": 0, **evaluated,
-                                           "eval_s": time.perf_counter() - t0})
+                                                "eval_s": time.perf_counter() - t0,
+                                                **self.startup_entries()})
         for version in range(start, cfg.train.total_versions):
             raise_if_interrupted()  # SIGINT/SIGTERM are acted on at safe points like this
             row = self.step(version) or row
@@ -383,6 +386,10 @@ class Trainer:
         return {**{f"{prefix}{k}": v for k, v in agent.items()},
                 **{f"{prefix}single_turn_{k}": v for k, v in out.items()}}
 
+    def startup_entries(self) -> dict[str, float]:
+        """``startup/<milestone>_s``: seconds from process start to each milestone so far."""
+        return {f"startup/{k}": v for k, v in self.startup.items() if k.endswith("_s")}
+
     def mark_startup(self, name: str) -> None:
         """Records the seconds from process start to now as start-up milestone ``name``."""
         self.startup[name] = time.time() - self.startup.get("process_start", self.progress.t_start)
@@ -420,7 +427,7 @@ class Trainer:
                if isinstance(v, int | float)},
         }
         if version == self.progress.start_version:  # seconds from process start
-            row.update({f"startup/{k}": v for k, v in self.startup.items() if k.endswith("_s")})
+            row.update(self.startup_entries())
         row.update(headline(train_metrics))  # top-level copies for plots
         return row
 

@@ -123,8 +123,7 @@ def attention(q_bkgtd: Array, k_bksd: Array, v_bksd: Array, *,
 
 def cache_attention(q_bkgtd: Array, k_cache: Array, v_bksd: Array, kv_limit_bt: Array,
                     kv_len: Array | int, *, block: int, keys_transposed: bool = True,
-                    rows_b: Array | None = None, first_block: int = 0
-                    ) -> tuple[Array, Array]:
+                    rows_b: Array | None = None, start: int = 0) -> tuple[Array, Array]:
     """Attention of the queries to the first ``kv_len`` keys of a cache, read ``block`` keys
     at a time in a loop that stops after the block holding key ``kv_len - 1``: one program
     serves every filled length (``kv_len`` is traced), and a call reads what the live
@@ -140,26 +139,27 @@ def cache_attention(q_bkgtd: Array, k_cache: Array, v_bksd: Array, kv_limit_bt: 
         ``S - block`` and its keys already read are skipped.
       rows_b: the cache row each query row reads (default: row b reads row b); indices
         out of range are clipped (give such rows a limit of -1).
-      first_block: blocks before it are skipped (read by the caller some other way).
+      start: keys before it are skipped (read by the caller some other way); the blocks
+        start there.
     """
     s_axis = 3 if keys_transposed else 2
     s = k_cache.shape[s_axis]
     block = min(block, s)
     b, kh, g, t, dh = q_bkgtd.shape
     kv_len = jnp.minimum(jnp.asarray(kv_len, jnp.int32), s)
-    n_blocks = (kv_len + block - 1) // block
+    n_blocks = (kv_len - start + block - 1) // block
     limit_bt = jnp.minimum(jnp.asarray(kv_limit_bt, jnp.int32), kv_len - 1)
     never = jnp.iinfo(jnp.int32).max  # a key index no query reaches
 
     def body(i, carry):
-        nominal = i * block
-        start = jnp.minimum(nominal, s - block)
-        k_blk = jax.lax.dynamic_slice_in_dim(k_cache, start, block, axis=s_axis)
-        v_blk = jax.lax.dynamic_slice_in_dim(v_bksd, start, block, axis=2)
+        nominal = start + i * block
+        first = jnp.minimum(nominal, s - block)
+        k_blk = jax.lax.dynamic_slice_in_dim(k_cache, first, block, axis=s_axis)
+        v_blk = jax.lax.dynamic_slice_in_dim(v_bksd, first, block, axis=2)
         if rows_b is not None:
             k_blk = jnp.take(k_blk, rows_b, axis=0, mode="clip")
             v_blk = jnp.take(v_blk, rows_b, axis=0, mode="clip")
-        idx_s = start + jnp.arange(block, dtype=jnp.int32)
+        idx_s = first + jnp.arange(block, dtype=jnp.int32)
         kv_idx_bs = jnp.broadcast_to(jnp.where(idx_s >= nominal, idx_s, never), (b, block))
         return _block(q_bkgtd, k_blk.astype(q_bkgtd.dtype), v_blk.astype(q_bkgtd.dtype),
                       limit_bt, kv_idx_bs, None, None, keys_transposed, carry)
@@ -167,8 +167,9 @@ def cache_attention(q_bkgtd: Array, k_cache: Array, v_bksd: Array, kv_limit_bt: 
     carry = (jnp.zeros((b, kh, g, t, dh), jnp.float32),
              jnp.full((b, kh, g, t), MASK_VALUE, jnp.float32),
              jnp.zeros((b, kh, g, t), jnp.float32))
-    acc, m, l_sum = jax.lax.fori_loop(first_block, jnp.maximum(n_blocks, first_block), body,
-                                      carry)
+    # Under a cond: a loop that runs no step still costs its set-up at every call on the CPU.
+    acc, m, l_sum = jax.lax.cond(
+        n_blocks > 0, lambda c: jax.lax.fori_loop(0, n_blocks, body, c), lambda c: c, carry)
     return _finish(acc, m, l_sum, q_bkgtd.dtype, return_lse=True)
 
 

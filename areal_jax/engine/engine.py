@@ -702,8 +702,9 @@ class GenerationEngine:
             r.prompt_len + len(r.output_ids) - 1
             + (self.config.decode_steps if id(r) in pending else 0)
             for r in active)
+        kv_len = self.runner.kv_len(max_position)
         token_kb, logprob_kb = self.runner.decode(
-            self.runner.kv_len(max_position),
+            kv_len, window=self.runner.decode_window(kv_len, compiled_only=self.config.warmup),
             any_truncation=any(r.params.truncates for r in active),
             any_random=any(not r.params.greedy for r in active))
         self.stats["decode_calls"] += 1

@@ -211,15 +211,16 @@ def decode_forward(model: CausalLM, token_b: Array, position_b: Array, cache: Sl
 
 def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: SlotCache,
                  kv_len: Array | int, steps: int,
-                 choose: Callable[[Array, Array, Array], tuple[Array, PyTree]]
-                 ) -> tuple[PyTree, SlotCache]:
+                 choose: Callable[[Array, Array, Array], tuple[Array, PyTree]],
+                 window: int | None = None) -> tuple[PyTree, SlotCache]:
     """``steps`` decode steps for every slot, feeding back ``choose``'s tokens.
 
     Slot b feeds ``token_b[b]`` at ``position_b[b]``, then its own choices at the next
-    positions. Attention reads the cache prefix [0, kv_len) in blocks (positions below each
-    slot's start; ``kv_len`` may be traced, so one program serves every length) plus the
-    keys/values this call produced, kept in a small local buffer; the cache is written
-    once, after the last step.
+    positions. Attention reads the cache prefix [0, kv_len) (positions below each slot's
+    start): its first ``window`` keys (default ``DECODE_KV_BLOCK``; static) sliced once
+    per call, the rest, up to ``kv_len`` (which may be traced: one program serves every
+    length), in blocks by a loop; plus the keys/values this call produced, kept in a
+    small local buffer. The cache is written once, after the last step.
 
     ``choose(logits_bv, step, position_b) -> (token_b, extra)`` picks the next tokens
     (``position_b`` is where they will sit); the stacked ``extra`` [steps, ...] is returned.
@@ -228,11 +229,12 @@ def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: Slot
     loop = _LayerLoop(model, cache.stacked)
     kv, _, dh = loop.per_layer(cache.v)[0].shape[-3:]
     start_b = position_b
-    # The cache's first block of keys [B, K, Dh, W] and values [B, K, W, Dh], sliced once
-    # per call (every step reads them: short sequences need no loop at all), and the whole
+    # The cache's first keys [B, K, Dh, W] and values [B, K, W, Dh], sliced once per call
+    # (every step reads them: a sequence within the window needs no loop), and the whole
     # cache [B, K, Dh, S] / [B, K, S, Dh], whose later blocks cache_attention's loop reads
-    # up to kv_len.
-    head = min(DECODE_KV_BLOCK, loop.per_layer(cache.v)[0].shape[-2])
+    # up to kv_len (no loop at all when the window is the whole cache).
+    s_max = loop.per_layer(cache.v)[0].shape[-2]
+    head = min(DECODE_KV_BLOCK if window is None else window, s_max)
     head_k = loop.per_layer(cache.k, lambda k: k[..., :head].astype(model.dtype))
     head_v = loop.per_layer(cache.v, lambda v: v[..., :head, :].astype(model.dtype))
     prefix_k, prefix_v = loop.per_layer(cache.k), loop.per_layer(cache.v)
@@ -253,10 +255,11 @@ def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: Slot
             lv = jax.lax.dynamic_update_slice_in_dim(lv, v_bk1d, step, axis=2)
             parts = [attention(q_bkg1d, hk, hv, kv_limit_bt=prefix_limit_b1,
                                keys_transposed=True, return_lse=True),
-                     cache_attention(q_bkg1d, pk, pv, prefix_limit_b1, kv_len,
-                                     block=DECODE_KV_BLOCK, first_block=1),
                      attention(q_bkg1d, lk, lv, kv_limit_bt=local_limit_b1,
                                keys_transposed=True, return_lse=True)]
+            if head < s_max:
+                parts.append(cache_attention(q_bkg1d, pk, pv, prefix_limit_b1, kv_len,
+                                             block=DECODE_KV_BLOCK, start=head))
             return layer.finish(x_b1d, merge_attention(parts, model.dtype)), (lk, lv)
 
         x_b1d, (local_k, local_v) = loop.run(

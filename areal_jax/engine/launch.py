@@ -294,6 +294,24 @@ def wait_healthy(handles: Sequence[ServerHandle], timeout: float = 180.0) -> Non
                 time.sleep(0.25)
 
 
+def engine_startup(handle: ServerHandle) -> dict[str, float]:
+    """A ready server's start-up breakdown, in seconds from its own process start
+    (``/get_server_info``'s ``startup`` and ``programs``): ``engine_imports_s``,
+    ``engine_load_s``, ``engine_compile_s`` (the programs before ready and the update
+    probe), ``engine_ready_s`` and ``engine_compile_<program>_s`` each. Empty if the
+    server does not report it (an older one, SGLang)."""
+    headers = {"Authorization": f"Bearer {handle.api_key}"} if handle.api_key else {}
+    try:
+        info = httpx.get(f"{handle.url}/get_server_info", headers=headers, timeout=30).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    out = {f"engine_{k}": float(v) for k, v in (info.get("startup") or {}).items()
+           if k in ("imports_s", "load_s", "compile_s", "ready_s")}
+    for name, program in (info.get("programs") or {}).items():
+        out[f"engine_compile_{name}_s"] = float(program["compile_s"])
+    return out
+
+
 def launch_servers(model_path: str | os.PathLike, count: int, *, startup_timeout: float = 180.0,
                    wait: bool = True, log_dir: str | os.PathLike | None = None,
                    on_start: Callable[[ServerHandle], object] | None = None,

@@ -5,9 +5,12 @@ device keeps per-slot state (last token, its position, sampling parameters), so 
 step needs no host-to-device transfer and returns only the sampled tokens and their
 logprobs.
 
-Compiled programs: one decode program (all slots, ``decode_steps`` tokens per call) for
-every filled length: attention loops over the cache's key blocks up to the longest live
-sequence (``kv_len``, an argument, not a shape), and one prefill program per chunk length
+Compiled programs: a decode program (all slots, ``decode_steps`` tokens per call) per
+window in ``DECODE_WINDOWS``: each serves every filled length (``kv_len``, an argument,
+not a shape), reading the cache's first ``window`` keys as one slice per call and the
+keys beyond them, up to the longest live sequence, in a loop over key blocks (so a
+call attends to what the live sequences need; the smallest window whose slice covers
+them is fastest), and one prefill program per chunk length
 in ``PREFILL_CHUNKS`` (``prefill_rows`` prompt chunks at a time, padded with dummy rows;
 a long prompt is prefilled chunk after chunk, each attending to the ones before it in the
 cache). Neither count grows with max_seq_len. Weight swaps keep shapes, dtypes and
@@ -64,7 +67,9 @@ from model_defs import CausalLM, fp32_matmuls
 # the one program every prompt can be served with (a long prompt in several chunks);
 # the larger ones cut the calls for long prompts and are compiled in the background.
 PREFILL_CHUNKS = (16, 64, 256)
-DECODE = ("decode", 0)  # the decode program's key (one for every length)
+# The decode programs' windows (each capped at max_seq_len): the cache's first keys each
+# reads as one slice per call. The first serves every request while the others compile.
+DECODE_WINDOWS = (64, 128, 256)
 logger = logging.getLogger(__name__)
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compile_watch = threading.local()  # .hit: set while a step call runs on this thread
@@ -88,10 +93,15 @@ def prefill_chunks(max_seq_len: int) -> list[int]:
     return sorted({min(c, max_seq_len) for c in PREFILL_CHUNKS})
 
 
+def decode_windows(max_seq_len: int) -> list[int]:
+    """The decode programs' windows for ``max_seq_len``: ``DECODE_WINDOWS`` capped."""
+    return sorted({min(w, max_seq_len) for w in DECODE_WINDOWS})
+
+
 def program_name(key: tuple[str, int]) -> str:
-    """``decode`` or ``prefill_<chunk>``: how /get_server_info and the start-up report name
-    a program."""
-    return "decode" if key == DECODE else f"{key[0]}_{key[1]}"
+    """``decode_<window>`` or ``prefill_<chunk>``: how /get_server_info and the start-up
+    report name a program."""
+    return f"{key[0]}_{key[1]}"
 
 
 def chunk_plan(length: int, sizes: list[int]) -> list[tuple[int, int, int]]:
@@ -150,6 +160,7 @@ class ModelRunner:
         self.prefill_rows = prefill_rows
         self.decode_steps = decode_steps
         self.chunks = prefill_chunks(max_seq_len)
+        self.windows = decode_windows(max_seq_len)
         # Stacked cache and scanned layers on TPU, per-layer and unrolled elsewhere
         # (areal_jax.engine.forward's module doc).
         self.stacked_cache = scan_layers_by_default() if scan_layers is None else scan_layers
@@ -159,8 +170,9 @@ class ModelRunner:
         if self.mesh is not None:
             prefill_impl, decode_impl = self._sharded(prefill_impl, decode_impl)
         self._prefill = jax.jit(self._counted("prefill", prefill_impl), donate_argnums=(1, 2))
-        self._decode = jax.jit(self._counted("decode", decode_impl), donate_argnums=(1, 2))
-        # ("prefill", chunk) / DECODE -> the program compiled ahead of time; a shape without
+        self._decode = jax.jit(self._counted("decode", decode_impl), donate_argnums=(1, 2),
+                               static_argnums=(6,))
+        # ("prefill", chunk) / ("decode", window) -> the program compiled ahead of time; one without
         # one goes through the jitted function (and compiles there). Guarded by _programs_lock,
         # as are _compiling (key -> the compile under way, in any thread) and program_stats
         # (key -> {"compile_s", "hlo_chars"} of each program compiled ahead of time).
@@ -195,10 +207,12 @@ class ModelRunner:
             in_specs=(P(), cache_spec, slot_specs, *([P()] * 11)),
             out_specs=(cache_spec, slot_specs, P(), P()), check_vma=False)
 
-        decode = jax.shard_map(
-            decode_impl, mesh=mesh, in_specs=(P(), cache_spec, slot_specs, P(), P(), P()),
-            out_specs=(cache_spec, slot_specs, P(None, "slots"), P(None, "slots")),
-            check_vma=False)
+        def decode(state, cache, slots, kv_len, any_truncation, any_random, window):
+            return jax.shard_map(
+                lambda st, c, sl, k, t, r: decode_impl(st, c, sl, k, t, r, window), mesh=mesh,
+                in_specs=(P(), cache_spec, slot_specs, P(), P(), P()),
+                out_specs=(cache_spec, slot_specs, P(None, "slots"), P(None, "slots")),
+                check_vma=False)(state, cache, slots, kv_len, any_truncation, any_random)
 
         return prefill, decode
 
@@ -276,7 +290,7 @@ class ModelRunner:
             if name == "prefill":
                 self.compiled.append(f"prefill(rows={args[3].shape[0]}, chunk={args[3].shape[1]})")
             else:
-                self.compiled.append(f"decode(slots={self.max_slots}, steps={self.decode_steps})")
+                self.compiled.append(f"decode(window={args[6]}, steps={self.decode_steps})")
             return fn(*args, **kwargs)
 
         return traced
@@ -297,7 +311,7 @@ class ModelRunner:
                  for k, v in slots.items()}
         return cache, slots, token_p, logprob_p
 
-    def _decode_impl(self, state, cache, slots, kv_len, any_truncation, any_random):
+    def _decode_impl(self, state, cache, slots, kv_len, any_truncation, any_random, window):
         model = nnx.merge(self.graphdef, state)
 
         def choose(logits_bv, step, next_position_b):
@@ -309,7 +323,7 @@ class ModelRunner:
         with fp32_matmuls(model.dtype):
             (token_kb, logprob_kb), cache = decode_chunk(
                 model, slots["token"], slots["position"], cache, kv_len, self.decode_steps,
-                choose)
+                choose, window)
         # Finished or free slots keep stepping until the host notices; keep them in range.
         position_b = jnp.minimum(slots["position"] + self.decode_steps, self.max_seq_len - 1)
         slots = {**slots, "token": token_kb[-1], "position": position_b}
@@ -354,13 +368,23 @@ class ModelRunner:
         at ``max_position``: keys [0, max_position) (one more, for safety), in key blocks."""
         return min(max_position + 1, self.max_seq_len)
 
-    def decode(self, kv_len: int, any_truncation: bool, any_random: bool
-               ) -> tuple[jax.Array, jax.Array]:
+    def decode_window(self, kv_len: int, compiled_only: bool = False) -> int:
+        """The decode program for ``kv_len``: the smallest window that covers it (with
+        ``compiled_only``, among the compiled ones and the first), else the largest."""
+        windows = self.windows
+        if compiled_only:
+            windows = [w for w in windows if w == windows[0] or self.ready(("decode", w))]
+        return next((w for w in windows if w >= kv_len), windows[-1])
+
+    def decode(self, kv_len: int, any_truncation: bool, any_random: bool,
+               window: int | None = None) -> tuple[jax.Array, jax.Array]:
         """Dispatches ``decode_steps`` steps over all slots, attending to the first
-        ``kv_len`` cache positions; returns device arrays [k, B] (tokens, logprobs)."""
+        ``kv_len`` cache positions with the program of ``window`` (default: the one for
+        ``kv_len``); returns device arrays [k, B] (tokens, logprobs)."""
+        window = self.decode_window(kv_len) if window is None else window
         self.cache, self.slots, token_kb, logprob_kb = self._step(
-            DECODE, self._decode, self.state, self.cache, self.slots, np.int32(kv_len),
-            np.bool_(any_truncation), np.bool_(any_random))
+            ("decode", window), self._decode, self.state, self.cache, self.slots,
+            np.int32(kv_len), np.bool_(any_truncation), np.bool_(any_random), static=(window,))
         return token_kb, logprob_kb
 
     def _dummy_prefill_rows(self, chunk: int) -> tuple[np.ndarray, ...]:
@@ -373,10 +397,11 @@ class ModelRunner:
                 np.ones((p,), np.float32), np.full((p,), -1, np.int32),
                 np.zeros((p,), np.uint32), np.zeros((p,), np.int32), np.zeros((), np.int32))
 
-    def _step(self, key: tuple[str, int], jitted: Callable, *args: Any) -> Any:
+    def _step(self, key: tuple[str, int], jitted: Callable, *args: Any,
+              static: tuple = ()) -> Any:
         """Runs the step program for ``key``: the one compiled ahead of time (waiting for it
         if another thread is compiling it now), else the jitted function, whose compile, if
-        any, is counted."""
+        any, is counted (``static``: its static arguments)."""
         with self._programs_lock:
             executable = self._executables.get(key)
             pending = self._compiling.get(key)
@@ -384,18 +409,20 @@ class ModelRunner:
             executable = pending.result()
         if executable is not None:
             return executable(*args)
-        return self._watched(jitted, *args)
+        return self._watched(jitted, *args, *static)
 
     # ------------------------------------------------------------------ programs
     def program_keys(self) -> list[tuple[str, int]]:
-        """Every program this runner serves with: the decode and a prefill per chunk length,
-        the ones a small request needs first (``essential_keys``)."""
-        return [DECODE, *(("prefill", c) for c in self.chunks)]
+        """Every program this runner serves with: a decode per window and a prefill per
+        chunk length, the ones every request can be served with first (``essential_keys``)."""
+        return [*self.essential_keys(), *(("decode", w) for w in self.windows[1:]),
+                *(("prefill", c) for c in self.chunks[1:])]
 
     def essential_keys(self) -> list[tuple[str, int]]:
-        """The programs that serve any request: the decode and the shortest prefill chunk
-        (a longer prompt takes several calls until its chunk length's program exists)."""
-        return [DECODE, ("prefill", self.chunks[0])]
+        """The programs that serve any request: the smallest decode window (longer
+        sequences read the rest of the cache in its loop) and the shortest prefill chunk
+        (a longer prompt takes several calls) until the others exist."""
+        return [("decode", self.windows[0]), ("prefill", self.chunks[0])]
 
     def ready(self, key: tuple[str, int]) -> bool:
         """Whether ``key``'s program is compiled (a call would not compile it)."""
@@ -411,8 +438,8 @@ class ModelRunner:
     def _lower(self, key: tuple[str, int]) -> Any:
         flag = np.bool_(False)
         fixed = (self._specs(self.state), self._specs(self.cache), self._specs(self.slots))
-        if key == DECODE:
-            return self._decode.lower(*fixed, np.int32(0), flag, flag)
+        if key[0] == "decode":
+            return self._decode.lower(*fixed, np.int32(0), flag, flag, key[1])
         return self._prefill.lower(*fixed, *self._dummy_prefill_rows(key[1]), flag, flag)
 
     def _compile_one(self, key: tuple[str, int]) -> bool:

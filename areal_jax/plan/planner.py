@@ -276,7 +276,9 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any, scan: bool | None = None
                  "top_k": jax.ShapeDtypeStruct((b,), jnp.int32),
                  "seed": jax.ShapeDtypeStruct((b,), jnp.uint32)}, on_chip)
     # The longest prefill chunk the engine compiles (it prefills a longer prompt chunk by
-    # chunk), and the decode that serves every cache length.
+    # chunk), and the decode whose window is the whole cache (its largest, at the longest
+    # context: the loop beyond a window is a while loop, which XLA's cost analysis counts
+    # once).
     p, t = shapes["prefill_rows"], prefill_chunks(shapes["max_seq_len"])[-1]
 
     def arg(shape: tuple, dt: Any) -> Any:
@@ -293,8 +295,8 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any, scan: bool | None = None
             arg((p,), jnp.int32), arg((p,), jnp.float32), arg((p,), jnp.float32),
             arg((p,), jnp.int32), arg((p,), jnp.uint32), arg((p,), jnp.int32),
             arg((), jnp.int32), flag, flag)
-        decode = jax.jit(runner._decode_impl, donate_argnums=(1, 2)).lower(
-            state, cache, slots, arg((), jnp.int32), flag, flag)
+        decode = jax.jit(runner._decode_impl, donate_argnums=(1, 2), static_argnums=(6,)).lower(
+            state, cache, slots, arg((), jnp.int32), flag, flag, shapes["max_seq_len"])
     shapes["param_bytes"] = device_bytes(state)
     shapes["kv_cache_bytes"] = device_bytes(cache)
     return prefill, decode, shapes
