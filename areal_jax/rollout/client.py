@@ -20,7 +20,10 @@ What it does beyond one HTTP call:
   same server with exponential backoff (``retry_backoff_s`` doubling up to
   ``retry_backoff_max_s``) for up to ``retry_deadline_s`` seconds; 5xx replies and dropped
   connections at most ``max_retries`` times in a row (a server that keeps failing one way
-  is broken, not slow). This holds for generation and for weight updates alike.
+  is broken, not slow). This holds for generation and for weight updates alike. A call's
+  first retry is logged at info (one failure the next attempt heals is normal on a loaded
+  host); each further one is a warning. Idle connections are closed after ``KEEPALIVE_S``,
+  before any server would close them under a request.
 * **Failover.** A server that refuses connections (nothing listens: it is gone), or that
   is still failing when its retries run out, is marked down; a request moves to another
   server, keeping the tokens already received. Down servers are re-probed on ``/health``
@@ -109,6 +112,7 @@ def _normalize_address(address: str) -> str:
 
 # What a failed connection, a reset or a timeout raises.
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+KEEPALIVE_S = 4.0  # below every server's keep-alive timeout (see _Http._get_session)
 
 
 class _ServerDown(Exception):
@@ -142,13 +146,18 @@ class _Http:
 
     def __init__(self, request_timeout: float, connect_timeout: float, headers: dict[str, str]):
         self._timeout = aiohttp.ClientTimeout(total=request_timeout, connect=connect_timeout)
-        self._connect_timeout = connect_timeout
+        self._connect_timeout = self.connect_timeout = connect_timeout
         self._headers = headers
         self._session: aiohttp.ClientSession | None = None
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
+            # An idle connection is dropped after KEEPALIVE_S, before any server closes it
+            # (ours after 30 s, uvicorn's default, SGLang's, after 5 s): reusing a connection
+            # the server is closing failed with ServerDisconnectedError or "Can not write
+            # request body", a retry and a warning on a healthy run.
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0,
+                                             keepalive_timeout=KEEPALIVE_S)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
                                                   headers=self._headers)
         return self._session
@@ -468,6 +477,11 @@ class RolloutClient:
                 waited = max(min(waited, end - time.monotonic()), 0.001)
             try:
                 reply = await self._http.post(url, json=body, timeout=waited)
+            except aiohttp.ConnectionTimeoutError:  # no connection (a SYN backlog, a busy host)
+                if end is not None and time.monotonic() >= end:
+                    raise _ServerDown(f"{route}: no connection within {total_s:g}s") from None
+                reason, counted = (f"{route}: no connection within "
+                                   f"{min(waited, self._http.connect_timeout):g}s"), False
             except TimeoutError:  # slow, not dead (aiohttp's timeouts subclass it)
                 if end is not None and time.monotonic() >= end:
                     raise _ServerDown(f"{route}: no reply within {total_s:g}s (the retry "
@@ -488,8 +502,12 @@ class RolloutClient:
             if (in_a_row > self.max_retries or now + delay - first_failure > self.retry_deadline_s
                     or (end is not None and now + delay >= end)):
                 raise _ServerDown(reason)
-            logger.warning("rollout server %s: %s; retrying in %.1fs (gives up %.0fs after the "
-                           "first failure)", server.url, reason, delay, self.retry_deadline_s)
+            # One failure that the next attempt heals is the weather of a loaded host (a
+            # connect held up while the process compiles, a keep-alive race): said at info;
+            # a call that fails again is trouble worth a warning.
+            log = logger.warning if attempt else logger.info
+            log("rollout server %s: %s; retrying in %.1fs (gives up %.0fs after the first "
+                "failure)", server.url, reason, delay, self.retry_deadline_s)
             await asyncio.sleep(delay)
             delay = min(2 * delay, self.retry_backoff_max_s)
         raise AssertionError("unreachable")
