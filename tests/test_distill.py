@@ -102,8 +102,8 @@ def test_a_teacher_equal_to_the_student_gives_zero_reverse_kl(arith_server):
     from tests.hf_fixtures import token_logprob_tolerance
 
     tok = load_tokenizer(ASSETS_DIR / "arith_sft")
-    inner = RLVRWorkflow("builtin", n_samples=4, tokenizer=tok,
-                         gconfig=SamplingParams(max_new_tokens=16, temperature=1.0))
+    inner = RLVRWorkflow("builtin", n_samples=2, tokenizer=tok,
+                         gconfig=SamplingParams(max_new_tokens=12, temperature=1.0))
     workflow = TeacherScoredWorkflow(inner, TeacherScorer(TeacherSettings(url=arith_server.url)))
     counts: Counter = Counter()
 
@@ -118,7 +118,7 @@ def test_a_teacher_equal_to_the_student_gives_zero_reverse_kl(arith_server):
         group = asyncio.run(go())
     finally:
         workflow.close()
-    assert counts["teacher_scored_groups"] == 1 and len(group) == 4
+    assert counts["teacher_scored_groups"] == 1 and len(group) == 2
     cfg = cfg_with()
     for t, adv in zip(group, distill_advantages_for(cfg, [group]), strict=True):
         assert t.teacher_logp is not None
@@ -190,13 +190,8 @@ def test_a_run_with_an_embedded_teacher(tmp_path):
 @pytest.mark.parametrize(("overrides", "message"), [
     (["reward.fn=judge", "reward.judge={url: '127.0.0.1:1'}"],
      "reward.fn: judge needs reward.eval_fn"),
-    (["reward.fn=judge", "reward.eval_fn=builtin",
-      "reward.judge={url: '127.0.0.1:1', template: '{oops} {answer}'}"],
-     "reward.judge: template names ['oops']"),
     (["teacher={model_path: /nonexistent/teacher}"],
      "teacher.model_path /nonexistent/teacher does not exist"),
-    (["teacher={url: '127.0.0.1:1', api_key_env: AREAL_TEST_UNSET_KEY}"],
-     "environment variable AREAL_TEST_UNSET_KEY"),
 ])
 def test_bad_judge_and_teacher_inputs_fail_early_naming_the_key(tmp_path, overrides, message):
     """One line naming the key, exit status 2, before anything is served or trained."""

@@ -183,6 +183,9 @@ class JudgeReward:
             result = await self._judge(key, count)
             fut.set_result(result)
             return result
+        except asyncio.CancelledError:
+            fut.cancel()  # a waiter for the same judgment is cancelled too
+            raise
         except BaseException as e:
             fut.set_exception(e)
             fut.exception()  # retrieved: a waiter may not exist
