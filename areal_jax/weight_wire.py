@@ -43,6 +43,7 @@ DELTA_FORMAT = "areal-delta/1"
 DEFAULT_BUCKET_BYTES = 64 << 20
 ALIGN = 64  # host arrays a CPU device can alias (zero copy)
 CRC_HEADER = "x-areal-crc32"  # a bucket's CRC-32 travels in this HTTP header
+SHM_PREFIX = "areal-weights-"  # same host: the stream in a shared-memory file of this name
 
 
 class WireError(ValueError):
@@ -275,6 +276,34 @@ class Assembler:
             raise WireError(f"bucket {index} has {got} bytes, expected {end - start}")
         if have != crc:
             raise WireError(f"bucket {index} is corrupted: CRC-32 {have:08x}, expected "
+                            f"{crc:08x}")
+        self._done.add(index)
+
+    def read_bucket(self, f: Any, index: int, crc: int) -> None:
+        """Reads bucket ``index`` from the file ``f`` (the version's stream laid out as on
+        the wire, e.g. in shared memory) straight into the tensors, then checks it as
+        :meth:`end_bucket` does."""
+        if index in self._done:
+            raise WireError(f"bucket {index} was already received")
+        start, end = self.manifest.bucket_range(index)
+        f.seek(start)
+        value = 0
+        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        while i < len(self.manifest.tensors):
+            spec = self.manifest.tensors[i]
+            lo, hi = max(start, spec.offset), min(end, spec.offset + spec.nbytes)
+            if spec.offset >= end:
+                break
+            if lo < hi:
+                dest = self._views[i][lo - spec.offset:hi - spec.offset]
+                got = f.readinto(dest)
+                if got != hi - lo:
+                    raise WireError(f"bucket {index} is short: the file ends at byte "
+                                    f"{lo + (got or 0)} of {self.manifest.total_bytes}")
+                value = zlib.crc32(dest, value)
+            i += 1
+        if value != crc:
+            raise WireError(f"bucket {index} is corrupted: CRC-32 {value:08x}, expected "
                             f"{crc:08x}")
         self._done.add(index)
 

@@ -121,11 +121,15 @@ def on_a(servers, ckpts, learners):
     return urls
 
 
-def test_a_memory_bump_serves_the_learners_weights_on_every_server(on_a, ckpts, learners):
+@pytest.mark.parametrize("shm_dir", ["/dev/shm", None], ids=["shared-memory", "http"])
+def test_a_memory_bump_serves_the_learners_weights_on_every_server(on_a, ckpts, learners,
+                                                                   shm_dir):
     urls = on_a
     for u in urls:
         assert_serves(u, learners[0], ckpts[0], 0)
-    sender = StreamPublisher(urls, bucket_bytes=10_000)  # several buckets, tensors span them
+    # several buckets, tensors span them
+    sender = StreamPublisher(urls, bucket_bytes=10_000, shm_dir=shm_dir)
+    assert sender.shm_dir == shm_dir  # the servers are on this host
     transfer = sender.send(serving_arrays(learners[1], "float32"), 1)
     assert sender.last is not None and sender.last.nbytes > 3 * 10_000
     for u in urls:  # staged, not served yet: the servers still generate on v0
@@ -183,6 +187,28 @@ def test_a_corrupted_bucket_is_refused_and_v0_keeps_serving(on_a, ckpts, learner
     r = httpx.post(f"{url}/weights/stage", json={"transfer": manifest.transfer}, timeout=60)
     assert r.status_code == 400 and "corrupted" in r.json()["error"]
     assert swap(url, manifest.transfer, 3).status_code == 400
+    assert_serves(url, learners[0], ckpts[0], 0)
+
+
+def test_a_corrupted_shared_memory_file_is_refused(on_a, ckpts, learners, tmp_path):
+    url = on_a[0]
+    named = serving_arrays(learners[1], "float32").host()
+    manifest, _ = begin(url, named, 3)
+    arrays = [a for _, a in named]
+    crcs = [checksum(bucket_views(manifest, arrays, i)) for i in range(manifest.num_buckets)]
+    data = bytearray(b"".join(bytes(v) for a in arrays for v in [memoryview(a).cast("B")]))
+    data[len(data) // 3] ^= 0x01
+    path = tmp_path / f"areal-weights-{manifest.transfer}"
+    path.write_bytes(bytes(data))
+    r = httpx.post(f"{url}/weights/load_file", timeout=60, json={
+        "transfer": manifest.transfer, "path": str(path), "crc32": crcs})
+    assert r.status_code == 400 and "is corrupted" in r.json()["error"]
+    manifest, _ = begin(url, named, 3)
+    other = tmp_path / "secrets.bin"
+    other.write_bytes(bytes(data))
+    r = httpx.post(f"{url}/weights/load_file", timeout=60, json={
+        "transfer": manifest.transfer, "path": str(other), "crc32": crcs})
+    assert r.status_code == 400 and "not a weight stream file" in r.json()["error"]
     assert_serves(url, learners[0], ckpts[0], 0)
 
 

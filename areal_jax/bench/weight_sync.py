@@ -320,6 +320,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "server_baseline_rss_gb": round(baseline_rss / 1e9, 3),
         "server_peak_rss_gb": round(max(b["server_peak_rss_gb"] for b in bumps), 3),
         "server_peak_rss_x_weights": round(max(b["server_peak_rss_gb"] for b in bumps) / gb, 2),
+        # what an update adds on top of the server's resident set before the bumps
+        "server_update_rss_x_weights": round(
+            (max(b["server_peak_rss_gb"] for b in bumps) - baseline_rss / 1e9) / gb, 2),
         **{f"limit_{k}": round(val, 4) for k, val in limits.items()},
     }
     return {"title": f"weight sync: {args.preset} {args.dtype}, path {args.path}, median of "

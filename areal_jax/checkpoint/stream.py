@@ -11,6 +11,10 @@ the server serves), then each bucket (``PUT /weights/bucket?transfer=&index=``, 
 in a header), then ``POST /weights/stage``: the server checks it has every bucket whole,
 places the tensors like its served ones and runs its probe forward, while it keeps
 generating on the old weights. The servers are sent to side by side, one thread each.
+Servers on this host (127.0.0.1, localhost) get the stream through shared memory instead
+of the buckets' HTTP bodies: it is written once to ``/dev/shm/areal-weights-<transfer>``
+(mode 0600, removed when the send ends) and each server reads it straight into its new
+tensors, checking every bucket's CRC-32 (``POST /weights/load_file``).
 
 Any failure (a server refusing, a connection dropped, a server gone, a non-finite value
 in the learner's weights) aborts the transfer on every server (``POST /weights/abort``):
@@ -22,8 +26,10 @@ the connection closes, when the next one begins, or after ``stale_after_s``.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import http.client
 import json
+import os
 import time
 import urllib.parse
 from collections.abc import Sequence
@@ -39,13 +45,18 @@ from areal_jax.checkpoint.publish import PublishError, _gather_to_host
 from areal_jax.weight_wire import (
     CRC_HEADER,
     DEFAULT_BUCKET_BYTES,
+    SHM_PREFIX,
     Manifest,
     bucket_views,
+    byte_view,
     checksum,
     leaf_name,
     manifest_for,
 )
 from model_defs import CausalLM, merge_lora, parse_dtype
+
+SHM_DIR = "/dev/shm"  # noqa: S108 - shared memory, where the same host's servers read it
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass
@@ -127,10 +138,14 @@ class StreamPublisher:
     """Sends serving weights to embedded servers over HTTP (see the module doc)."""
 
     def __init__(self, urls: Sequence[str], *, api_key: str | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0,
+                 shm_dir: str | None = SHM_DIR):
         if not urls:
             raise ValueError("StreamPublisher needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
+        # Servers on this host read the stream from one shared-memory file (no HTTP copy)
+        local = all(urllib.parse.urlsplit(u).hostname in LOOPBACK for u in self.urls)
+        self.shm_dir = shm_dir if local and shm_dir and os.path.isdir(shm_dir) else None
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.bucket_bytes = int(bucket_bytes)
         self.timeout_s = timeout_s
@@ -174,12 +189,18 @@ class StreamPublisher:
         return obj if isinstance(obj, dict) else {"reply": obj}
 
     def _send_one(self, url: str, manifest: Manifest, arrays: Sequence[np.ndarray],
-                  crcs: list[concurrent.futures.Future[int]]) -> float:
-        """begin, every bucket, stage on one server; returns the server's stage seconds."""
+                  crcs: list[concurrent.futures.Future[int]], shm_path: str | None = None
+                  ) -> float:
+        """begin, every bucket (or the shared-memory file), stage on one server; returns
+        the server's stage seconds."""
         conn = self._connect(url)
         try:
             self._request(conn, url, "POST", "/weights/begin", manifest.to_json())
-            for i in range(manifest.num_buckets):
+            if shm_path is not None:
+                self._request(conn, url, "POST", "/weights/load_file", {
+                    "transfer": manifest.transfer, "path": shm_path,
+                    "crc32": [c.result() for c in crcs]})
+            for i in range(manifest.num_buckets if shm_path is None else 0):
                 route = f"/weights/bucket?transfer={manifest.transfer}&index={i}"
                 self._request(conn, url, "PUT", route,
                               parts=bucket_views(manifest, arrays, i),
@@ -218,6 +239,37 @@ class StreamPublisher:
         manifest = manifest_for(named, version, self.bucket_bytes)
         report = SendReport(manifest.transfer, manifest.total_bytes, host_s=host_s)
         t1 = time.perf_counter()
+        shm_path = None
+        try:
+            if self.shm_dir is not None:
+                shm_path = self._write_shm(manifest, arrays)
+            return self._send_all(manifest, arrays, report, shm_path, t1)
+        finally:
+            if shm_path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(shm_path)
+
+    def _write_shm(self, manifest: Manifest, arrays: Sequence[np.ndarray]) -> str:
+        """The stream as one file in shared memory (readable by this user only)."""
+        assert self.shm_dir is not None
+        path = os.path.join(self.shm_dir, f"{SHM_PREFIX}{manifest.transfer}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb", buffering=0) as f:
+                for array in arrays:
+                    view = byte_view(array)
+                    while view:
+                        n = f.write(view)
+                        view = view[n:]
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        return path
+
+    def _send_all(self, manifest: Manifest, arrays: Sequence[np.ndarray], report: SendReport,
+                  shm_path: str | None, t1: float) -> str:
+        version = manifest.version
         # The CRCs are computed ahead of the sends, once for all servers (zlib releases
         # the GIL on large buffers, so this overlaps the socket writes).
         with concurrent.futures.ThreadPoolExecutor(1) as crc_pool, \
@@ -225,7 +277,7 @@ class StreamPublisher:
             crcs = [crc_pool.submit(checksum, bucket_views(manifest, arrays, i))
                     for i in range(manifest.num_buckets)]
             futures: dict[str, concurrent.futures.Future[float]] = {
-                url: pool.submit(self._send_one, url, manifest, arrays, crcs)
+                url: pool.submit(self._send_one, url, manifest, arrays, crcs, shm_path)
                 for url in self.urls}
             errors = []
             for url, fut in futures.items():

@@ -19,6 +19,8 @@ A transfer left idle for ``stale_after_s`` (its sender died between buckets) is 
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -31,6 +33,7 @@ from flax import nnx
 from areal_jax import storage
 from areal_jax.engine.weight_check import WeightCheckError, check_probe_forward
 from areal_jax.weight_wire import (
+    SHM_PREFIX,
     Assembler,
     Manifest,
     WireError,
@@ -194,6 +197,33 @@ class WeightStaging:
             except WireError as e:
                 self._fail(str(e))
                 raise StagingError(f"weights not updated: {e}") from None
+
+    def load_file(self, transfer: str, path: str, crcs: list[int]) -> None:
+        """Every bucket of ``transfer`` from the file ``path`` (its sender wrote the
+        stream to shared memory: same host), each checked against ``crcs``. The file
+        must be a regular file named ``areal-weights-*`` holding exactly the stream."""
+        with self._lock:
+            a = self._current(transfer)
+            self._assembler = None  # nothing else writes it meanwhile
+        try:
+            if not os.path.basename(path).startswith(SHM_PREFIX):
+                raise WireError(f"{path} is not a weight stream file ({SHM_PREFIX}*)")
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != a.manifest.total_bytes:
+                raise WireError(f"{path} is not a regular file of the stream's "
+                                f"{a.manifest.total_bytes} bytes")
+            if len(crcs) != a.manifest.num_buckets:
+                raise WireError(f"{len(crcs)} checksums for {a.manifest.num_buckets} buckets")
+            with open(path, "rb", buffering=0) as f:
+                for i, crc in enumerate(crcs):
+                    a.read_bucket(f, i, int(crc))
+        except (WireError, OSError) as e:
+            with self._lock:
+                self._fail(str(e))
+            raise StagingError(f"weights not updated: {e}") from None
+        with self._lock:
+            self._assembler = a
+            self._touched = time.monotonic()
 
     def abort(self, transfer: str | None = None, reason: str = "aborted by the sender") -> bool:
         """Drops ``transfer`` (None: whatever is in progress or staged); True if it was."""

@@ -7,6 +7,10 @@
   in the ``x-areal-crc32`` header → ``{"success": true}``; 400 if its length or checksum
   is wrong (the transfer is then dropped). Not bound by ``--max-body-bytes``: the bucket's
   length comes from the manifest.
+- ``POST /weights/load_file`` ``{"transfer", "path", "crc32": [per bucket]}``: the same
+  host's sender wrote the whole stream to a shared-memory file (``/dev/shm/areal-weights-*``);
+  every bucket is read from it straight into the new tensors and checked, in a worker
+  thread (the bytes never pass through HTTP).
 - ``POST /weights/stage`` ``{"transfer"}`` → ``{"success", "version", "stage_s"}``: every
   bucket whole, placed like the served params and probed; generation goes on meanwhile.
 - ``POST /weights/swap`` ``{"transfer", "weight_version", "abort_all_requests"}`` →
@@ -120,6 +124,22 @@ def register_weight_routes(app: FastAPI, engine: GenerationEngine,
             return Response(status_code=499)
         if error is not None:
             return _refused(error)
+        return {"success": True}
+
+    @app.post("/weights/load_file")
+    async def load_file(request: Request):
+        body = parse_json_body(await request.body(), "/weights/load_file")
+        transfer = _transfer(body, "/weights/load_file")
+        path, crcs = body.get("path"), body.get("crc32")
+        if not isinstance(path, str) or not isinstance(crcs, list) or not all(
+                isinstance(c, int) and not isinstance(c, bool) for c in crcs):
+            raise ProtocolError("/weights/load_file: needs 'path' (a string) and 'crc32' "
+                                "(a list of ints, one per bucket)")
+        assert transfer is not None
+        try:
+            await asyncio.to_thread(staging.load_file, transfer, path, crcs)
+        except StagingError as e:
+            return _refused(str(e))
         return {"success": True}
 
     @app.post("/weights/stage")
