@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-steps", type=int, default=4)
     parser.add_argument("--layers", type=int, default=None,
                         help="override the preset's layer count (a quicker run)")
+    parser.add_argument("--delta-size", action=argparse.BooleanOptionalAction, default=True,
+                        help="after each bump, also the size of its compressed bf16 XOR delta "
+                             "against the previous version (off the timed phases)")
     parser.add_argument("--workdir", default=None, help="where the model and files go "
                         "(default: a temporary directory)")
 
@@ -203,9 +206,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax.numpy as jnp
     from flax import nnx
 
+    from areal_jax.checkpoint.delta import named_host_arrays
     from areal_jax.checkpoint.publish import WeightPublisher, host_params
     from areal_jax.checkpoint.stream import StreamPublisher, serving_arrays
     from areal_jax.engine.launch import launch_server
+    from areal_jax.weight_wire import encode_delta
     from model_defs import CausalLM, ModelConfig, save_hf
 
     cfg = ModelConfig.preset(args.preset)
@@ -237,6 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         delta = DeltaPublisher(weights_dir, full_every=args.full_every, keep=3)
         delta.publish(host_params(model, args.dtype), 0)  # the base the server holds
     sender = StreamPublisher([server.url], bucket_bytes=args.bucket_mb << 20)
+    previous = named_host_arrays(host_params(model, args.dtype)) if args.delta_size else None
     try:
         baseline_rss = _rss_bytes(server.pid)
         with _Load(server.url, args.concurrency, cfg.vocab_size) as load:
@@ -291,6 +297,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         bump["server_apply_s"] = bump["paused_call_s"]
                     bump["sent_to_generating_s"] = load.first_at(v, t0) - t0
                 bump["server_peak_rss_gb"] = rss.peak / 1e9
+                if previous is not None:  # untimed: the delta this bump would have shipped
+                    current = named_host_arrays(host_params(model, args.dtype))
+                    data = encode_delta(current, dict(previous), v, v - 1)
+                    bump["delta_bytes_fraction"] = len(data) / weight_bytes
+                    bump["bf16_changed_fraction"] = float(np.mean(np.concatenate([
+                        (a.view(np.uint16) != b.view(np.uint16)).reshape(-1)
+                        for (_, a), (_, b) in zip(current, previous, strict=True)])))
+                    previous = current
                 bumps.append(bump)
                 print(f"bump {v}: " + ", ".join(f"{k} {val:.3g}" for k, val in bump.items()
                                                 if k != "version"), flush=True)
@@ -323,6 +337,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # what an update adds on top of the server's resident set before the bumps
         "server_update_rss_x_weights": round(
             (max(b["server_peak_rss_gb"] for b in bumps) - baseline_rss / 1e9) / gb, 2),
+        **({"delta_bytes_fraction": round(med("delta_bytes_fraction"), 4),
+            "bf16_changed_fraction": round(med("bf16_changed_fraction"), 4)}
+           if args.delta_size else {}),
         **{f"limit_{k}": round(val, 4) for k, val in limits.items()},
     }
     return {"title": f"weight sync: {args.preset} {args.dtype}, path {args.path}, median of "
