@@ -176,13 +176,45 @@ class Trainer:
             row = self.rollout_side.writer.log({"version": 0, "step": 0, **evaluated,
                                                 "eval_s": time.perf_counter() - t0,
                                                 **self.startup_entries()})
-        for version in range(start, cfg.train.total_versions):
-            raise_if_interrupted()  # SIGINT/SIGTERM are acted on at safe points like this
-            row = self.step(version) or row
-        if self.learner.version != self.progress.last_saved_version:
-            self.save_checkpoint()
+        try:
+            for version in range(start, cfg.train.total_versions):
+                raise_if_interrupted()  # SIGINT/SIGTERM are acted on at safe points like this
+                row = self.step(version) or row
+            if self.learner.version != self.progress.last_saved_version:
+                self.save_checkpoint()
+        except RunStopped as e:
+            if isinstance(e.__cause__, WeightSyncError):
+                self.checkpoint_after_failed_publish(e)  # raises RunStopped, saved or not
+            raise
+        except WeightSyncError as e:  # seen by the wait for a batch (executor.fail_waits)
+            stop = RunStopped(str(e))
+            stop.__cause__ = e
+            self.checkpoint_after_failed_publish(stop)
+            raise stop from e
         self.finish()
         return row
+
+    def checkpoint_after_failed_publish(self, stop: RunStopped) -> None:
+        """A publish failed (a full disk, every server dropped): the learner's versions since
+        the last checkpoint are saved before the run stops (one process; the checkpoint
+        may live elsewhere than the weights, and the failed write's partial files are gone).
+        Raises RunStopped saying whether it was saved."""
+        version, last = self.learner.version, self.progress.last_saved_version
+        if version == last or jax.process_count() > 1:
+            raise stop
+        try:
+            with _checkpoint_write_stops_the_run():
+                self._save_checkpoint(published=False)
+                self.checkpointer.wait()
+                if self.critic_checkpointer is not None:
+                    self.critic_checkpointer.wait()
+        except Exception as e:  # noqa: BLE001 - the publish's failure is the run's message
+            kept = f"version {last}" if last >= 0 else "none"
+            raise RunStopped(f"{stop}; saving a checkpoint of version {version} before "
+                             f"stopping failed too ({type(e).__name__}: {e}); the last "
+                             f"completed checkpoint is {kept}") from None
+        raise RunStopped(f"{stop}; a checkpoint of version {version} was saved before "
+                         "stopping, so a resume loses no trained version") from None
 
     def step(self, version: int) -> dict[str, Any] | None:
         """Trains version ``version`` into ``version + 1``; returns its metrics row (process 0)."""
@@ -318,8 +350,9 @@ class Trainer:
         with _checkpoint_write_stops_the_run():
             self._save_checkpoint()
 
-    def _save_checkpoint(self) -> None:
-        self.wait_published()  # the executor state must be at the published version
+    def _save_checkpoint(self, published: bool = True) -> None:
+        if published:  # (after a failed publish its version is saved without it)
+            self.wait_published()  # the executor state must be at the published version
         st = self.learner.state_dict()
         version = int(st["version"])
         meta = CheckpointMeta(  # every process saves; process 0 writes meta (it has the executor)

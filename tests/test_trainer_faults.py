@@ -604,3 +604,49 @@ def test_ppo_resumes_policy_and_critic_at_the_same_version(tmp_path):
             "checkpoint; was the run trained with another algo.name?)") in last, last
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
     assert _tree(run_dir) == before
+
+
+# ----------------------------------------------------------------------------- full disk
+FULL_DISK_AT_V3 = """
+import errno, runpy, sys
+from areal_jax.checkpoint import publish
+
+_write = publish.WeightPublisher._write
+
+def full_disk(self, model, cfg, out, *args, **kwargs):
+    if out.name.startswith(".v3."):  # the disk fills up while version 3 is written
+        raise OSError(errno.ENOSPC, "No space left on device", str(out))
+    return _write(self, model, cfg, out, *args, **kwargs)
+
+publish.WeightPublisher._write = full_disk
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_publishing_keeps_the_versions_trained_since_the_checkpoint(tmp_path):
+    """Issue 50 item 5: a full disk while publishing stopped the run cleanly (exit 3) but
+    lost every version trained since the last checkpoint. The run now saves a checkpoint of
+    the learner's version before it stops (and says so), and the resume goes on from it."""
+    run_dir = tmp_path / "run"
+    wrapper = tmp_path / "full_disk_train.py"
+    wrapper.write_text(FULL_DISK_AT_V3)
+    args = [f"run_dir={run_dir}", "checkpoint.publish=disk", "checkpoint.every_versions=0",
+            "mode=sync"]
+    res = subprocess.run([sys.executable, str(wrapper), *TRAIN[1:], *SMALL, *args,
+                          "train.total_versions=5"], capture_output=True, text=True,
+                         timeout=600, env=_env(), cwd=REPO)
+    assert res.returncode == STOPPED, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("stopped: weight update to v3 failed: OSError: [Errno 28] No space "
+                           "left on device"), last
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    saved = int(last.split("a checkpoint of version ")[1].split()[0])
+    assert saved >= 3 and "was saved before stopping" in last
+    assert (run_dir / "checkpoints" / str(saved)).is_dir()
+    res = _run(args + ["train.total_versions=5"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"at version {saved} (step" in res.stdout, res.stdout[-2000:]
+    versions = [r["version"] for r in _rows(run_dir)]
+    assert versions[-1] == 5 and versions == sorted(set(versions))  # nothing trained twice

@@ -223,6 +223,7 @@ class RolloutExecutor:
         self._stopping = False
         self._close_client = False
         self._error: BaseException | None = None
+        self._wait_error: BaseException | None = None  # fail_waits()
         self._counts: Counter[str] = Counter()
         self._staleness_hist: Counter[int] = Counter()
         self.last_errors: deque[str] = deque(maxlen=20)
@@ -585,7 +586,17 @@ class RolloutExecutor:
         oldest_allowed = self._batch_version_locked() - self._gate.max_staleness
         return any(r.start_version <= oldest_allowed for r in self._running.values())
 
+    def fail_waits(self, error: BaseException) -> None:
+        """Makes every ``prepare_batch``, now and later, raise ``error``: the run cannot go
+        on (e.g. a weight update failed in the background, after which, in sync mode, no
+        batch can ever be ready)."""
+        with self._cond:
+            self._wait_error = error
+            self._cond.notify_all()
+
     def _raise_if_dead_locked(self) -> None:
+        if self._wait_error is not None:
+            raise self._wait_error
         if self._error is not None:
             raise RuntimeError(f"the rollout executor loop died: {type(self._error).__name__}: "
                                f"{self._error}") from self._error

@@ -134,13 +134,24 @@ class WeightSync:
 
     async def _write_and_update(self, params: PyTree, version: int) -> tuple[float, float]:
         t0 = time.perf_counter()
-        path = await asyncio.to_thread(self.write, params, version)
+        try:
+            path = await asyncio.to_thread(self.write, params, version)
+        except Exception as e:  # noqa: BLE001 - a storage error
+            self.executor.fail_waits(_failed(version, e))  # the learner may wait for a batch
+            raise
         return await self._update_written(path, version, time.perf_counter() - t0)
 
     async def _update_written(self, path: str, version: int, write_s: float
                               ) -> tuple[float, float]:
-        """(write seconds, update seconds) once ``path`` holds ``version``."""
-        return write_s, await self.update_servers(str(path), version)
+        """(write seconds, update seconds) once ``path`` holds ``version``. A failure also
+        fails the learner's wait for its next batch (``executor.fail_waits``): in sync mode
+        that batch would never come, and the failure would surface only at the next
+        publish."""
+        try:
+            return write_s, await self.update_servers(str(path), version)
+        except Exception as e:  # noqa: BLE001 - a transport or server error
+            self.executor.fail_waits(_failed(version, e))
+            raise
 
     async def update_servers(self, path: str, version: int) -> float:
         """Runs on the executor's loop: pause, load ``path`` as ``version``, resume. Returns
