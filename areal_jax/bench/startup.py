@@ -34,6 +34,7 @@ without the cache, so its cold and warm runs are alike.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -116,7 +117,8 @@ def time_engine(repo: Path, preset: dict[str, Any], cache_dir: Path, log: Path
     from areal_jax.engine.launch import launch_server
 
     t0 = time.perf_counter()
-    with launch_server(preset["model_path"], max_slots=preset["max_slots"],
+    # In repo: `python -m` puts the working directory first on sys.path, before PYTHONPATH.
+    with contextlib.chdir(repo), launch_server(preset["model_path"], max_slots=preset["max_slots"],
                        max_seq_len=preset["max_seq_len"], dtype=preset["dtype"],
                        extra_args=preset["extra_args"], warmup=True,
                        compilation_cache_dir=cache_dir, log_path=log, startup_timeout=1800,
