@@ -40,6 +40,7 @@ from areal_jax.checkpoint.stream import StreamPublisher
 from areal_jax.config import RolloutConfig, TrainConfig, to_dict
 from areal_jax.cpu_affinity import check_cpus_available, pin_process_to_cpus
 from areal_jax.data.prompts import load_prompt_dataset
+from areal_jax.data.sft import SFTBatches, sft_examples
 from areal_jax.data.trajectories import ProcessRowsDataset, TrainBatch, TrajectoryBatchDataset
 from areal_jax.engine.launch import (
     ServerStartError,
@@ -52,7 +53,7 @@ from areal_jax.interrupt import Interrupted, raise_if_interrupted
 from areal_jax.learner import Learner
 from areal_jax.learner.config import AlgoConfig, OptimConfig
 from areal_jax.learner.critic import Critic
-from areal_jax.learner.packing import micro_batch_shapes
+from areal_jax.learner.packing import PackedBatch, micro_batch_shapes, pack_trajectories
 from areal_jax.learner.trainable import TrainableModel
 from areal_jax.metrics import MetricsWriter, read_rows, run_summary
 from areal_jax.parallel import (
@@ -98,7 +99,8 @@ from areal_jax.run_lock import lock_run_dir
 from areal_jax.run_models import ModelServers, advantages_fn, eval_reward_name
 from areal_jax.sampling_params import SamplingParams
 from areal_jax.tokenizer import ChatTokenizer, load_tokenizer
-from areal_jax.trainer import LearnerSide, Progress, RolloutSide, Trainer
+from areal_jax.trainer import LearnerSide, Progress, RolloutSide, SFTTrainer, Trainer
+from areal_jax.trajectory import Trajectory
 
 __all__ = ["build_learner_side", "build_trainer", "main_guarded", "run_training"]
 
@@ -243,6 +245,7 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
 
     print(f"run directory: {run_dir} (metrics.jsonl, weights/, checkpoints/, logs/)", flush=True)
     inputs = _rollout_inputs(cfg, run_dir, tokenizer_dir, stack)
+    sft_data = _sft_examples(cfg, inputs) if cfg.mode == "sft" else None  # checked up front
     launch = functools.partial(_launch_servers, cfg, run_dir=inputs.run_files.local, stack=stack,
                                cache_dir=xla_cache_dir, publish_dir=inputs.publisher.weights_dir)
     # A fresh run's first weights are the model's own checkpoint (with its tokenizer): the
@@ -250,8 +253,9 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     # LoRA adapter mode: the servers serve the base model, always, and load each version's
     # adapter (the first one before anything is generated, in _rollout_side).
     handles: list = []
-    if not cfg.rollout.servers and (_serves_adapters(cfg)
-                                    or not restore and tokenizer_dir == model_path):
+    fresh_weights = cfg.mode == "sft" and cfg.sft.random_init  # not the checkpoint's own
+    if not cfg.rollout.servers and (_serves_adapters(cfg) or not restore and not fresh_weights
+                                    and tokenizer_dir == model_path):
         handles = launch(str(model_path), 0)
         _mark(startup, "servers_launched_s")
 
@@ -275,9 +279,47 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     raise_if_interrupted()  # a safe point for SIGINT/SIGTERM
 
     rollout = _rollout_side(cfg, stack, inputs, side, handles, first, startup)
+    if sft_data is not None:
+        batches, eval_batches = _sft_batches(cfg, side, *sft_data)
+        _mark(startup, "setup_s")
+        return SFTTrainer(cfg, side, batches=batches, rollout=rollout,
+                          eval_batches=eval_batches, startup=startup)
     batches = _trajectory_batches(cfg, rollout.executor, side)
     _mark(startup, "setup_s")
     return Trainer(cfg, side, batches=batches, rollout=rollout, startup=startup)
+
+
+def _sft_examples(cfg: TrainConfig, inputs: _RolloutInputs
+                  ) -> tuple[list[Trajectory], list[Trajectory]]:
+    """mode=sft: the training and held-out examples of data.train and data.eval (chat
+    messages or prompt/completion rows, ``data/sft.py``), tokenized and checked now."""
+    from areal_jax.data.prompts import read_records
+
+    def examples(path: str, key: str, limit: int | None = None) -> list[Trajectory]:
+        with input_error(key, ValueError, FileNotFoundError):
+            rows = read_records(path)[:limit]
+            return sft_examples(rows, inputs.tokenizer, prompt_key=cfg.data.prompt_key,
+                                completion_key=cfg.sft.completion_key,
+                                messages_key=cfg.sft.messages_key, max_tokens=cfg.train.seq_len,
+                                source=f"{key} {path}")
+
+    train = examples(inputs.train_path, "data.train")
+    held_out = (examples(inputs.eval_path, "data.eval", cfg.data.max_eval_prompts)
+                if inputs.eval_path else [])
+    return train, held_out
+
+
+def _sft_batches(cfg: TrainConfig, side: LearnerSide, train: list[Trajectory],
+                 held_out: list[Trajectory]) -> tuple[Iterator[TrainBatch], list[PackedBatch]]:
+    """mode=sft: the stream of training batches from the run's version on, and the held-out
+    examples packed once."""
+    t = cfg.train
+    pack: dict[str, Any] = dict(seq_len=t.seq_len, rows_per_micro_batch=t.rows_per_micro_batch,
+                                n_shards=n_batch_shards(side.mesh), row_lengths=t.row_lengths)
+    stream = SFTBatches(train, batch_size=t.batch_size, seed=cfg.seed,
+                        pack_kwargs={**pack, "n_minibatches": cfg.algo.ppo_n_minibatches},
+                        start_version=side.progress.start_version)
+    return iter(stream), (pack_trajectories(held_out, None, **pack) if held_out else [])
 
 
 def _mark(startup: dict[str, float], milestone: str) -> None:
@@ -314,6 +356,9 @@ def _start_process(cfg: TrainConfig) -> str | None:
         guard.add_cleanup(lambda: [handle.kill() for handle in list(LIVE_SERVERS)])
     with input_error("hardware", PlacementError, what=""):
         check_learner_backend(placement)  # JAX started where the placement put the learner
+    if jax.process_count() > 1 and cfg.mode == "sft":
+        raise TrainerError(f"mode=sft runs as one process (one host's devices, any mesh); this "
+                           f"job has {jax.process_count()}")
     if jax.process_count() > 1 and cfg.algo.name == "ppo":
         raise TrainerError("algo.name=ppo (a critic with GAE over whole trajectories) runs as one "
                            f"process; this job has {jax.process_count()}: use grpo/rloo/drgrpo")
@@ -336,6 +381,7 @@ class _RolloutInputs:
     reward_fn: str  # the reward function's import spec, checked to resolve
     eval_items: list[dict[str, Any]]
     publisher: WeightPublisher  # where the servers read the serving weights
+    eval_path: str | None = None  # data.eval, resolved (SFT: the held-out examples)
 
 
 def _rollout_inputs(cfg: TrainConfig, run_dir: str, tokenizer_dir: Path,
@@ -360,9 +406,11 @@ def _rollout_inputs(cfg: TrainConfig, run_dir: str, tokenizer_dir: Path,
         reward_fn = reward_fn_spec(eval_reward_name(cfg))  # the pool's (evals'); see run_models
         resolve_reward_fn(reward_fn)
     ModelServers.check(cfg)  # the judge's, reward model's and teacher's inputs, now
-    with input_error("data.train", ValueError, KeyError, FileNotFoundError):
-        check_prompt_lengths(cfg, tokenizer, train_path)
-    eval_items = load_eval_items(cfg, eval_path)
+    sft = cfg.mode == "sft"  # SFT rows hold examples, checked when they are tokenized
+    if not sft:
+        with input_error("data.train", ValueError, KeyError, FileNotFoundError):
+            check_prompt_lengths(cfg, tokenizer, train_path)
+    eval_items = load_eval_items(cfg, eval_path) if not sft or cfg.sft.eval_accuracy else []
     storage.write_text(local_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     run_files.sync()
     with input_error("checkpoint.publish_dir", storage.StorageError, OSError, ValueError,
@@ -370,7 +418,7 @@ def _rollout_inputs(cfg: TrainConfig, run_dir: str, tokenizer_dir: Path,
         publisher = WeightPublisher.from_config(cfg.checkpoint, run_dir, cfg.serving_dtype)
     return _RolloutInputs(run_files=run_files, train_path=train_path, tokenizer_dir=tokenizer_dir,
                           tokenizer=tokenizer, reward_fn=reward_fn, eval_items=eval_items,
-                          publisher=publisher)
+                          publisher=publisher, eval_path=eval_path)
 
 
 def _precompile(cfg: TrainConfig, side: LearnerSide) -> None:
@@ -381,6 +429,9 @@ def _precompile(cfg: TrainConfig, side: LearnerSide) -> None:
     t = cfg.train
     for rows, seq_len in micro_batch_shapes(t.seq_len, t.rows_per_micro_batch,
                                             n_batch_shards(side.mesh), t.row_lengths):
+        if cfg.mode == "sft":
+            side.learner.precompile_sft(rows, seq_len)
+            continue
         side.learner.precompile(rows, seq_len)
         if side.ref_learner is not None:
             side.ref_learner.precompile(rows, seq_len)
@@ -510,13 +561,14 @@ def _executor(cfg: TrainConfig, workflow: Any, tokenizer: Any, reward_pool: Rewa
               meta: CheckpointMeta | None) -> RolloutExecutor:
     """The rollout executor over the training prompts (its accounting restored from the
     checkpoint's meta; None: a fresh run)."""
-    data = cfg.data
-    with input_error("data.train", ValueError, KeyError, FileNotFoundError):
-        prompts = load_prompt_dataset(train_path, prompt_key=data.prompt_key,
-                                      answer_key=data.answer_key, seed=cfg.seed,
-                                      shuffle=data.shuffle, num_epochs=None)
+    data, prompts = cfg.data, None  # SFT: no prompts (the executor serves eval and updates)
+    if cfg.mode != "sft":
+        with input_error("data.train", ValueError, KeyError, FileNotFoundError):
+            prompts = iter(load_prompt_dataset(train_path, prompt_key=data.prompt_key,
+                                               answer_key=data.answer_key, seed=cfg.seed,
+                                               shuffle=data.shuffle, num_epochs=None))
     executor = RolloutExecutor.from_config(cfg, RolloutClient.from_config(cfg.rollout, addresses),
-                                           workflow, iter(prompts), reward_pool=reward_pool,
+                                           workflow, prompts, reward_pool=reward_pool,
                                            tokenizer=tokenizer)
     if meta is not None and meta.executor:
         executor.load_state_dict(meta.executor)
@@ -536,16 +588,19 @@ def build_learner_side(cfg: TrainConfig, stack: contextlib.ExitStack, model_path
                                     remat=cfg.model.remat, attention=cfg.model.attention)
     lora = cfg.model.lora.spec() if cfg.model.lora is not None else None
     # With several processes each one feeds only the rows its devices hold.
+    sft = cfg.mode == "sft"  # no reference model or critic: the algo section is RL's
     learner = Learner.from_hf(str(model_path), optim, algo, process_local_batches=multi,
-                              lora=lora, lora_seed=cfg.seed, **model_kw, **loss_kw)
+                              lora=lora, lora_seed=cfg.seed,
+                              random_init_seed=cfg.seed if sft and cfg.sft.random_init else None,
+                              **model_kw, **loss_kw)
     ref_learner = None
-    if cfg.algo.kl_coef > 0:
+    if cfg.algo.kl_coef > 0 and not sft:
         ref_learner = Learner.from_hf(str(model_path), optim, algo, trainable=False,
                                       process_local_batches=multi, **model_kw, **loss_kw)
     checkpointer = TrainCheckpointer.from_config(cfg.checkpoint, ckpt_dir)
     stack.callback(checkpointer.close)
     critic, critic_ckpt = None, None
-    if cfg.algo.name == "ppo":  # actor-critic: a value model with its own optimizer state
+    if cfg.algo.name == "ppo" and not sft:  # actor-critic: a value model, its own optimizer
         critic = Critic.from_hf(str(model_path), optim, value_eps_clip=cfg.algo.value_eps_clip,
                                 value_coef=cfg.algo.value_coef,
                                 ppo_n_minibatches=cfg.algo.ppo_n_minibatches,
