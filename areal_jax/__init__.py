@@ -17,3 +17,7 @@ def _quiet_absent_cuda() -> None:
 
 
 _quiet_absent_cuda()
+# gcsfs reads this once, when it is imported (a gRPC bucket-type probe per open that stalls
+# for a minute against an emulator): set before anything of ours imports it. A value the
+# user set is kept; areal_jax.storage.configure_environment() also repairs an early import.
+_os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")

@@ -33,6 +33,7 @@ __all__ = [
     "JudgeSection",
     "ModelServerSection",
     "RewardModelSection",
+    "LoggingConfig",
     "LoraSection",
     "ModelSection",
     "OptimConfig",
@@ -45,6 +46,7 @@ __all__ = [
     "TeacherSection",
     "TrainConfig",
     "TrainLoopConfig",
+    "WandbSection",
     "WatchdogConfig",
     "from_dict",
     "load_config",
@@ -620,6 +622,36 @@ class DistributedConfig:
                              f"got {self.peer_timeout_s}")
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass(frozen=True)
+class WandbSection:
+    """``logging.wandb``: log the run to Weights & Biases (the ``wandb`` extra)."""
+
+    project: str = "areal-jax"
+    name: str | None = None  # the W&B run's name; default: run_dir's last component
+    # online: sent as it goes; offline: written under RUN_DIR/wandb only (no network;
+    # `wandb sync RUN_DIR/wandb/offline-run-*` uploads it later); disabled: nothing.
+    mode: Literal["online", "offline", "disabled"] = "online"
+    entity: str | None = None  # a W&B team or user; default: the API key's
+    tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"logging.wandb.mode must be one of {list(WANDB_MODES)}, "
+                             f"got {self.mode!r}")
+        if not self.project:
+            raise ValueError("logging.wandb.project must be a non-empty name")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """``logging``: where metrics go besides metrics.jsonl and TensorBoard."""
+
+    wandb: WandbSection | None = None  # null: no W&B run
+
+
 @dataclass(frozen=True)
 class SFTConfig:
     """``sft``: supervised fine-tuning (``mode: sft``; docs/training.md, "Supervised
@@ -664,6 +696,7 @@ class TrainConfig:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     teacher: TeacherSection | None = None  # on-policy distillation (TeacherSection)
     log_every: int = 1

@@ -63,12 +63,20 @@ class MetricsWriter:
     def from_config(cls, cfg: TrainConfig, run_dir: Path, start_version: int,
                     resumed: bool) -> MetricsWriter:
         """The run's writer in ``run_dir`` (its local working copy), from version
-        ``start_version`` of ``train.total_versions``."""
+        ``start_version`` of ``train.total_versions``; with ``logging.wandb``, a W&B run
+        too (:class:`WandbLogger`)."""
+        wandb = None
+        if cfg.logging.wandb is not None:
+            from areal_jax.config_io import to_dict
+
+            wandb = WandbLogger(cfg.logging.wandb, run_dir, to_dict(cfg))
         return cls(run_dir, cfg.train.total_versions, start_version, cfg.progress_bar,
-                   resumed=resumed)
+                   resumed=resumed, wandb=wandb)
 
     def __init__(self, run_dir: Path, total: int, initial: int, progress_bar: bool,
-                 resumed: bool = False) -> None:
+                 resumed: bool = False, wandb: WandbLogger | None = None) -> None:
+        self.run_dir = run_dir
+        self.wandb = wandb
         self.path = run_dir / "metrics.jsonl"
         prompts_path = run_dir / "consumed_prompts.jsonl"
         if resumed:  # versions after the checkpoint are trained again: drop their old rows
@@ -102,10 +110,13 @@ class MetricsWriter:
                 if isinstance(v, int | float) and not isinstance(v, bool) and k != "time":
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
-        summary = {k: row[k] for k in ("reward_mean", "eval_accuracy") if k in row}
+        if self.wandb is not None:
+            self.wandb.log(row)
+        summary = {k: row[k] for k in ("reward_mean", "loss", "eval_loss", "eval_accuracy")
+                   if k in row}
         text = " ".join(f"{k}={v:.3f}" for k, v in summary.items())
         if self._bar is not None:
-            if "reward_mean" in row:
+            if "reward_mean" in row or "loss" in row:  # a trained version's row (RL, SFT)
                 self._bar.update(step - self._bar.n)
             self._bar.set_postfix_str(text)
             if "eval_accuracy" in row:
@@ -134,6 +145,102 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
         self._file.close()
+        if self.wandb is not None:
+            self.wandb.finish(self.run_dir)
+
+
+class WandbLogger:
+    """``logging.wandb``: a Weights & Biases run holding every metrics.jsonl row (charted
+    against ``version``), the run config, and at the end the run's plots (the PNGs of
+    scripts/plot.py, drawn from metrics.jsonl where the source tree has that script, and any
+    already in RUN_DIR/plots). Its files are in RUN_DIR/wandb; the run's id is kept in
+    RUN_DIR/wandb_run_id, so a resumed run logs into the same W&B run."""
+
+    def __init__(self, section: Any, run_dir: Path, config: dict[str, Any]) -> None:
+        import wandb  # run_inputs.check_optional_packages has checked it is installed
+
+        id_file = run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else None
+        if not run_id:
+            run_id = f"{run_dir.name[:40]}-{os.urandom(4).hex()}"
+            id_file.write_text(run_id + "\n")
+        self.run = wandb.init(project=section.project, name=section.name or run_dir.name,
+                              entity=section.entity, tags=list(section.tags) or None,
+                              mode=section.mode, dir=str(run_dir), config=config, id=run_id,
+                              resume="allow")
+        # Rows are charted against the learner version (a resumed run logs some again).
+        self.run.define_metric("version")
+        self.run.define_metric("*", step_metric="version")
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.run.log(dict(row))
+
+    def finish(self, run_dir: Path) -> None:
+        try:
+            self.log_plots(run_dir)
+        except Exception as e:  # noqa: BLE001 - the metrics are logged; plots are extra
+            logger.warning("W&B: the run's plots were not logged (%s: %s)", type(e).__name__, e)
+        self.run.finish()
+
+    def log_plots(self, run_dir: Path) -> None:
+        """The plots of scripts/plot.py (drawn now, where the source tree has it) and the
+        PNGs in RUN_DIR/plots, as W&B images under ``plots/<name>``."""
+        import wandb
+
+        script = Path(__file__).resolve().parents[1] / "scripts" / "plot.py"
+        if script.is_file():
+            import importlib.util
+
+            spec = importlib.util.spec_from_file_location("_areal_jax_plot", script)
+            if spec is not None and spec.loader is not None:
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                module.plot_run(run_dir, log=lambda *_: None)
+        images = {f"plots/{p.stem}": wandb.Image(str(p))
+                  for p in sorted((run_dir / "plots").glob("*.png"))}
+        if images:
+            self.run.log(images)
+
+
+def read_wandb_records(path: str | Path) -> list[Any]:
+    """The records of a W&B run file (``run-<id>.wandb``, e.g. an offline run's), as
+    ``wandb.proto.wandb_internal_pb2.Record`` messages, read with W&B's own protobuf: the
+    file is a 7-byte header then LevelDB-log framing (32 KiB blocks of chunks, each a 4-byte
+    checksum, 2-byte length and 1-byte type: full, first, middle, last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path} is not a W&B run file")
+    block, pos, records, pending = 32768, 7, [], b""
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        if room < 7:  # a block's tail too short for a chunk header is padding
+            pos += room
+            continue
+        length = int.from_bytes(data[pos + 4:pos + 6], "little")
+        kind = data[pos + 6]
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):  # full, last: a whole record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def read_wandb_history(path: str | Path) -> list[dict[str, Any]]:
+    """The rows a W&B run file's history records hold (key -> value)."""
+    rows = []
+    for record in read_wandb_records(path):
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+    return rows
 
 
 def run_summary(rows: list[dict[str, Any]], *, wall_s: float, run_dir: str, version: int,

@@ -76,6 +76,8 @@ def check_optional_packages(cfg: TrainConfig) -> None:
         if isinstance(value, str) and value.startswith("gs://"):
             needs.append(("gcsfs", "gcs", f"{key} {value}"))
             break
+    if cfg.logging.wandb is not None and cfg.logging.wandb.mode != "disabled":
+        needs.append(("wandb", "wandb", "logging.wandb"))
     for package, extra, why in needs:
         try:
             importlib.import_module(package)

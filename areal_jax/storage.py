@@ -40,6 +40,27 @@ class StorageError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- environment
+def _gcsfs_without_bucket_type_probe() -> None:
+    """gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT when it is imported and then serves
+    ``gs://`` with its experimental file system (a bucket-type probe per open: "Could not
+    determine bucket type", a minute each against an emulator). If something imported it
+    before the variable was set to false, the plain file system is put back for ``gs://``."""
+    import sys
+
+    gcsfs = sys.modules.get("gcsfs")
+    if gcsfs is None or os.environ.get("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "").lower() in (
+            "true", "1"):
+        return
+    core = getattr(getattr(gcsfs, "core", None), "GCSFileSystem", None)
+    if core is None or getattr(gcsfs, "GCSFileSystem", None) is core:
+        return
+    import fsspec
+
+    gcsfs.GCSFileSystem = core  # type: ignore[attr-defined]  # gcsfs has no stubs
+    for protocol in ("gs", "gcs"):
+        fsspec.register_implementation(protocol, core, clobber=True)
+
+
 def configure_environment() -> None:
     """Points every GCS client at ``STORAGE_EMULATOR_HOST`` when it is set (idempotent).
 
@@ -53,6 +74,7 @@ def configure_environment() -> None:
 
     host = os.environ.get("STORAGE_EMULATOR_HOST")
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # no gRPC probe per open
+    _gcsfs_without_bucket_type_probe()
     # Every gcsfs instance (also etils.epath's, which Orbax lists steps with) re-lists: other
     # processes write the same bucket, and a cached listing would hide their new objects.
     gs_defaults = fsspec.config.conf.setdefault("gs", {})
