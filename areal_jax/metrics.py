@@ -226,7 +226,7 @@ def read_wandb_records(path: str | Path) -> list[Any]:
             continue
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):  # full, last: a whole record
-            record = wandb_internal_pb2.Record()
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
             record.ParseFromString(pending)
             records.append(record)
             pending = b""
