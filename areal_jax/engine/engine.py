@@ -3,8 +3,9 @@
 A background thread runs the step loop:
 
 1. run control commands (abort, pause, continue, weight swap) posted by other threads;
-2. admit waiting requests into free slots: prefill them in length buckets, which also
-   samples each one's first token;
+2. admit waiting requests into free slots: prefill them in chunks of the prefill
+   programs' lengths (a long prompt in several), the last of which samples each one's
+   first token;
 3. dispatch one jitted decode call over all slots (``decode_steps`` tokens each,
    sampling on device);
 4. then, while that call runs, fetch the previous call's tokens and logprobs, append
