@@ -140,7 +140,8 @@ def time_engine(repo: Path, preset: dict[str, Any], cache_dir: Path, log: Path
         out[f"server_{key}"] = float(value)
     for name, prog in (info.get("programs") or {}).items():
         out[f"compile_s/{name}"] = float(prog["compile_s"])
-        out[f"hlo_chars/{name}"] = float(prog["hlo_chars"])
+        if "hlo_chars" in prog:  # measured after start-up, off its path
+            out[f"hlo_chars/{name}"] = float(prog["hlo_chars"])
     return out
 
 

@@ -170,8 +170,8 @@ class GenerationEngine:
                     raise ModelPathError(f"model_path {path}: {e}") from None
             self.startup["compile_s"] = time.perf_counter() - t0
             rest = [k for k in self.runner.program_keys() if not self.runner.ready(k)]
-            if rest:
-                self._compile_thread = self.runner.compile_in_background(rest)
+            # (and the programs' HLO sizes, measured off the start-up path)
+            self._compile_thread = self.runner.compile_in_background(rest)
         self.startup["ready_s"] = time.time() - self._process_start
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()

@@ -180,6 +180,10 @@ class ModelRunner:
         self._compiling: dict[tuple[str, int], Future] = {}
         self.program_stats: dict[str, dict[str, float]] = {}
         self._programs_lock = threading.Lock()
+        # key -> lowered program whose HLO size is still to be measured: printing a deep
+        # model's module takes seconds, so it is done off the start-up path.
+        self._unmeasured: dict[tuple[str, int], Any] = {}
+        self._measure_lock = threading.Lock()
         _install_compile_listener()
         self.reset()
 
@@ -458,9 +462,8 @@ class ModelRunner:
         try:
             t0 = time.perf_counter()
             lowered = self._lower(key)
-            hlo_chars = len(lowered.as_text())
             executable = lowered.compile()
-            stats = {"compile_s": round(time.perf_counter() - t0, 3), "hlo_chars": hlo_chars}
+            stats = {"compile_s": round(time.perf_counter() - t0, 3)}
         except BaseException as e:
             with self._programs_lock:
                 del self._compiling[key]
@@ -469,6 +472,7 @@ class ModelRunner:
         with self._programs_lock:
             self._executables[key] = executable
             self.program_stats[program_name(key)] = stats
+            self._unmeasured[key] = lowered
             self.num_compilations += 1
             del self._compiling[key]
         mine.set_result(executable)
@@ -493,10 +497,25 @@ class ModelRunner:
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             return sum(pool.map(self._compile_one, keys))
 
+    def measure_programs(self) -> None:
+        """Adds ``hlo_chars`` (the size of its StableHLO text) to each compiled program's
+        ``program_stats`` that lacks it."""
+        with self._measure_lock:  # one measurer at a time: returns when all are measured
+            while True:
+                with self._programs_lock:
+                    if not self._unmeasured:
+                        return
+                    key, lowered = self._unmeasured.popitem()
+                chars = len(lowered.as_text())
+                with self._programs_lock:
+                    self.program_stats[program_name(key)]["hlo_chars"] = chars
+
     def warmup(self, workers: int | None = None) -> int:
-        """Compiles every program ahead of time (see ``compile_programs``); returns how
-        many it compiled."""
-        return self.compile_programs(None, workers)
+        """Compiles every program ahead of time (see ``compile_programs``) and measures
+        their HLO; returns how many it compiled."""
+        count = self.compile_programs(None, workers)
+        self.measure_programs()
+        return count
 
     def compile_in_background(self, keys: list[tuple[str, int]]) -> threading.Thread:
         """Compiles ``keys`` one after another in a daemon thread (the step loop goes on
@@ -508,6 +527,7 @@ class ModelRunner:
                     self._compile_one(key)
                 except Exception:  # noqa: BLE001 - the step call compiles it itself then
                     logger.exception("background compile of %s failed", key)
+            self.measure_programs()
 
         thread = threading.Thread(target=run, name="engine-compile", daemon=True)
         thread.start()
