@@ -10,7 +10,7 @@ def _quiet_absent_cuda() -> None:
     installed (the aot or cuda extra), jax's first backend start runs its CUDA library
     version check, which fails on a GPU-less host and logs ~25 lines of traceback, then
     skips CUDA anyway: jax starts no CUDA backend without a visible GPU device node (the
-    very check below, jax._src.hardware_utils.has_visible_nvidia_gpu). So the version check
+    very check below, in jax's private hardware_utils.has_visible_nvidia_gpu). So the version check
     is skipped exactly where its backend would be; a GPU machine keeps it."""
     if not any(_os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")):
         _os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")

@@ -244,6 +244,7 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
         return Trainer(cfg, side, batches=_trajectory_batches(cfg, None, side), rollout=None)
 
     print(f"run directory: {run_dir} (metrics.jsonl, weights/, checkpoints/, logs/)", flush=True)
+    print(run_placement(cfg).describe(), flush=True)  # the plan (parallel/placement.py)
     inputs = _rollout_inputs(cfg, run_dir, tokenizer_dir, stack)
     sft_data = _sft_examples(cfg, inputs) if cfg.mode == "sft" else None  # checked up front
     launch = functools.partial(_launch_servers, cfg, run_dir=inputs.run_files.local, stack=stack,
@@ -724,7 +725,7 @@ def run_placement(cfg: TrainConfig) -> Placement:
     """The run's placement (parallel/placement.py): which devices the learner and each
     rollout server get, and the environment that gives them; the one train.py printed."""
     try:
-        return start_placement(cfg)
+        return start_placement(cfg, announce=False)
     except PlacementError as e:
         raise TrainerError(str(e)) from None
 

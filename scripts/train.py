@@ -61,11 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     # Before JAX starts: SGLang present if the config starts it, the hardware it names
-    # visible, and every process's devices (this one's environment set, the plan printed).
+    # visible, and every process's devices (this one's environment set; the plan is printed
+    # by the run, after the run directory line that opens every run's console).
     from areal_jax.parallel.placement import PlacementError, start_placement
 
     try:
-        start_placement(cfg)
+        start_placement(cfg, announce=False)
     except PlacementError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

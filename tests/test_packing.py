@@ -192,5 +192,6 @@ def test_train_row_lengths_key_is_validated_and_parsed():
     cfg = config({"seq_len": 448, "row_lengths": [64, 128, 256]})
     assert cfg.train.row_lengths == [64, 128, 256]
     with pytest.raises(ValueError, match=r"train.row_lengths must be a list of ints in "
-                                         r"\[1, train.seq_len=448\], got \[64, 512\]"):
+                                         r"\[2, train.seq_len=448\] \(a row holds at least a "
+                                         r"prompt token and a generated one\), got \[64, 512\]"):
         config({"seq_len": 448, "row_lengths": [64, 512]})
