@@ -16,7 +16,7 @@ from areal_jax.bench.common import REPO, format_table, repo_file, run_train, scr
 
 NAMES = ["forward", "train", "generate", "async-vs-sync", "staleness", "losses", "executor",
          "memory", "memory-run", "startup", "trl", "longtail", "process-rows", "attention",
-         "engine-compile", "gpu", "serve-load"]
+         "engine-compile", "gpu", "serve-load", "weight-sync"]
 
 
 def test_importing_the_package_or_its_benchmarks_pulls_in_no_torch_trl_or_transformers():
