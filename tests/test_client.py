@@ -138,9 +138,11 @@ def test_interrupted_update_stitches_versions(servers, ckpt_a, ckpt_b):
             await asyncio.to_thread(wait_until, lambda: server_info(url)["generated_tokens"]
                                     >= before + 5 * (len(prompts) + 1), what="tokens")
             await client.pause()
-            partial = (await raw_task).json()
-            await client.update_weights_from_disk(str(ckpt_b), 1)
-            await client.continue_()
+            try:
+                partial = (await raw_task).json()
+                await client.update_weights_from_disk(str(ckpt_b), 1)
+            finally:  # a failure above must not leave the server paused for later tests
+                await client.continue_()
             results = await asyncio.gather(*tasks)
             await client.update_weights_from_disk(str(ckpt_a), 2)  # restore for other tests
             return partial, results
@@ -219,8 +221,10 @@ def test_interrupted_batch_resumes_under_the_new_weights(servers, ckpt_a, ckpt_b
             await asyncio.to_thread(wait_until, lambda: server_info(url)["generated_tokens"]
                                     >= before + 5 * len(prompts), what="tokens")
             await client.pause()
-            await client.update_weights_from_disk(str(ckpt_b), new)
-            await client.continue_()
+            try:
+                await client.update_weights_from_disk(str(ckpt_b), new)
+            finally:  # a failure above must not leave the server paused for later tests
+                await client.continue_()
             results = await task
             await client.update_weights_from_disk(str(ckpt_a), new + 1)  # for other tests
             return results
