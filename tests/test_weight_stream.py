@@ -5,6 +5,7 @@ greedy tokens and logprobs are the learner's; every fault leaves the old version
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -22,11 +23,13 @@ from areal_jax.checkpoint.delta import DeltaPublisher
 from areal_jax.checkpoint.publish import PublishError
 from areal_jax.checkpoint.stream import StreamPublisher, serving_arrays
 from areal_jax.weight_wire import (
-    CRC_HEADER,
+    CHECKSUM_HEADER,
     bucket_views,
     checksum,
+    file_layout,
     manifest_for,
     read_delta_header,
+    write_stream_file,
 )
 from model_defs import load_hf
 from tests.hf_fixtures import make_tiny_hf_checkpoint, token_logprob_tolerance
@@ -121,7 +124,8 @@ def on_a(servers, ckpts, learners):
     return urls
 
 
-@pytest.mark.parametrize("shm_dir", ["/dev/shm", None], ids=["shared-memory", "http"])
+@pytest.mark.parametrize("shm_dir", ["/dev/shm", None, "/proc"],
+                         ids=["shared-memory", "http", "unwritable-shm-falls-back-to-http"])
 def test_a_memory_bump_serves_the_learners_weights_on_every_server(on_a, ckpts, learners,
                                                                    shm_dir):
     urls = on_a
@@ -132,6 +136,9 @@ def test_a_memory_bump_serves_the_learners_weights_on_every_server(on_a, ckpts, 
     assert sender.shm_dir == shm_dir  # the servers are on this host
     transfer = sender.send(serving_arrays(learners[1], "float32"), 1)
     assert sender.last is not None and sender.last.nbytes > 3 * 10_000
+    # /proc takes no new file: that send, and the ones after it, went over HTTP
+    assert sender.shm_dir == (None if shm_dir == "/proc" else shm_dir)
+    assert sender.shm_fallbacks == []  # the servers on this host read the shared memory
     for u in urls:  # staged, not served yet: the servers still generate on v0
         assert status(u)["staged"] == transfer
         assert_serves(u, learners[0], ckpts[0], 0)
@@ -147,7 +154,7 @@ def put_bucket(url, manifest, arrays, index, crc=None, data=None):
     return httpx.put(
         f"{url}/weights/bucket", params={"transfer": manifest.transfer, "index": index},
         content=data if data is not None else b"".join(bytes(p) for p in parts),
-        headers={CRC_HEADER: str(checksum(parts) if crc is None else crc)}, timeout=60)
+        headers={CHECKSUM_HEADER: str(checksum(parts) if crc is None else crc)}, timeout=60)
 
 
 def begin(url, named, version, bucket_bytes=10_000):
@@ -196,18 +203,23 @@ def test_a_corrupted_shared_memory_file_is_refused(on_a, ckpts, learners, tmp_pa
     manifest, _ = begin(url, named, 3)
     arrays = [a for _, a in named]
     crcs = [checksum(bucket_views(manifest, arrays, i)) for i in range(manifest.num_buckets)]
-    data = bytearray(b"".join(bytes(v) for a in arrays for v in [memoryview(a).cast("B")]))
-    data[len(data) // 3] ^= 0x01
     path = tmp_path / f"areal-weights-{manifest.transfer}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    write_stream_file(fd, manifest, arrays)
+    os.close(fd)
+    data = bytearray(path.read_bytes())
+    offsets, _ = file_layout(manifest)
+    big = int(np.argmax([t.nbytes for t in manifest.tensors]))
+    data[offsets[big] + manifest.tensors[big].nbytes // 3] ^= 0x01  # one bit of a tensor
     path.write_bytes(bytes(data))
     r = httpx.post(f"{url}/weights/load_file", timeout=60, json={
-        "transfer": manifest.transfer, "path": str(path), "crc32": crcs})
+        "transfer": manifest.transfer, "path": str(path), "checksums": crcs})
     assert r.status_code == 400 and "is corrupted" in r.json()["error"]
     manifest, _ = begin(url, named, 3)
     other = tmp_path / "secrets.bin"
     other.write_bytes(bytes(data))
     r = httpx.post(f"{url}/weights/load_file", timeout=60, json={
-        "transfer": manifest.transfer, "path": str(other), "crc32": crcs})
+        "transfer": manifest.transfer, "path": str(other), "checksums": crcs})
     assert r.status_code == 400 and "not a weight stream file" in r.json()["error"]
     assert_serves(url, learners[0], ckpts[0], 0)
 
@@ -253,7 +265,7 @@ def test_a_connection_dropped_mid_bucket_drops_the_transfer(on_a, ckpts, learner
     with socket.create_connection((parts.hostname, parts.port)) as sock:
         sock.sendall((f"PUT /weights/bucket?transfer={manifest.transfer}&index=0 HTTP/1.1\r\n"
                       f"Host: {parts.netloc}\r\nContent-Length: {len(data)}\r\n"
-                      f"{CRC_HEADER}: {checksum(memoryview(data))}\r\n\r\n").encode())
+                      f"{CHECKSUM_HEADER}: {checksum(memoryview(data))}\r\n\r\n").encode())
         sock.sendall(data[:len(data) // 2])
     for _ in range(100):  # the server notices the closed connection
         if status(url)["receiving"] is None:
@@ -272,7 +284,7 @@ def test_a_learner_killed_mid_stream_leaves_v0_and_the_next_bump_works(on_a, ckp
     script = textwrap.dedent(f"""
         import os, signal, httpx
         from areal_jax.checkpoint.stream import serving_arrays
-        from areal_jax.weight_wire import CRC_HEADER, bucket_views, checksum, manifest_for
+        from areal_jax.weight_wire import CHECKSUM_HEADER, bucket_views, checksum, manifest_for
         from model_defs import load_hf
         named = serving_arrays(load_hf({str(ckpts[1])!r})[0], "float32").host()
         m = manifest_for(named, 6, 10_000)
@@ -280,7 +292,7 @@ def test_a_learner_killed_mid_stream_leaves_v0_and_the_next_bump_works(on_a, ckp
         parts = bucket_views(m, [a for _, a in named], 0)
         httpx.put({url!r} + "/weights/bucket", params={{"transfer": m.transfer, "index": 0}},
                   content=b"".join(bytes(p) for p in parts),
-                  headers={{CRC_HEADER: str(checksum(parts))}}, timeout=60).raise_for_status()
+                  headers={{CHECKSUM_HEADER: str(checksum(parts))}}, timeout=60).raise_for_status()
         print(m.transfer, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)

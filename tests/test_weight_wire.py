@@ -4,6 +4,9 @@ few bits change, and a corrupted or misapplied one is refused."""
 
 from __future__ import annotations
 
+import mmap
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -17,9 +20,11 @@ from areal_jax.weight_wire import (
     bucket_views,
     checksum,
     encode_delta,
+    file_layout,
     manifest_for,
     nonfinite,
     read_delta_header,
+    write_stream_file,
 )
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -53,6 +58,42 @@ def test_buckets_reassemble_bit_for_bit_in_any_order():
     for name, a in named:
         np.testing.assert_array_equal(bits(out[name]), bits(a))
         assert out[name].ctypes.data % 64 == 0 or out[name].size == 0
+
+
+@pytest.mark.parametrize("algo", ["xxh3_64", "crc32"])
+def test_a_mapped_stream_file_gives_aligned_views_and_a_flipped_bit_is_refused(tmp_path, algo):
+    """The same-host path: the stream written to a file with every tensor 64-byte aligned
+    (odd sizes pad), mapped, checked bucket by bucket, read as views (no copy)."""
+    named = tensors() + [("odd", np.arange(7, dtype=np.float32).astype(BF16))]
+    named.insert(1, ("bias", np.full((3,), 0.5, BF16)))  # 6 bytes: the next tensor pads
+    manifest = Manifest.from_json(manifest_for(named, 3, bucket_bytes=333).to_json()
+                                  | {"checksum": algo})
+    assert manifest.checksum == algo
+    arrays = [a for _, a in named]
+    crcs = [checksum(bucket_views(manifest, arrays, i), algo)
+            for i in range(manifest.num_buckets)]
+    offsets, size = file_layout(manifest)
+    assert all(o % 64 == 0 for o in offsets) and size > manifest.total_bytes
+    path = tmp_path / "stream"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    write_stream_file(fd, manifest, arrays)
+    mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    asm = Assembler(manifest)
+    asm.map_file(mapped, crcs)
+    out = asm.complete()
+    for name, a in named:
+        np.testing.assert_array_equal(bits(out[name]), bits(a))
+        assert not out[name].flags.writeable  # views of the mapping
+    big = int(np.argmax([t.nbytes for t in manifest.tensors]))
+    os.pwrite(fd, bytes([arrays[big].view(np.uint8).reshape(-1)[5] ^ 0x04]),
+              offsets[big] + 5)
+    with pytest.raises(WireError, match="is corrupted"):
+        Assembler(manifest).map_file(mapped, crcs)
+    with pytest.raises(WireError, match="holds"):
+        Assembler(manifest).map_file(mapped[:size - 1], crcs)
+    os.close(fd)
+    with pytest.raises(WireError, match="unknown checksum"):
+        Manifest.from_json(manifest.to_json() | {"checksum": "md5"})
 
 
 def test_a_wrong_bucket_is_refused():

@@ -7,14 +7,19 @@
 
 A version goes to every server as ``areal_jax.weight_wire`` lays it out: the manifest
 (``POST /weights/begin``, refused at once if a tensor, shape or dtype does not fit what
-the server serves), then each bucket (``PUT /weights/bucket?transfer=&index=``, its CRC-32
-in a header), then ``POST /weights/stage``: the server checks it has every bucket whole,
-places the tensors like its served ones and runs its probe forward, while it keeps
-generating on the old weights. The servers are sent to side by side, one thread each.
+the server serves), then each bucket (``PUT /weights/bucket?transfer=&index=``, its
+checksum in a header: xxh3-64, which the manifest names), then ``POST /weights/stage``:
+the server checks it has every bucket whole, places the tensors like its served ones and
+runs its probe forward, while it keeps generating on the old weights. The servers are sent
+to side by side, one thread each.
 Servers on this host (127.0.0.1, localhost) get the stream through shared memory instead
 of the buckets' HTTP bodies: it is written once to ``/dev/shm/areal-weights-<transfer>``
-(mode 0600, removed when the send ends) and each server reads it straight into its new
-tensors, checking every bucket's CRC-32 (``POST /weights/load_file``).
+(mode 0600, each tensor 64-byte aligned: ``weight_wire.file_layout``; removed when the send
+ends) and each server maps it and checks every bucket's checksum (``POST
+/weights/load_file``); its new params are views of those pages, no copy. Where the file
+cannot be written (a full or small ``/dev/shm``, as in a container's 64 MiB default) the
+sender uses HTTP buckets from then on; a server that cannot read it (on 127.0.0.1 but in
+another container) gets the buckets over HTTP (``shm_fallbacks``).
 
 Any failure (a server refusing, a connection dropped, a server gone, a non-finite value
 in the learner's weights) aborts the transfer on every server (``POST /weights/abort``):
@@ -29,6 +34,7 @@ import concurrent.futures
 import contextlib
 import http.client
 import json
+import logging
 import os
 import time
 import urllib.parse
@@ -43,17 +49,19 @@ from flax import nnx
 
 from areal_jax.checkpoint.publish import PublishError, _gather_to_host
 from areal_jax.weight_wire import (
-    CRC_HEADER,
+    CHECKSUM_HEADER,
     DEFAULT_BUCKET_BYTES,
     SHM_PREFIX,
     Manifest,
     bucket_views,
-    byte_view,
     checksum,
     leaf_name,
     manifest_for,
+    write_stream_file,
 )
 from model_defs import CausalLM, merge_lora, parse_dtype
+
+logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"  # noqa: S108 - shared memory, where the same host's servers read it
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -150,6 +158,7 @@ class StreamPublisher:
         self.bucket_bytes = int(bucket_bytes)
         self.timeout_s = timeout_s
         self.last: SendReport | None = None
+        self.shm_fallbacks: list[str] = []  # the last send's servers that got HTTP buckets
 
     # ------------------------------------------------------------------ HTTP
     def _connect(self, url: str) -> http.client.HTTPConnection:
@@ -197,14 +206,22 @@ class StreamPublisher:
         try:
             self._request(conn, url, "POST", "/weights/begin", manifest.to_json())
             if shm_path is not None:
-                self._request(conn, url, "POST", "/weights/load_file", {
-                    "transfer": manifest.transfer, "path": shm_path,
-                    "crc32": [c.result() for c in crcs]})
+                try:
+                    self._request(conn, url, "POST", "/weights/load_file", {
+                        "transfer": manifest.transfer, "path": shm_path,
+                        "checksums": [c.result() for c in crcs]})
+                except _ServerRefused as e:
+                    # A server on 127.0.0.1 that does not see this /dev/shm (another
+                    # container) or could not read the file: it gets the buckets instead.
+                    logger.warning("%s; sending it the buckets over HTTP", e)
+                    self.shm_fallbacks.append(url)
+                    self._request(conn, url, "POST", "/weights/begin", manifest.to_json())
+                    shm_path = None
             for i in range(manifest.num_buckets if shm_path is None else 0):
                 route = f"/weights/bucket?transfer={manifest.transfer}&index={i}"
                 self._request(conn, url, "PUT", route,
                               parts=bucket_views(manifest, arrays, i),
-                              headers={CRC_HEADER: str(crcs[i].result())})
+                              headers={CHECKSUM_HEADER: str(crcs[i].result())})
             t0 = time.perf_counter()
             self._request(conn, url, "POST", "/weights/stage",
                           {"transfer": manifest.transfer})
@@ -238,11 +255,17 @@ class StreamPublisher:
         arrays = [a for _, a in named]
         manifest = manifest_for(named, version, self.bucket_bytes)
         report = SendReport(manifest.transfer, manifest.total_bytes, host_s=host_s)
+        self.shm_fallbacks = []
         t1 = time.perf_counter()
         shm_path = None
         try:
             if self.shm_dir is not None:
-                shm_path = self._write_shm(manifest, arrays)
+                try:
+                    shm_path = self._write_shm(manifest, arrays)
+                except OSError as e:  # e.g. a container's 64 MiB /dev/shm
+                    logger.warning("weights v%d: cannot write %s (%s); sending them over "
+                                   "HTTP from now on", version, self.shm_dir, e)
+                    self.shm_dir = None
             return self._send_all(manifest, arrays, report, shm_path, t1)
         finally:
             if shm_path is not None:
@@ -255,16 +278,13 @@ class StreamPublisher:
         path = os.path.join(self.shm_dir, f"{SHM_PREFIX}{manifest.transfer}")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            with os.fdopen(fd, "wb", buffering=0) as f:
-                for array in arrays:
-                    view = byte_view(array)
-                    while view:
-                        n = f.write(view)
-                        view = view[n:]
+            write_stream_file(fd, manifest, arrays)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(path)
             raise
+        finally:
+            os.close(fd)
         return path
 
     def _send_all(self, manifest: Manifest, arrays: Sequence[np.ndarray], report: SendReport,
@@ -274,7 +294,7 @@ class StreamPublisher:
         # the GIL on large buffers, so this overlaps the socket writes).
         with concurrent.futures.ThreadPoolExecutor(1) as crc_pool, \
                 concurrent.futures.ThreadPoolExecutor(len(self.urls)) as pool:
-            crcs = [crc_pool.submit(checksum, bucket_views(manifest, arrays, i))
+            crcs = [crc_pool.submit(checksum, bucket_views(manifest, arrays, i), manifest.checksum)
                     for i in range(manifest.num_buckets)]
             futures: dict[str, concurrent.futures.Future[float]] = {
                 url: pool.submit(self._send_one, url, manifest, arrays, crcs, shm_path)

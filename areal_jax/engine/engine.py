@@ -148,6 +148,10 @@ class GenerationEngine:
         self._paused = False
         # (params, weight version, reply future, aborted count, adapter load id or None)
         self._pending_update: tuple[nnx.State, str | None, Future, int, int | None] | None = None
+        # swap_staged with abort_all_requests: the running requests are aborted at the
+        # boundary after the decode call in flight (none is dispatched meanwhile), so its
+        # tokens reach them and the swap finds the device idle. Engine thread only.
+        self._pending_abort = False
         self._update_lock = threading.Lock()
         # In-memory updates (weight_wire's format) received while generation goes on.
         self.staging = WeightStaging(self.runner, config.check_weights)
@@ -394,6 +398,8 @@ class GenerationEngine:
                 return {"success": False, "message": f"weights not updated: {e}",
                         "num_paused_requests": 0}
             result = done.result()
+            result.pop("_stopped_at", None)
+            result.pop("_swapped_at", None)
             result["message"] += f" (loaded in {load_s:.2f}s)"
             return result
 
@@ -412,10 +418,13 @@ class GenerationEngine:
     def swap_staged(self, transfer: str, weight_version: str | None = None,
                     abort_all_requests: bool = False) -> JsonDict:
         """Serves the weights staged by in-memory transfer ``transfer`` (``self.staging``)
-        from the next step boundary on: running requests are aborted at that boundary if
-        ``abort_all_requests`` (they return their partial output), else the swap waits for
-        them; requests that arrive meanwhile wait for the new weights. Generation pauses
-        only for the swap itself (``paused_s`` in the reply). The new weights become the
+        from the next step boundary on: with ``abort_all_requests`` no further decode call
+        is dispatched, the one in flight is collected (its tokens reach the requests), then
+        the running requests are aborted (they return their partial output) and the weights
+        swapped, the device idle; without, the swap waits for them to finish. Requests that
+        arrive meanwhile wait for the new weights. The reply's ``wait_s`` is the wait for
+        that boundary (generation went on under the old weights) and ``paused_s`` the time
+        from the old weights' last step to the new ones in place. The new weights become the
         base that LoRA adapters merge onto; an active adapter is dropped."""
         try:
             _, state = self.staging.take(transfer)
@@ -423,17 +432,15 @@ class GenerationEngine:
             return {"success": False, "message": str(e), "num_paused_requests": 0}
         with self._update_lock:
             done: Future = Future()
-            paused_at: list[float] = []
+            asked = time.perf_counter()
 
             def begin() -> None:
-                paused_at.append(time.perf_counter())
-                aborted = (self._abort_running("aborted for a weight update")
-                           if abort_all_requests else 0)
                 with self._lock:
                     self._base_state = state
                     self._adapter = None
                     self._adapter_load_id = None
-                self._pending_update = (state, weight_version, done, aborted, None)
+                self._pending_update = (state, weight_version, done, 0, None)
+                self._pending_abort = abort_all_requests
 
             try:
                 self._call(begin)
@@ -441,7 +448,11 @@ class GenerationEngine:
                 return {"success": False, "message": f"weights not updated: {e}",
                         "num_paused_requests": 0}
             result = done.result()
-            result["paused_s"] = time.perf_counter() - paused_at[0]
+            # wait_s: the swap waited for the step boundary (generation went on meanwhile);
+            # paused_s: from the old weights' last step to the new ones in place.
+            result["wait_s"] = result.pop("_stopped_at", asked) - asked
+            result["paused_s"] = result.pop("_swapped_at", time.perf_counter()) - (
+                asked + result["wait_s"])
             return result
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> None:
@@ -568,7 +579,7 @@ class GenerationEngine:
                 self._maybe_swap_weights()
                 self._admit()
                 previous, self._in_flight = self._in_flight, None
-                if any(s is not None for s in self._slots):
+                if any(s is not None for s in self._slots) and not self._pending_abort:
                     self._in_flight = self._dispatch_decode(previous)
                 if previous is not None:
                     self._collect(previous)
@@ -589,9 +600,17 @@ class GenerationEngine:
         return bool(self._waiting) and not self._paused
 
     def _maybe_swap_weights(self) -> None:
-        if self._pending_update is None or any(s is not None for s in self._slots):
+        if self._pending_update is None:
+            return
+        stopped_at = time.perf_counter()
+        aborted_now = 0
+        if self._pending_abort and self._in_flight is None:
+            aborted_now = self._abort_running("aborted for a weight update")
+            self._pending_abort = False
+        if any(s is not None for s in self._slots):
             return
         state, version, done, aborted, load_id = self._pending_update
+        aborted += aborted_now
         self._pending_update = None
         self.runner.swap_params(state)
         self._served_load_id = load_id
@@ -603,6 +622,8 @@ class GenerationEngine:
             "message": "Succeeded to update model weights. "
                        f"Weight version is {self.weight_version}.",
             "num_paused_requests": aborted,
+            "_stopped_at": stopped_at,
+            "_swapped_at": time.perf_counter(),
         })
 
     def _admit(self) -> None:

@@ -6,7 +6,9 @@ engine keeps generating on the weights it serves:
 1. ``begin(manifest)``: checked against the served tensors (names, shapes, dtype); host
    arrays for the new weights are set aside. A new transfer replaces an unfinished one.
 2. ``write`` / ``end_bucket``: each bucket's bytes go straight into those arrays; its
-   length and CRC-32 are checked at its end.
+   length and checksum are checked at its end. Or ``load_file``: the same host's sender
+   wrote the stream to a shared-memory file, which is mapped (the new params are views of
+   it, no copy) and checked bucket by bucket.
 3. ``stage``: every bucket whole, the arrays are placed like the served params (on a CPU
    device: aliased, no copy) and, with the weight checks on, a probe forward must give
    finite log-probs (compiled at warm-up, so nothing compiles here). Non-finite values are
@@ -19,6 +21,7 @@ A transfer left idle for ``stale_after_s`` (its sender died between buckets) is 
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 import threading
@@ -39,6 +42,7 @@ from areal_jax.weight_wire import (
     WireError,
     apply_delta,
     check_against,
+    file_layout,
     leaf_name,
     read_delta_header,
 )
@@ -208,15 +212,21 @@ class WeightStaging:
         try:
             if not os.path.basename(path).startswith(SHM_PREFIX):
                 raise WireError(f"{path} is not a weight stream file ({SHM_PREFIX}*)")
-            st = os.stat(path)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != a.manifest.total_bytes:
-                raise WireError(f"{path} is not a regular file of the stream's "
-                                f"{a.manifest.total_bytes} bytes")
-            if len(crcs) != a.manifest.num_buckets:
-                raise WireError(f"{len(crcs)} checksums for {a.manifest.num_buckets} buckets")
-            with open(path, "rb", buffering=0) as f:
-                for i, crc in enumerate(crcs):
-                    a.read_bucket(f, i, int(crc))
+            size = file_layout(a.manifest)[1]
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                    raise WireError(f"{path} is not a regular file of the stream's {size} "
+                                    "bytes")
+                # Mapped, not read: the new params are views of the sender's pages (a CPU
+                # device aliases them), so receiving costs one checksum pass and no copy.
+                # MAP_POPULATE maps every page up front instead of one fault at a time.
+                mapping = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                    mmap.PROT_READ) if size else b""
+            finally:
+                os.close(fd)
+            a.map_file(mapping, crcs)
         except (WireError, OSError) as e:
             with self._lock:
                 self._fail(str(e))

@@ -3,19 +3,24 @@
 
 - ``POST /weights/begin`` the manifest (JSON) → ``{"success", "transfer", "num_buckets",
   "total_bytes"}``; 400 if a tensor, shape or dtype does not fit the served model.
-- ``PUT /weights/bucket?transfer=ID&index=I`` the bucket's raw bytes, its CRC-32 (decimal)
-  in the ``x-areal-crc32`` header → ``{"success": true}``; 400 if its length or checksum
-  is wrong (the transfer is then dropped). Not bound by ``--max-body-bytes``: the bucket's
+- ``PUT /weights/bucket?transfer=ID&index=I`` the bucket's raw bytes, its checksum (the
+  manifest's ``checksum``: xxh3-64 or CRC-32, decimal) in the ``x-areal-checksum`` header
+  → ``{"success": true}``; 400 if its length or checksum is wrong (the transfer is then
+  dropped). Not bound by ``--max-body-bytes``: the bucket's
   length comes from the manifest.
-- ``POST /weights/load_file`` ``{"transfer", "path", "crc32": [per bucket]}``: the same
+- ``POST /weights/load_file`` ``{"transfer", "path", "checksums": [per bucket]}``: the same
   host's sender wrote the whole stream to a shared-memory file (``/dev/shm/areal-weights-*``);
-  every bucket is read from it straight into the new tensors and checked, in a worker
-  thread (the bytes never pass through HTTP).
+  the server maps it read-only and every bucket is checked in a worker thread; the new
+  tensors are views of the mapping, which a CPU device aliases (the bytes are neither
+  sent over HTTP nor copied; the pages are freed when the sender has removed the file and
+  the server no longer serves them).
 - ``POST /weights/stage`` ``{"transfer"}`` → ``{"success", "version", "stage_s"}``: every
   bucket whole, placed like the served params and probed; generation goes on meanwhile.
 - ``POST /weights/swap`` ``{"transfer", "weight_version", "abort_all_requests"}`` →
   SGLang's update reply (``success``, ``message``, ``num_paused_requests``) and
-  ``paused_s``: the staged weights are served from the next step boundary on.
+  ``wait_s`` (the wait for the step boundary: the decode call in flight is collected, its
+  tokens kept, and no other dispatched) and ``paused_s`` (from the old weights' last step
+  to the new ones in place): the staged weights are served from that boundary on.
 - ``POST /weights/abort`` ``{"transfer"}`` (or ``{}``: any) → ``{"success", "dropped"}``.
 - ``GET /weights/status`` → what is being received or staged, and the last error.
 - ``POST /update_weights_from_delta`` ``{"model_path", "weight_version",
@@ -39,7 +44,7 @@ from starlette.requests import ClientDisconnect
 
 from areal_jax.engine.protocol import ProtocolError, parse_json_body
 from areal_jax.engine.staging import StagingError
-from areal_jax.weight_wire import CRC_HEADER
+from areal_jax.weight_wire import CHECKSUM_HEADER
 
 if TYPE_CHECKING:
     from areal_jax.engine.engine import GenerationEngine
@@ -103,10 +108,10 @@ def register_weight_routes(app: FastAPI, engine: GenerationEngine,
         transfer = request.query_params.get("transfer") or ""
         try:
             index = int(request.query_params.get("index", ""))
-            crc = int(request.headers.get(CRC_HEADER, ""))
+            crc = int(request.headers.get(CHECKSUM_HEADER, ""))
         except ValueError:
             return _refused(f"{BUCKET_ROUTE}: needs ?transfer=ID&index=I and the bucket's "
-                            f"CRC-32 in the {CRC_HEADER} header")
+                            f"checksum in the {CHECKSUM_HEADER} header")
         error: str | None = None
         try:
             async for chunk in request.stream():
@@ -130,10 +135,10 @@ def register_weight_routes(app: FastAPI, engine: GenerationEngine,
     async def load_file(request: Request):
         body = parse_json_body(await request.body(), "/weights/load_file")
         transfer = _transfer(body, "/weights/load_file")
-        path, crcs = body.get("path"), body.get("crc32")
+        path, crcs = body.get("path"), body.get("checksums")
         if not isinstance(path, str) or not isinstance(crcs, list) or not all(
                 isinstance(c, int) and not isinstance(c, bool) for c in crcs):
-            raise ProtocolError("/weights/load_file: needs 'path' (a string) and 'crc32' "
+            raise ProtocolError("/weights/load_file: needs 'path' (a string) and 'checksums' "
                                 "(a list of ints, one per bucket)")
         assert transfer is not None
         try:
