@@ -20,7 +20,8 @@ publishes it as the run does:
 
 Per bump: the learner's wait, the transfer (write or stream + stage), generation paused
 (the server's own ``paused_s`` where it reports one, and the orchestrator's call), the bump
-end to end (update sent → a ``/generate`` reply at the new version), bytes moved, and the
+end to end (update sent → the server's first token under the new weights, and → the first
+``/generate`` reply at the new version: a whole request of the load), bytes moved, and the
 server's peak RSS (sampled every 10 ms) against the weight bytes. The limits for the same
 bytes, measured in the same run: a warm memcpy, a cold one (fresh pages), a page-cache
 write and a write + fsync. The machine may be loaded: compare the ratios, not the seconds.
@@ -252,7 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 jax.block_until_ready(nnx.state(model))
                 bump: dict[str, Any] = {"version": v}
                 with _RssSampler(server.pid) as rss:
-                    t0 = time.perf_counter()
+                    t0, t0_wall = time.perf_counter(), time.time()
                     if args.path == "memory":
                         arrays = serving_arrays(model, args.dtype)
                         bump["learner_wait_s"] = time.perf_counter() - t0
@@ -270,6 +271,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         r.raise_for_status()
                         bump["paused_call_s"] = time.perf_counter() - t2
                         bump["paused_s"] = r.json()["paused_s"]
+                        bump["swap_wait_s"] = r.json()["wait_s"]
                     else:
                         params = host_params(model, args.dtype)
                         bump["learner_wait_s"] = time.perf_counter() - t0
@@ -295,7 +297,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         bump["paused_call_s"] = time.perf_counter() - t2
                         bump["paused_s"] = bump["paused_call_s"]
                         bump["server_apply_s"] = bump["paused_call_s"]
-                    bump["sent_to_generating_s"] = load.first_at(v, t0) - t0
+                    bump["sent_to_first_reply_s"] = load.first_at(v, t0) - t0
+                    info = http.get("/get_server_info").json()
+                    # the server's first token under the new weights (same host: one clock)
+                    bump["sent_to_generating_s"] = info["first_token_after_swap_at"] - t0_wall
                 bump["server_peak_rss_gb"] = rss.peak / 1e9
                 if previous is not None:  # untimed: the delta this bump would have shipped
                     current = named_host_arrays(host_params(model, args.dtype))
@@ -323,7 +328,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               ("server apply (stage / load)", "server_apply_s", "memcpy_s"),
               ("generation paused (server)", "paused_s", "memcpy_s"),
               ("paused, orchestrator's call", "paused_call_s", "memcpy_s"),
-              ("update sent -> new version generating", "sent_to_generating_s", "memcpy_s")]
+              ("update sent -> new version generating", "sent_to_generating_s", "memcpy_s"),
+              ("update sent -> first reply at it", "sent_to_first_reply_s", "memcpy_s")]
     for name, key, limit in phases:
         rows.append([name, round(med(key), 4), limit.replace("_s", ""),
                      round(limits[limit], 4), round(med(key) / limits[limit], 1)])

@@ -152,6 +152,10 @@ class GenerationEngine:
         # boundary after the decode call in flight (none is dispatched meanwhile), so its
         # tokens reach them and the swap finds the device idle. Engine thread only.
         self._pending_abort = False
+        # Wall-clock times (time.time) of the last weight swap and of the first token
+        # generated after it: how soon a new version generates (/get_server_info).
+        self.swapped_at: float | None = None
+        self.first_token_at: float | None = None
         self._update_lock = threading.Lock()
         # In-memory updates (weight_wire's format) received while generation goes on.
         self.staging = WeightStaging(self.runner, config.check_weights)
@@ -512,6 +516,8 @@ class GenerationEngine:
             "num_running_reqs": running,
             "num_waiting_reqs": waiting,
             "paused": self._paused,
+            "weights_swapped_at": self.swapped_at,  # time.time(), of the last swap
+            "first_token_after_swap_at": self.first_token_at,
             "lora_adapters": self.lora_adapters,
             "eos_token_ids": list(self.eos_token_ids),
             "vocab_size": self.vocab_size,
@@ -613,6 +619,7 @@ class GenerationEngine:
         aborted += aborted_now
         self._pending_update = None
         self.runner.swap_params(state)
+        self.swapped_at, self.first_token_at = time.time(), None
         self._served_load_id = load_id
         self.runner.reset()  # nothing computed under the old weights is reused
         if version is not None:
@@ -767,6 +774,8 @@ class GenerationEngine:
         req.output_ids.append(token)
         req.output_logprobs.append(logprob)
         self.stats["generated_tokens"] += 1
+        if self.first_token_at is None:
+            self.first_token_at = time.time()
         n = len(req.output_ids)
         p = req.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
