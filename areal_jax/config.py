@@ -549,15 +549,23 @@ class CheckpointConfig:
     # publish_dir/v{N} (as publish_mode says), loaded by /update_weights_from_disk: for
     # external servers, SGLang and LoRA adapter serving. "auto": memory where every server
     # is an embedded engine this run starts (and LoRA adapters are merged), else disk.
-    publish: Literal["auto", "memory", "disk"] = "auto"
+    # "delta": publish_dir/v{N}.delta, the compressed XOR of v{N}'s serving bits with
+    # v{N-1}'s (checksummed), applied by embedded engines with /update_weights_from_delta:
+    # for engines that read a shared path or gs:// (rollout.servers, other hosts); a
+    # server that missed a version or refuses the delta gets the full version.
+    publish: Literal["auto", "memory", "delta", "disk"] = "auto"
     publish_bucket_mb: int = 64  # memory: the bytes per bucket (one checksum each)
+    # delta: every this many versions (v % K == 0) the file holds the full version, so a
+    # version on disk is rebuilt from at most K files (docs/checkpoints.md)
+    delta_full_every: int = 10
 
     def __post_init__(self) -> None:
         check_positive("checkpoint", keep=self.keep, keep_weights=self.keep_weights,
-                       publish_bucket_mb=self.publish_bucket_mb)
-        if self.publish not in ("auto", "memory", "disk"):
-            raise ValueError(f"checkpoint.publish must be 'auto', 'memory' or 'disk', got "
-                             f"{self.publish!r}")
+                       publish_bucket_mb=self.publish_bucket_mb,
+                       delta_full_every=self.delta_full_every)
+        if self.publish not in ("auto", "memory", "delta", "disk"):
+            raise ValueError(f"checkpoint.publish must be 'auto', 'memory', 'delta' or 'disk', "
+                             f"got {self.publish!r}")
         if self.publish_mode not in ("background", "inline"):
             raise ValueError(f"checkpoint.publish_mode must be 'background' or 'inline', "
                              f"got {self.publish_mode!r}")
@@ -740,6 +748,13 @@ class TrainConfig:
                 "checkpoint.publish: memory streams weights to the embedded servers a run "
                 "starts; this run's servers are external (rollout.servers, rollout.sglang) or "
                 "load LoRA adapters (model.lora.serving: adapter): use disk or auto")
+        if self.checkpoint.publish == "delta" and (
+                getattr(self.rollout, "sglang", None) is not None
+                or (self.model.lora is not None and self.model.lora.serving == "adapter")):
+            raise ValueError(
+                "checkpoint.publish: delta needs servers that apply weight deltas (the "
+                "embedded engine's /update_weights_from_delta, merged weights); SGLang and "
+                "LoRA adapter serving load files: use disk or auto")
         if self.optim.schedule == "cosine" and self.optimizer_steps <= self.optim.warmup_steps:
             raise ValueError(
                 f"optim.warmup_steps ({self.optim.warmup_steps}) must be smaller than the "
@@ -760,10 +775,12 @@ class TrainConfig:
         return 0 if self.mode == "sync" else self.rollout.max_staleness
 
     @property
-    def publish_path(self) -> Literal["memory", "disk"]:
+    def publish_path(self) -> Literal["memory", "delta", "disk"]:
         """How the servers get each version (checkpoint.publish, "auto" resolved): memory
         where every server is an embedded engine this run starts and LoRA adapters are
-        merged, else disk."""
+        merged, else disk; delta only when asked for."""
+        if self.checkpoint.publish == "delta":
+            return "delta"
         embedded = not self.rollout.servers and getattr(self.rollout, "sglang", None) is None
         adapters = self.model.lora is not None and self.model.lora.serving == "adapter"
         if self.checkpoint.publish == "disk" or not embedded or adapters:

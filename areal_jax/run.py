@@ -34,6 +34,7 @@ from jax.experimental import multihost_utils
 
 from areal_jax import storage
 from areal_jax.checkpoint import CheckpointMeta, TrainCheckpointer, WeightPublisher
+from areal_jax.checkpoint.delta import DeltaPublisher
 from areal_jax.checkpoint.orbax_ckpt import CheckpointError
 from areal_jax.checkpoint.publish import ADAPTER_SUBDIR, serving_copy
 from areal_jax.checkpoint.stream import StreamPublisher
@@ -269,6 +270,8 @@ def build_trainer(cfg: TrainConfig, resume: bool | None, stack: contextlib.ExitS
     version = side.progress.start_version
     first = inputs.publisher.publish(first_params, side.learner.model_cfg, version,
                                      tokenizer_dir=tokenizer_dir)
+    if inputs.deltas is not None:  # the next version's delta is against this one
+        inputs.deltas.seed(first_params, version)
     del first_params  # written: the run does not keep this host copy
     if not cfg.rollout.servers and not handles:
         handles = launch(first, version)
@@ -383,6 +386,7 @@ class _RolloutInputs:
     eval_items: list[dict[str, Any]]
     publisher: WeightPublisher  # where the servers read the serving weights
     eval_path: str | None = None  # data.eval, resolved (SFT: the held-out examples)
+    deltas: DeltaPublisher | None = None  # checkpoint.publish: delta, in the publish dir
 
 
 def _rollout_inputs(cfg: TrainConfig, run_dir: str, tokenizer_dir: Path,
@@ -417,9 +421,11 @@ def _rollout_inputs(cfg: TrainConfig, run_dir: str, tokenizer_dir: Path,
     with input_error("checkpoint.publish_dir", storage.StorageError, OSError, ValueError,
                      RuntimeError):  # bf16 safetensors for a bf16 model
         publisher = WeightPublisher.from_config(cfg.checkpoint, run_dir, cfg.serving_dtype)
+        deltas = (DeltaPublisher.from_config(cfg.checkpoint, publisher.weights_dir)
+                  if cfg.publish_path == "delta" else None)
     return _RolloutInputs(run_files=run_files, train_path=train_path, tokenizer_dir=tokenizer_dir,
                           tokenizer=tokenizer, reward_fn=reward_fn, eval_items=eval_items,
-                          publisher=publisher, eval_path=eval_path)
+                          publisher=publisher, eval_path=eval_path, deltas=deltas)
 
 
 def _precompile(cfg: TrainConfig, side: LearnerSide) -> None:
@@ -484,7 +490,7 @@ def _rollout_side(cfg: TrainConfig, stack: contextlib.ExitStack, inputs: _Rollou
     weights = WeightSync(executor, write,
                          interruptible=cfg.rollout.interruptible,
                          adapter_subdir=ADAPTER_SUBDIR if _serves_adapters(cfg) else None,
-                         staged=memory, files=write_files)
+                         staged=memory, files=write_files, deltas=inputs.deltas)
     if load_first:
         where = "rollout.servers" if cfg.rollout.servers else "the embedded servers"
         with input_error("rollout.servers", RolloutError,

@@ -319,9 +319,10 @@ class Trainer:
         now, one tensor at a time (the others join each tensor's gather), and only the
         servers' update runs in the background. ``checkpoint.publish: memory``: the learner
         only dispatches the cast to the serving dtype; :class:`WeightSync` streams the
-        result to the servers, which stage it while they generate, then swap."""
+        result to the servers, which stage it while they generate, then swap. ``delta``:
+        the same cast; :class:`WeightSync` writes it as a delta file the servers apply."""
         self.wait_published()
-        if self.cfg.publish_path == "memory":
+        if self.cfg.publish_path in ("memory", "delta"):
             arrays = serving_arrays(self.learner.model, self.cfg.serving_dtype)  # collective
             if self.is_main:
                 self.rollout_side.weights.publish(arrays, version)
@@ -387,7 +388,7 @@ class Trainer:
 
     def finish(self) -> None:
         self.wait_published()
-        if self.cfg.publish_path == "memory":  # weights/v{N} for convert.py, eval.py, serving
+        if self.cfg.publish_path in ("memory", "delta"):  # weights/v{N} for convert.py, eval.py
             params = serving_copy(self.learner.model, self.cfg.model, self.cfg.serving_dtype)
             if self.is_main:
                 with _weight_sync_stops_the_run():
@@ -450,6 +451,9 @@ class Trainer:
             # from (v`version`), whoever waited for them (this publish, an eval, a checkpoint)
             "publish_write_s": weights.write_s.pop(version, 0.0),
             "publish_update_s": weights.update_s.pop(version, 0.0),
+            **({"publish_bytes": weights.bytes_written.pop(version),  # delta: the file(s)
+                "publish_full_servers": weights.full_servers.pop(version, 0)}
+               if version in weights.bytes_written else {}),
             "wall_time_s": self.progress.elapsed(),
             "token_version_max": int(max(int(t.versions.max()) for t in trajs)),
             "start_staleness_max": float(max(version - min(g[0].start_version for g in groups),

@@ -55,7 +55,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -282,6 +282,9 @@ class RolloutClient:
         self._rr = itertools.count()
         self._paused = False
         self._latest_weights: tuple[str, int] | None = None
+        # Delta updates: writes the latest version's full file and returns its path (a
+        # revived server that cannot apply the latest delta loads it).
+        self._latest_full: Callable[[], Awaitable[str]] | None = None
         # Adapter mode: the loaded LoRA adapter (name, path, version); requests carry
         # "lora_path": name.
         self._latest_adapter: tuple[str, str, int] | None = None
@@ -594,9 +597,19 @@ class RolloutClient:
             if not path:  # sent from the learner's memory: no copy a server could load
                 return (f"the fleet serves v{version}, sent from the learner's memory, which "
                         "a restarted server cannot load (checkpoint.publish: disk lets it)")
-            r = await self._post(server, "/update_weights_from_disk",
-                                 {"model_path": path, "weight_version": str(version),
-                                  "abort_all_requests": True})
+            body = {"model_path": path, "weight_version": str(version),
+                    "abort_all_requests": True}
+            if self._latest_full is None:
+                r = await self._post(server, "/update_weights_from_disk", body)
+            else:  # a delta: applies if the server holds its base, else the full version
+                r = await self._post(server, "/update_weights_from_delta", body)
+                if r.status_code != 200:
+                    try:
+                        full = await self._latest_full()
+                    except Exception as e:  # noqa: BLE001 - e.g. a newer version moved on
+                        return f"the full v{version} could not be written: {e}"
+                    r = await self._post(server, "/update_weights_from_delta",
+                                         {**body, "model_path": full})
         return None if r.status_code == 200 else _error_message(r)
 
     @property
@@ -621,8 +634,21 @@ class RolloutClient:
 
     async def _broadcast(self, route: str, body: JsonDict | None = None
                          ) -> list[JsonDict]:
-        """POSTs to every up server; unreachable ones are marked down (synced on revival)."""
-        up = [s for s in self.servers if s.up]
+        """POSTs to every up server; unreachable ones are marked down (synced on revival).
+        Raises RolloutError if a server refuses."""
+        replies = await self._broadcast_replies(route, body)
+        failed = [r for r in replies if r.get("success") is False]
+        if failed:
+            detail = "; ".join(f"{r['url']}: {r.get('message')}" for r in failed)
+            raise RolloutError(f"{route} failed on {len(failed)} server(s): {detail}")
+        return replies
+
+    async def _broadcast_replies(self, route: str, body: JsonDict | None = None,
+                                 only: set[str] | None = None) -> list[JsonDict]:
+        """POSTs to every up server (of ``only``, the URLs, if given); unreachable ones are
+        marked down. Returns the replies, each with its ``url``, refusals with ``success``
+        False; raises NoServerAvailableError if none replied."""
+        up = [s for s in self.servers if s.up and (only is None or s.url in only)]
         if not up:
             raise NoServerAvailableError(f"{route}: no rollout server is up")
 
@@ -650,10 +676,6 @@ class RolloutClient:
             detail = "; ".join(f"{s.url}: {s.last_error}" for s in up)
             raise NoServerAvailableError(f"{route}: every rollout server failed and was dropped "
                                          f"({detail})")
-        failed = [r for r in replies if r.get("success") is False]
-        if failed:
-            detail = "; ".join(f"{r['url']}: {r.get('message')}" for r in failed)
-            raise RolloutError(f"{route} failed on {len(failed)} server(s): {detail}")
         return replies
 
     async def pause(self) -> list[JsonDict]:
@@ -673,7 +695,44 @@ class RolloutClient:
                 "abort_all_requests": abort_all_requests, "flush_cache": True}
         replies = await self._broadcast("/update_weights_from_disk", body)
         self._latest_weights = (str(path), int(version))
+        self._latest_full = None
         self._latest_adapter = None  # merged weights: requests carry no lora_path
+        return replies
+
+    async def update_weights_from_delta(self, path: str, version: int,
+                                        full: Callable[[], Awaitable[str]],
+                                        abort_all_requests: bool = False) -> list[JsonDict]:
+        """Every server applies the weight delta file ``path`` (the embedded engine's
+        ``/update_weights_from_delta``: the XOR with the version it serves, compressed)
+        and serves ``version``. A server that refuses it (it does not serve the delta's
+        base: it missed a version; or the file is corrupted) gets the full version
+        instead: ``full()`` writes it (once, only then) and returns its path; such a
+        server's reply carries ``"full": True``. A refused update leaves that server's
+        weights as they were; raises RolloutError if a server refuses the full version
+        too. Running requests return as aborted at the swap if ``abort_all_requests``."""
+        body = {"model_path": str(path), "weight_version": str(version),
+                "abort_all_requests": abort_all_requests}
+        route = "/update_weights_from_delta"
+        replies = await self._broadcast_replies(route, body)
+        refused = {r["url"]: r for r in replies if r.get("success") is False}
+        if refused:
+            for r in refused.values():
+                logger.info("rollout server %s refused delta v%d (%s); sending the full "
+                            "version", r["url"], version, r.get("message"))
+            full_path = await full()
+            again = await self._broadcast_replies(route, {**body, "model_path": full_path},
+                                                  only=set(refused))
+            for r in again:
+                r["full"] = True
+            replies = [r for r in replies if r["url"] not in refused] + again
+        failed = [r for r in replies if r.get("success") is False]
+        if failed:
+            detail = "; ".join(f"{r['url']}: {r.get('message')}" for r in failed)
+            raise RolloutError(f"{route} failed on {len(failed)} server(s), the full version "
+                               f"included: {detail}")
+        self._latest_weights = (str(path), int(version))
+        self._latest_full = full
+        self._latest_adapter = None
         return replies
 
     async def swap_staged_weights(self, transfer: str, version: int,
@@ -686,6 +745,7 @@ class RolloutClient:
             "transfer": transfer, "weight_version": str(version),
             "abort_all_requests": abort_all_requests})
         self._latest_weights = ("", int(version))  # no path: see _sync_revived
+        self._latest_full = None
         self._latest_adapter = None
         return replies
 

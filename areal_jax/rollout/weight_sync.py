@@ -25,6 +25,17 @@ transfer id; the update then only swaps: the executor stops submitting, every se
 at its next step boundary (``client.swap_staged_weights``: running requests return as
 aborted, or, when not ``interruptible``, the executor first waits for its runs to finish),
 ``executor.set_version`` and the resume. Generation pauses only for the swap.
+
+With ``deltas`` (``checkpoint.publish: delta``, ``checkpoint/delta.py``'s
+``DeltaPublisher``), the write is ``deltas.publish(params, version)``: ``v{N}.delta`` in
+the publish dir, the compressed XOR with v{N-1}; then the executor stops submitting and
+every server applies it (``client.update_weights_from_delta``) while it keeps generating,
+and swaps at a step boundary (running requests return as aborted if ``interruptible``). A
+server that refuses the delta (it missed a version, the file is corrupted) is sent the
+full version, ``deltas.full(version)``, written only then; a refusal of that stops the run
+(the server keeps its old weights, whole). ``bytes_written[v]``: the bytes the learner
+wrote for version v (the delta, plus the full file where one was needed), and
+``full_servers[v]`` how many servers needed the full version.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ import asyncio
 import contextlib
 import posixpath
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -55,6 +66,18 @@ class ServerControl(Protocol):
     async def load_lora_adapter(self, name: str, path: str, version: int) -> Any: ...
     async def swap_staged_weights(self, transfer: str, version: int,
                                   abort_all_requests: bool = True) -> Any: ...
+    async def update_weights_from_delta(self, path: str, version: int,
+                                        full: Callable[[], Awaitable[str]],
+                                        abort_all_requests: bool = False) -> Any: ...
+
+
+@runtime_checkable
+class DeltaFiles(Protocol):
+    """Writes a version's delta file, or its full file (``checkpoint/delta.py``'s
+    ``DeltaPublisher``); each returns (path, bytes written)."""
+
+    def publish(self, params: Any, version: int) -> tuple[str, int]: ...
+    def full(self, version: int) -> tuple[str, int]: ...
 
 
 class WeightSyncError(RuntimeError):
@@ -70,7 +93,8 @@ class WeightSync:
                  *,
                  interruptible: bool = True, adapter_subdir: str | None = None,
                  staged: bool = False,
-                 files: Callable[[PyTree | CausalLM, int], str] | None = None) -> None:
+                 files: Callable[[PyTree | CausalLM, int], str] | None = None,
+                 deltas: DeltaFiles | None = None) -> None:
         if not isinstance(executor.client, ServerControl):
             raise TypeError(f"WeightSync needs a client that controls its servers (pause, "
                             f"update_weights_from_disk, load_lora_adapter, continue_), such "
@@ -79,12 +103,15 @@ class WeightSync:
         self.client: ServerControl = executor.client
         self.adapter_subdir = adapter_subdir
         self.staged = staged  # write() stages the weights on the servers (module doc)
-        self.files = files  # staged: writes a version's files (write_files), else None
+        self.files = files  # staged, deltas: writes a version's files (write_files)
+        self.deltas = deltas  # publish: a delta file each version (module doc)
         self.write = write
         self.interruptible = interruptible
         self._pending: tuple[int, Future[tuple[float, float]]] | None = None
         self.write_s: dict[int, float] = {}  # version -> seconds its write took
         self.update_s: dict[int, float] = {}  # version -> seconds its servers' update took
+        self.bytes_written: dict[int, int] = {}  # deltas: version -> bytes the learner wrote
+        self.full_servers: dict[int, int] = {}  # deltas: version -> servers sent it full
 
     def publish(self, params: PyTree, version: int) -> None:
         """Starts writing ``params`` as ``version`` and updating the servers to it (after the
@@ -109,10 +136,10 @@ class WeightSync:
             path, version, time.perf_counter() - t0)))
 
     def write_files(self, params: PyTree | CausalLM, version: int) -> str | None:
-        """With ``staged``: writes ``params`` as ``version``'s files (``files``), now, for
-        whoever needs files (the last version of a run); returns their path. Otherwise
-        ``write`` wrote every version's files already: None."""
-        if not self.staged or self.files is None:
+        """With ``staged`` or ``deltas``: writes ``params`` as ``version``'s files
+        (``files``), now, for whoever needs files (the last version of a run); returns
+        their path. Otherwise ``write`` wrote every version's files already: None."""
+        if not (self.staged or self.deltas is not None) or self.files is None:
             return None
         try:
             return self.files(params, version)
@@ -135,20 +162,30 @@ class WeightSync:
     async def _write_and_update(self, params: PyTree, version: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         try:
-            path = await asyncio.to_thread(self.write, params, version)
+            path = await asyncio.to_thread(self._write_delta if self.deltas is not None
+                                           else self.write, params, version)
         except Exception as e:  # noqa: BLE001 - a storage error
             self.executor.fail_waits(_failed(version, e))  # the learner may wait for a batch
             raise
-        return await self._update_written(path, version, time.perf_counter() - t0)
+        return await self._update_written(path, version, time.perf_counter() - t0,
+                                          delta=self.deltas is not None)
 
-    async def _update_written(self, path: str, version: int, write_s: float
-                              ) -> tuple[float, float]:
-        """(write seconds, update seconds) once ``path`` holds ``version``. A failure also
-        fails the learner's wait for its next batch (``executor.fail_waits``): in sync mode
-        that batch would never come, and the failure would surface only at the next
-        publish."""
+    def _write_delta(self, params: PyTree, version: int) -> str:
+        assert self.deltas is not None
+        path, nbytes = self.deltas.publish(params, version)
+        self.bytes_written[version] = nbytes
+        return path
+
+    async def _update_written(self, path: str, version: int, write_s: float,
+                              delta: bool = False) -> tuple[float, float]:
+        """(write seconds, update seconds) once ``path`` holds ``version`` (``delta``: the
+        version's delta file). A failure also fails the learner's wait for its next batch
+        (``executor.fail_waits``): in sync mode that batch would never come, and the
+        failure would surface only at the next publish."""
         try:
-            return write_s, await self.update_servers(str(path), version)
+            update = (self.delta_servers(str(path), version) if delta
+                      else self.update_servers(str(path), version))
+            return write_s, await update
         except Exception as e:  # noqa: BLE001 - a transport or server error
             self.executor.fail_waits(_failed(version, e))
             raise
@@ -182,6 +219,35 @@ class WeightSync:
         if self.interruptible:
             await client.continue_()
         ex.resume()
+        return time.perf_counter() - t0
+
+    async def delta_servers(self, path: str, version: int) -> float:
+        """Runs on the executor's loop: every server applies the delta file ``path`` as
+        ``version`` (or, where it refuses, the full version); returns the seconds the
+        executor held back new runs (the servers apply while they generate, then swap)."""
+        assert self.deltas is not None
+        deltas = self.deltas
+        wrote_full: list[int] = []
+
+        async def full() -> str:
+            full_path, nbytes = await asyncio.to_thread(deltas.full, version)
+            wrote_full.append(nbytes)
+            return full_path
+
+        t0 = time.perf_counter()
+        ex = self.executor
+        ex.pause()  # no new runs until the servers serve the new version
+        try:
+            if not self.interruptible:  # let in-flight runs finish under the old weights
+                while ex.metrics()["running"] > 0:
+                    await asyncio.sleep(0.005)
+            replies = await self.client.update_weights_from_delta(
+                path, version, full, abort_all_requests=self.interruptible)
+            ex.set_version(version)
+        finally:
+            ex.resume()
+        self.full_servers[version] = sum(bool(r.get("full")) for r in replies)
+        self.bytes_written[version] = self.bytes_written.get(version, 0) + sum(wrote_full)
         return time.perf_counter() - t0
 
     async def swap_servers(self, transfer: str, version: int) -> float:
