@@ -288,3 +288,57 @@ def test_publish_delta_is_checked_at_load():
         load_config(demo, ["checkpoint.publish=delta", "checkpoint.delta_full_every=0"])
     with pytest.raises(ConfigError, match="checkpoint.publish: delta needs servers that apply"):
         load_config(configs / "gsm8k_8gpu_sglang.yaml", ["checkpoint.publish=delta"])
+
+
+@pytest.mark.slow
+def test_a_server_down_during_two_deltas_comes_back_on_the_full_version(ckpts, learners,
+                                                                       tmp_path_factory):
+    """A server killed before v1 misses v1 and v2; restarted on its port with the old
+    weights (v0), the client's probe finds it behind, it refuses the v2 delta (its base is
+    v1) and loads the full v2, written only then; the other server applied both deltas."""
+    import asyncio
+    import time
+
+    from areal_jax.engine.launch import launch_server
+    from areal_jax.rollout.types import GenerateRequest
+    from areal_jax.sampling_params import SamplingParams
+    from tests.server_fixtures import shared_cache
+
+    folder = ckpts[0].parent / "revival"
+    deltas = DeltaPublisher(folder, full_every=10, keep=3)
+    deltas.seed(serving_arrays(learners[0], "float32"), 0)
+    servers = start_servers(ckpts[0], 2, tmp_path_factory, max_slots=4, max_seq_len=MAX_SEQ_LEN,
+                            allowed_weight_dirs=[folder])
+    port = int(servers[1].url.rsplit(":", 1)[1])
+
+    def full_of(version: int):
+        return lambda: asyncio.to_thread(lambda: deltas.full(version)[0])
+
+    async def run() -> None:
+        async with RolloutClient([s.url for s in servers], health_check_interval=0.5) as client:
+            servers[1].kill()
+            servers[1].process.wait(30)
+            for version, which in ((1, 1), (2, 0)):
+                path, _ = deltas.publish(serving_arrays(learners[which], "float32"), version)
+                replies = await client.update_weights_from_delta(path, version, full_of(version))
+                assert [r["url"] for r in replies] == [servers[0].url]
+                assert not any(r.get("full") for r in replies)
+            assert not (folder / "v2.full.delta").exists()
+            servers[1] = await asyncio.to_thread(
+                launch_server, ckpts[0], port=port, max_slots=4, max_seq_len=MAX_SEQ_LEN,
+                allowed_weight_dirs=[folder], compilation_cache_dir=shared_cache(tmp_path_factory))
+            req = GenerateRequest([3, 4, 5], SamplingParams(max_new_tokens=2, temperature=0.0))
+            deadline = time.monotonic() + 60
+            while not all(s.up for s in client.servers):
+                assert time.monotonic() < deadline, [s.last_error for s in client.servers]
+                await client.agenerate(req)
+                await asyncio.sleep(0.2)
+
+    try:
+        asyncio.run(run())
+        assert (folder / "v2.full.delta").exists()
+        for s in servers:
+            assert_serves(s.url, learners[0], ckpts[0], 2)
+    finally:
+        for s in servers:
+            s.terminate()
