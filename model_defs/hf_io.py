@@ -83,14 +83,17 @@ def hf_to_ours(array: np.ndarray, our_shape: tuple[int, ...], transform: Transfo
     return array.T.reshape(our_shape)
 
 
-def ours_to_hf(array: np.ndarray, transform: Transform) -> np.ndarray:
+def ours_to_hf(array: Any, transform: Transform) -> Any:
+    """The HF tensor of ``array``: a numpy array stays on the host (C-contiguous), a jax
+    array stays on its device (the transpose runs there)."""
     if transform is None:
         return array
     if transform == "reshape":
         return array.reshape(-1)
     _, n_in = transform
     in_size = math.prod(array.shape[:n_in])
-    return np.ascontiguousarray(array.reshape(in_size, -1).T)
+    hf = array.reshape(in_size, -1).T
+    return hf if isinstance(hf, jax.Array) else np.ascontiguousarray(hf)
 
 
 def param_table(cfg: ModelConfig

@@ -57,6 +57,7 @@ from areal_jax.engine.config import (
     EngineConfig,
     request_cpu_devices,
 )
+from areal_jax.engine.distributed_update import register_distributed_routes
 from areal_jax.engine.engine import (
     EngineRequestError,
     EngineStoppedError,
@@ -432,6 +433,8 @@ def create_app(engine: GenerationEngine, *, api_key: str | None = None,
     # /weights/*: in-memory weight updates; /update_weights_from_delta
     register_weight_routes(app, engine, lambda path: path_allowed(path, allowed),
                            PATH_NOT_ALLOWED)
+    # SGLang's /init_weights_update_group + /update_weights_from_distributed (torch group)
+    register_distributed_routes(app, engine)
     return app
 
 

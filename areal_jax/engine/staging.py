@@ -271,6 +271,14 @@ class WeightStaging:
         return {"success": True, "transfer": transfer, "version": a.manifest.version,
                 "stage_s": time.perf_counter() - t0}
 
+    def put(self, transfer: str, version: int, state: nnx.State) -> None:
+        """Stages ``state``, already placed and checked (``place_named``) by another route
+        (``engine/distributed_update.py``), for :meth:`take` under ``transfer``; it
+        supersedes whatever was in progress or staged."""
+        with self._lock:
+            self._assembler = None
+            self._staged = (transfer, version, state)
+
     def take(self, transfer: str) -> tuple[int, nnx.State]:
         """The staged (version, params) of ``transfer``, handed over once."""
         with self._lock:
