@@ -553,8 +553,21 @@ class CheckpointConfig:
     # v{N-1}'s (checksummed), applied by embedded engines with /update_weights_from_delta:
     # for engines that read a shared path or gs:// (rollout.servers, other hosts); a
     # server that missed a version or refuses the delta gets the full version.
-    publish: Literal["auto", "memory", "delta", "disk"] = "auto"
-    publish_bucket_mb: int = 64  # memory: the bytes per bucket (one checksum each)
+    # "distributed": SGLang's own in-memory update (/init_weights_update_group +
+    # /update_weights_from_distributed): the learner joins a torch process group with the
+    # servers as rank 0 and broadcasts the HF-named tensors, bucketed; for SGLang servers
+    # (NCCL) and embedded engines (gloo). Needs torch on the learner (not a core dependency).
+    publish: Literal["auto", "memory", "delta", "disk", "distributed"] = "auto"
+    publish_bucket_mb: int = 64  # memory, distributed: the bytes per bucket
+    # distributed: the group's backend ("gloo": CPU, any server; "nccl": SGLang on GPUs,
+    # torch with CUDA on the learner), the address the servers reach the learner's
+    # rendezvous at (default: 127.0.0.1 for servers on this host, else this host's address
+    # on the route to the first server), its port (0: a free one), and the bound on every
+    # group operation (a server or learner that died mid-broadcast is noticed by it).
+    distributed_backend: Literal["gloo", "nccl"] = "gloo"
+    distributed_master_address: str | None = None
+    distributed_master_port: int = 0
+    distributed_timeout_s: float = 600.0
     # delta: every this many versions (v % K == 0) the file holds the full version, so a
     # version on disk is rebuilt from at most K files (docs/checkpoints.md)
     delta_full_every: int = 10
@@ -563,9 +576,18 @@ class CheckpointConfig:
         check_positive("checkpoint", keep=self.keep, keep_weights=self.keep_weights,
                        publish_bucket_mb=self.publish_bucket_mb,
                        delta_full_every=self.delta_full_every)
-        if self.publish not in ("auto", "memory", "delta", "disk"):
-            raise ValueError(f"checkpoint.publish must be 'auto', 'memory', 'delta' or 'disk', "
-                             f"got {self.publish!r}")
+        if self.publish not in ("auto", "memory", "delta", "disk", "distributed"):
+            raise ValueError(f"checkpoint.publish must be 'auto', 'memory', 'delta', 'disk' or "
+                             f"'distributed', got {self.publish!r}")
+        if self.distributed_backend not in ("gloo", "nccl"):
+            raise ValueError(f"checkpoint.distributed_backend must be 'gloo' or 'nccl', got "
+                             f"{self.distributed_backend!r}")
+        if not 0 <= self.distributed_master_port <= 65535:
+            raise ValueError(f"checkpoint.distributed_master_port must be a port (0: a free "
+                             f"one), got {self.distributed_master_port}")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"checkpoint.distributed_timeout_s must be > 0, got "
+                             f"{self.distributed_timeout_s}")
         if self.publish_mode not in ("background", "inline"):
             raise ValueError(f"checkpoint.publish_mode must be 'background' or 'inline', "
                              f"got {self.publish_mode!r}")
@@ -755,6 +777,11 @@ class TrainConfig:
                 "checkpoint.publish: delta needs servers that apply weight deltas (the "
                 "embedded engine's /update_weights_from_delta, merged weights); SGLang and "
                 "LoRA adapter serving load files: use disk or auto")
+        if self.checkpoint.publish == "distributed" and (
+                self.model.lora is not None and self.model.lora.serving == "adapter"):
+            raise ValueError(
+                "checkpoint.publish: distributed sends merged weights; LoRA adapter serving "
+                "(model.lora.serving: adapter) loads adapter files: use disk or auto")
         if self.optim.schedule == "cosine" and self.optimizer_steps <= self.optim.warmup_steps:
             raise ValueError(
                 f"optim.warmup_steps ({self.optim.warmup_steps}) must be smaller than the "
@@ -775,12 +802,14 @@ class TrainConfig:
         return 0 if self.mode == "sync" else self.rollout.max_staleness
 
     @property
-    def publish_path(self) -> Literal["memory", "delta", "disk"]:
+    def publish_path(self) -> Literal["memory", "delta", "disk", "distributed"]:
         """How the servers get each version (checkpoint.publish, "auto" resolved): memory
         where every server is an embedded engine this run starts and LoRA adapters are
-        merged, else disk; delta only when asked for."""
+        merged, else disk; delta and distributed only when asked for."""
         if self.checkpoint.publish == "delta":
             return "delta"
+        if self.checkpoint.publish == "distributed":
+            return "distributed"
         embedded = not self.rollout.servers and getattr(self.rollout, "sglang", None) is None
         adapters = self.model.lora is not None and self.model.lora.serving == "adapter"
         if self.checkpoint.publish == "disk" or not embedded or adapters:

@@ -35,6 +35,7 @@ from jax.experimental import multihost_utils
 from areal_jax import storage
 from areal_jax.checkpoint import CheckpointMeta, TrainCheckpointer, WeightPublisher
 from areal_jax.checkpoint.delta import DeltaPublisher
+from areal_jax.checkpoint.distributed import DistributedPublisher
 from areal_jax.checkpoint.orbax_ckpt import CheckpointError
 from areal_jax.checkpoint.publish import ADAPTER_SUBDIR, serving_copy
 from areal_jax.checkpoint.stream import StreamPublisher
@@ -102,6 +103,7 @@ from areal_jax.sampling_params import SamplingParams
 from areal_jax.tokenizer import ChatTokenizer, load_tokenizer
 from areal_jax.trainer import LearnerSide, Progress, RolloutSide, SFTTrainer, Trainer
 from areal_jax.trajectory import Trajectory
+from model_defs import ModelConfig
 
 __all__ = ["build_learner_side", "build_trainer", "main_guarded", "run_training"]
 
@@ -487,10 +489,17 @@ def _rollout_side(cfg: TrainConfig, stack: contextlib.ExitStack, inputs: _Rollou
     write = (StreamPublisher([h.url for h in handles], api_key=cfg.rollout.api_key,
                              bucket_bytes=cfg.checkpoint.publish_bucket_mb << 20).send
              if memory else write_files)
+    push = None
+    if cfg.publish_path == "distributed":  # SGLang's torch-group update, learner at rank 0
+        push = _distributed_sender(cfg, side.learner.model_cfg,
+                                   list(cfg.rollout.servers) or [h.url for h in handles],
+                                   stack).send
     weights = WeightSync(executor, write,
                          interruptible=cfg.rollout.interruptible,
                          adapter_subdir=ADAPTER_SUBDIR if _serves_adapters(cfg) else None,
-                         staged=memory, files=write_files, deltas=inputs.deltas)
+                         staged=memory, files=write_files, deltas=inputs.deltas,
+                         push=push, pause_servers=cfg.rollout.sglang is not None
+                         or bool(cfg.rollout.servers))
     if load_first:
         where = "rollout.servers" if cfg.rollout.servers else "the embedded servers"
         with input_error("rollout.servers", RolloutError,
@@ -503,6 +512,22 @@ def _rollout_side(cfg: TrainConfig, stack: contextlib.ExitStack, inputs: _Rollou
                        reward_fn=inputs.reward_fn, reward_pool=reward_pool,
                        eval_items=inputs.eval_items,
                        eval_workflow=_eval_workflow(cfg, workflow, stack))
+
+
+def _distributed_sender(cfg: TrainConfig, model_cfg: ModelConfig, urls: list[str],
+                        stack: contextlib.ExitStack) -> DistributedPublisher:
+    """checkpoint.publish: distributed's sender (``checkpoint/distributed.py``); the group
+    is made at the first version and left when the run ends."""
+    ck = cfg.checkpoint
+    embedded = not cfg.rollout.servers and cfg.rollout.sglang is None
+    sender = DistributedPublisher(
+        urls, model_cfg, backend=ck.distributed_backend,
+        master_address=ck.distributed_master_address, master_port=ck.distributed_master_port,
+        api_key=cfg.rollout.api_key, bucket_bytes=ck.publish_bucket_mb << 20,
+        timeout_s=ck.distributed_timeout_s,
+        server_timeout_s=ck.distributed_timeout_s if embedded else None)  # SGLang: its own
+    stack.callback(sender.close)
+    return sender
 
 
 def _trajectory_batches(cfg: TrainConfig, executor: RolloutExecutor | None,

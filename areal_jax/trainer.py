@@ -320,9 +320,11 @@ class Trainer:
         servers' update runs in the background. ``checkpoint.publish: memory``: the learner
         only dispatches the cast to the serving dtype; :class:`WeightSync` streams the
         result to the servers, which stage it while they generate, then swap. ``delta``:
-        the same cast; :class:`WeightSync` writes it as a delta file the servers apply."""
+        the same cast; :class:`WeightSync` writes it as a delta file the servers apply.
+        ``distributed``: the same cast; :class:`WeightSync` broadcasts it to the servers
+        through SGLang's weight update group."""
         self.wait_published()
-        if self.cfg.publish_path in ("memory", "delta"):
+        if self.cfg.publish_path in ("memory", "delta", "distributed"):
             arrays = serving_arrays(self.learner.model, self.cfg.serving_dtype)  # collective
             if self.is_main:
                 self.rollout_side.weights.publish(arrays, version)
@@ -388,7 +390,7 @@ class Trainer:
 
     def finish(self) -> None:
         self.wait_published()
-        if self.cfg.publish_path in ("memory", "delta"):  # weights/v{N} for convert.py, eval.py
+        if self.cfg.publish_path != "disk":  # weights/v{N} for convert.py, eval.py
             params = serving_copy(self.learner.model, self.cfg.model, self.cfg.serving_dtype)
             if self.is_main:
                 with _weight_sync_stops_the_run():

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -196,9 +197,10 @@ def test_a_sender_killed_mid_broadcast_leaves_v0_and_the_next_bump_works(on_a, s
                           timeout=120)
     assert proc.returncode == 9 and "half sent" in proc.stdout, proc.stderr[-2000:]
     # the server notices within its group timeout (3 s), drops the half version and the group
-    for _ in range(100):
+    for _ in range(300):
         if httpx.get(f"{on_a}/health", timeout=30).status_code == 200 and not _busy(on_a):
             break
+        time.sleep(0.1)
     assert_serves(on_a, learners[0][0], ckpts[0], 0)
     sender.close()  # the doomed group replaced the module sender's on the server
     sender.send(serving_arrays(learners[1][0], "float32"), 6)
@@ -237,3 +239,85 @@ def test_without_torch_the_error_says_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.distributed", None)
     with pytest.raises(WeightGroupError, match="not a core dependency.*pip install torch"):
         torch_modules()
+
+
+def test_weight_sync_pushes_through_the_group_and_the_executor_follows(on_a, sender, ckpts,
+                                                                       learners):
+    """``WeightSync(push=...)`` (checkpoint.publish: distributed): publish returns at once,
+    the push runs on the executor's loop, and the executor's version follows the server."""
+    from areal_jax.rollout.client import RolloutClient
+    from areal_jax.rollout.executor import RolloutExecutor
+    from areal_jax.rollout.weight_sync import WeightSync
+    from tests.test_weight_delta_run import _idle
+
+    ex = RolloutExecutor(RolloutClient([on_a]), _idle, None, batch_size=1).start()
+    try:
+        weights = WeightSync(ex, lambda p, v: "", push=sender.send, pause_servers=True)
+        weights.publish(serving_arrays(learners[1][0], "float32"), 8)
+        weights.wait()
+        assert weights.write_s[8] > 0 and weights.update_s[8] >= weights.write_s[8]
+        assert ex.version == 8
+        assert_serves(on_a, learners[1][0], ckpts[1], 8)
+    finally:
+        ex.stop(close_client=True)
+
+
+def test_publish_distributed_is_checked_at_load():
+    from pathlib import Path
+
+    from areal_jax.config import ConfigError, load_config
+
+    demo = Path(__file__).resolve().parent.parent / "configs" / "tiny_demo.yaml"
+    cfg = load_config(demo, ["checkpoint.publish=distributed"])
+    assert cfg.publish_path == "distributed" and cfg.checkpoint.distributed_backend == "gloo"
+    assert load_config(demo, ["checkpoint.publish=distributed",
+                              "rollout.servers=[http://127.0.0.1:1]"]).publish_path \
+        == "distributed"
+    assert load_config(demo).publish_path == "memory"  # auto is unchanged
+    with pytest.raises(ConfigError, match="checkpoint.distributed_backend: 'mpi' is not "
+                                          "allowed"):
+        load_config(demo, ["checkpoint.publish=distributed",
+                           "checkpoint.distributed_backend=mpi"])
+    with pytest.raises(ConfigError, match="checkpoint.distributed_timeout_s"):
+        load_config(demo, ["checkpoint.distributed_timeout_s=0"])
+
+
+def test_a_run_publishes_each_version_through_the_group(tmp_path):
+    """A training run with checkpoint.publish=distributed against a server that outlives
+    it: every version goes through the weight update group (no HF files but the first and
+    the last), and the server ends at v3 serving exactly the learner's v3 (its greedy
+    tokens and logprobs are those it gives after loading the run's weights/v3 files, and
+    those are, tensor for tensor, the checkpointed v3 params)."""
+    from tests.test_trainer import (
+        _assert_published_tensors_are_the_learners,
+        _checkpointed_weights,
+        _external_server,
+        _greedy,
+        _rows,
+        _run,
+    )
+
+    run_dir = tmp_path / "run"
+    server = _external_server(tmp_path, run_dir)
+    try:
+        res = _run([f"run_dir={run_dir}", "train.total_versions=3", "rollout.max_staleness=1",
+                    "checkpoint.every_versions=3", "checkpoint.publish=distributed",
+                    f"rollout.servers=[{server.url}]"])
+        assert res.returncode == 0, res.stderr[-4000:]
+        served = _greedy(server.url)
+        r = httpx.post(f"{server.url}/update_weights_from_disk", timeout=120, json={
+            "model_path": str(run_dir / "weights" / "v3"), "weight_version": "reloaded-v3"})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        from_file = _greedy(server.url)
+    finally:
+        server.terminate()
+    assert served[2] == "3" and from_file[2] == "reloaded-v3"
+    assert served[0] == from_file[0]
+    np.testing.assert_array_equal(served[1], from_file[1])
+    want = _checkpointed_weights(run_dir, 3, tmp_path / "want", "float32")
+    _assert_published_tensors_are_the_learners(run_dir, 3, want)
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v0", "v3"]
+    rows = _rows(run_dir)
+    assert [r["version"] for r in rows] == [1, 2, 3]
+    assert all(r["publish_write_s"] > 0 and r["publish_update_s"] > 0 for r in rows[1:])
+    assert rows[2]["token_version_max"] >= 1

@@ -26,6 +26,13 @@ at its next step boundary (``client.swap_staged_weights``: running requests retu
 aborted, or, when not ``interruptible``, the executor first waits for its runs to finish),
 ``executor.set_version`` and the resume. Generation pauses only for the swap.
 
+With ``push`` (``checkpoint.publish: distributed``, ``checkpoint/distributed.py``), the
+update is ``push(params, version, abort_all_requests)``: SGLang's own in-memory update
+through a torch process group, which returns once every server serves the new weights.
+The executor holds back new runs meanwhile; with ``pause_servers`` (SGLang, which loads
+each bucket as it arrives) the servers pause around it; an embedded engine assembles the
+whole version and swaps it in at a step boundary, generating on the old one meanwhile.
+
 With ``deltas`` (``checkpoint.publish: delta``, ``checkpoint/delta.py``'s
 ``DeltaPublisher``), the write is ``deltas.publish(params, version)``: ``v{N}.delta`` in
 the publish dir, the compressed XOR with v{N-1}; then the executor stops submitting and
@@ -94,7 +101,9 @@ class WeightSync:
                  interruptible: bool = True, adapter_subdir: str | None = None,
                  staged: bool = False,
                  files: Callable[[PyTree | CausalLM, int], str] | None = None,
-                 deltas: DeltaFiles | None = None) -> None:
+                 deltas: DeltaFiles | None = None,
+                 push: Callable[[Any, int, bool], Any] | None = None,
+                 pause_servers: bool = False) -> None:
         if not isinstance(executor.client, ServerControl):
             raise TypeError(f"WeightSync needs a client that controls its servers (pause, "
                             f"update_weights_from_disk, load_lora_adapter, continue_), such "
@@ -105,6 +114,11 @@ class WeightSync:
         self.staged = staged  # write() stages the weights on the servers (module doc)
         self.files = files  # staged, deltas: writes a version's files (write_files)
         self.deltas = deltas  # publish: a delta file each version (module doc)
+        # publish: push(params, version, abort_all_requests) moves the weights into the
+        # servers, which serve them when it returns (checkpoint.publish: distributed);
+        # pause_servers: pause them around it (SGLang loads each bucket as it arrives)
+        self.push = push
+        self.pause_servers = pause_servers
         self.write = write
         self.interruptible = interruptible
         self._pending: tuple[int, Future[tuple[float, float]]] | None = None
@@ -139,7 +153,8 @@ class WeightSync:
         """With ``staged`` or ``deltas``: writes ``params`` as ``version``'s files
         (``files``), now, for whoever needs files (the last version of a run); returns
         their path. Otherwise ``write`` wrote every version's files already: None."""
-        if not (self.staged or self.deltas is not None) or self.files is None:
+        if not (self.staged or self.deltas is not None or self.push is not None) \
+                or self.files is None:
             return None
         try:
             return self.files(params, version)
@@ -160,6 +175,8 @@ class WeightSync:
         self._pending = None
 
     async def _write_and_update(self, params: PyTree, version: int) -> tuple[float, float]:
+        if self.push is not None:
+            return await self.push_servers(params, version)
         t0 = time.perf_counter()
         try:
             path = await asyncio.to_thread(self._write_delta if self.deltas is not None
@@ -249,6 +266,41 @@ class WeightSync:
         self.full_servers[version] = sum(bool(r.get("full")) for r in replies)
         self.bytes_written[version] = self.bytes_written.get(version, 0) + sum(wrote_full)
         return time.perf_counter() - t0
+
+    async def push_servers(self, params: PyTree, version: int) -> tuple[float, float]:
+        """Runs on the executor's loop: ``push`` moves ``params`` into every server as
+        ``version`` (checkpoint.publish: distributed) while the executor holds back new runs
+        (with ``pause_servers`` the servers pause first: in-flight requests return as
+        aborted and are resubmitted under the new weights; when not ``interruptible`` the
+        runs finish first). Returns (seconds of the push, seconds new runs were held back)."""
+        assert self.push is not None
+        t0 = time.perf_counter()
+        ex, client = self.executor, self.client
+        ex.pause()  # no new runs until the servers serve the new version
+        paused = False
+        try:
+            if not self.interruptible:  # let in-flight runs finish under the old weights
+                while ex.metrics()["running"] > 0:
+                    await asyncio.sleep(0.005)
+            elif self.pause_servers:
+                await client.pause()
+                paused = True
+            t1 = time.perf_counter()
+            await asyncio.to_thread(self.push, params, version, self.interruptible)
+            push_s = time.perf_counter() - t1
+            ex.set_version(version)
+            if paused:
+                paused = False
+                await client.continue_()
+        except Exception as e:  # noqa: BLE001 - a transport or server error
+            if paused:  # the servers left (if any) go on; the first error stands
+                with contextlib.suppress(Exception):
+                    await client.continue_()
+            self.executor.fail_waits(_failed(version, e))
+            raise
+        finally:
+            ex.resume()
+        return push_s, time.perf_counter() - t0
 
     async def swap_servers(self, transfer: str, version: int) -> float:
         """Runs on the executor's loop: every server swaps to the weights it staged for
