@@ -3,6 +3,7 @@
     python -m areal_jax.bench weight-sync --preset qwen2.5-0.5b --path memory [--bumps 5]
     python -m areal_jax.bench weight-sync --preset qwen2.5-0.5b --path disk
     python -m areal_jax.bench weight-sync --preset qwen2.5-0.5b --path delta --lr 1e-6
+    python -m areal_jax.bench weight-sync --preset qwen2.5-0.5b --path distributed
 
 A random model of the preset: the "learner" holds it in fp32, as the learner's master
 weights; one embedded server (``serve.py``, warmed up) serves it in ``--dtype`` (bf16)
@@ -17,6 +18,11 @@ publishes it as the run does:
 * ``delta``: the learner's host copy; ``DeltaPublisher.publish`` writes ``v{N}`` as a
   compressed XOR delta against v{N-1} (full every ``--full-every``); the server applies it
   with ``/update_weights_from_delta`` (pause → apply → continue, as disk).
+* ``distributed`` (``checkpoint.publish: distributed``): the same cast as ``memory``;
+  ``DistributedPublisher.send`` broadcasts the HF-named tensors through SGLang's weight
+  update group (gloo, the learner at rank 0; the group made before the first bump) while
+  ``/update_weights_from_distributed`` announces each bucket; the server swaps the whole
+  version in after the last (its pause is the one its reply's message reports).
 
 Per bump: the learner's wait, the transfer (write or stream + stage), generation paused
 (the server's own ``paused_s`` where it reports one, and the orchestrator's call), the bump
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import tempfile
 import threading
@@ -43,7 +50,8 @@ import numpy as np
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="qwen2.5-0.5b", help="model_defs preset")
-    parser.add_argument("--path", default="memory", choices=["memory", "disk", "delta"])
+    parser.add_argument("--path", default="memory", choices=["memory", "disk", "delta",
+                                                                 "distributed"])
     parser.add_argument("--bumps", type=int, default=5, help="version bumps (median)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="the serving dtype")
@@ -243,6 +251,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         delta = DeltaPublisher(weights_dir, full_every=args.full_every, keep=3)
         delta.publish(host_params(model, args.dtype), 0)  # the base the server holds
     sender = StreamPublisher([server.url], bucket_bytes=args.bucket_mb << 20)
+    group = None
+    if args.path == "distributed":
+        from areal_jax.checkpoint.distributed import DistributedPublisher
+
+        group = DistributedPublisher([server.url], cfg, bucket_bytes=args.bucket_mb << 20)
+        group.send(serving_arrays(model, args.dtype), 0)  # makes the group; compiles the cast
     previous = named_host_arrays(host_params(model, args.dtype)) if args.delta_size else None
     try:
         baseline_rss = _rss_bytes(server.pid)
@@ -272,6 +286,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         bump["paused_call_s"] = time.perf_counter() - t2
                         bump["paused_s"] = r.json()["paused_s"]
                         bump["swap_wait_s"] = r.json()["wait_s"]
+                    elif group is not None:
+                        arrays = serving_arrays(model, args.dtype)
+                        bump["learner_wait_s"] = time.perf_counter() - t0
+                        t1 = time.perf_counter()
+                        group.send(arrays, v)
+                        bump["transfer_s"] = time.perf_counter() - t1
+                        report = group.last
+                        assert report is not None
+                        bump["bytes_moved"] = report.nbytes
+                        # the last bucket's request: receive, place + probe, swap
+                        bump["server_apply_s"] = bump["paused_call_s"] = report.stage_s
+                        paused = re.search(r"paused ([0-9.]+)s", " ".join(
+                            str(r.get("message")) for r in group.last_replies.values()))
+                        bump["paused_s"] = float(paused.group(1)) if paused else report.stage_s
                     else:
                         params = host_params(model, args.dtype)
                         bump["learner_wait_s"] = time.perf_counter() - t0
@@ -314,6 +342,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"bump {v}: " + ", ".join(f"{k} {val:.3g}" for k, val in bump.items()
                                                 if k != "version"), flush=True)
     finally:
+        if group is not None:
+            group.close()
         http.close()
         server.terminate()
         if tmp is not None:

@@ -164,6 +164,7 @@ class DistributedPublisher:
         self.timeout_s = timeout_s
         self.server_timeout_s = server_timeout_s
         self.last: SendReport | None = None
+        self.last_replies: dict[str, dict[str, Any]] = {}  # the last bucket's, per server
         self._pg: Any = None
 
     # ------------------------------------------------------------------ HTTP
@@ -317,6 +318,7 @@ class DistributedPublisher:
                                                     if len(errors) > 1 else ""))
                     for w in works:
                         w.wait()  # done: raises if the broadcast failed
+                    self.last_replies = {u: f.result() for u, f in futures.items()}
                     report.stage_s = time.perf_counter() - (sent[0] if sent else t1)
                     del tensors, works
         except (_Refused, RuntimeError) as e:
