@@ -282,10 +282,7 @@ class DistributedReceiver:
                 old = served[slot.wire]
                 dest = self._pending[slot.wire] = aligned_empty(old.shape, np.dtype(old.dtype))
             row = hf_to_ours(to_numpy(tensor, torch), slot.our_shape, slot.transform)
-            if slot.layer is None:
-                dest[...] = row
-            else:
-                dest[slot.layer] = row
+            copy_into(dest if slot.layer is None else dest[slot.layer], row)
             self._received.add(name)
 
         try:
@@ -336,6 +333,17 @@ class DistributedReceiver:
         return (f"Succeeded to update model weights (received in {recv_s:.2f}s, "
                 f"paused {result.get('paused_s', 0.0):.3f}s, "
                 f"{result.get('num_paused_requests', 0)} requests aborted)")
+
+
+def copy_into(dest: np.ndarray, src: np.ndarray) -> None:
+    """``dest[...] = src``, cast to ``dest``'s dtype; between equal dtypes a bit copy
+    through unsigned views (a transposed bfloat16 ``src`` copies 4x faster that way than
+    through ml_dtypes' own loop)."""
+    if src.dtype == dest.dtype and dest.dtype.itemsize in (1, 2, 4, 8):
+        bits = np.dtype(f"u{dest.dtype.itemsize}")
+        dest.view(bits)[...] = src.view(bits)
+    else:
+        dest[...] = src
 
 
 def _int_version(version: str | None) -> int:
