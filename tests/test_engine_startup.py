@@ -167,3 +167,47 @@ def test_the_runs_first_row_holds_the_start_up_breakdown(tmp_path):
     assert second["startup/first_step_s"] >= second["startup/first_batch_s"] > marks[-1]
     lines = [x for x in res.stdout.splitlines() if x.startswith("start-up")]
     assert len(lines) == 1 and "first step" in lines[0] and "engine: load" in lines[0], lines
+
+
+def test_a_runner_compiles_only_its_step_programs(ckpt):
+    """The zero cache and slot state are made on the host and placed: the programs a
+    runner builds are its prefill and decode, no broadcast per shape and dtype (8 of them
+    before, each a compile or a cache lookup on the start path)."""
+    code = f"""
+import json, jax
+from areal_jax.engine.runner import ModelRunner
+from model_defs import load_hf
+model, _ = load_hf({str(ckpt)!r})
+seen = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **kw: seen.append(event)
+    if event == "/jax/core/compile/backend_compile_duration" else None)
+runner = ModelRunner(model, max_slots=4, max_seq_len=64)
+before = len(seen)
+runner.compile_programs(runner.essential_keys(), workers=1)
+print(json.dumps([before, len(seen) - before]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    # none for the runner's state, one each for the decode and the shortest prefill
+    assert json.loads(done.stdout.splitlines()[-1]) == [0, 2]
+
+
+def test_the_server_imports_flax_without_ipython():
+    """flax.nnx imports IPython (0.6 s or more) to ask whether it runs in a notebook; the
+    server's imports skip it, and IPython stays importable afterwards."""
+    code = """
+import importlib.util, sys
+import areal_jax.engine.server  # noqa: F401
+print("IPython" in sys.modules)
+if importlib.util.find_spec("IPython") is not None:
+    import IPython
+    print(IPython.get_ipython() is None)
+else:
+    print(True)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "True"], done.stdout
