@@ -8,7 +8,9 @@ Routes: /generate, /pause_generation, /continue_generation, /update_weights_from
 /flush_cache, /health, /health_generate,
 /get_model_info, /get_server_info, the in-memory weight updates /weights/* (begin,
 bucket, stage, swap, abort, status) and /update_weights_from_delta
-(areal_jax.engine.weight_routes); OpenAI-compatible
+(areal_jax.engine.weight_routes), SGLang's /init_weights_update_group,
+/update_weights_from_distributed and /destroy_weights_update_group
+(areal_jax.engine.distributed_update); OpenAI-compatible
 /v1/completions, /v1/chat/completions
 and /v1/models (areal_jax.engine.openai_api, errors in OpenAI's shape). Malformed requests
 get HTTP 400 ``{"error": message}`` (413 for a body over ``--max-body-bytes``; on the OpenAI
