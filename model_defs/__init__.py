@@ -1,7 +1,5 @@
 """Flax NNX decoder-only causal LMs (Qwen2/Qwen2.5, Qwen3, Llama 3) and HF checkpoint I/O."""
 
-# First: it imports flax without IPython, before the modules below import it.
-from model_defs import _flax_import  # noqa: F401, I001
 from model_defs.config import (
     PRESETS,
     SUPPORTED_ARCHITECTURES,

@@ -193,21 +193,3 @@ print(json.dumps([before, len(seen) - before]))
     # none for the runner's state, one each for the decode and the shortest prefill
     assert json.loads(done.stdout.splitlines()[-1]) == [0, 2]
 
-
-def test_the_server_imports_flax_without_ipython():
-    """flax.nnx imports IPython (0.6 s or more) to ask whether it runs in a notebook; the
-    server's imports skip it, and IPython stays importable afterwards."""
-    code = """
-import importlib.util, sys
-import areal_jax.engine.server  # noqa: F401
-print("IPython" in sys.modules)
-if importlib.util.find_spec("IPython") is not None:
-    import IPython
-    print(IPython.get_ipython() is None)
-else:
-    print(True)
-"""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["False", "True"], done.stdout

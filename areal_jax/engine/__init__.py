@@ -8,7 +8,6 @@
     with launch_server("ckpt_dir") as server: ...     # server.url, server.kill(), ...
 """
 
-import model_defs  # noqa: F401, I001 - first: it imports flax without IPython (its _flax_import)
 from areal_jax.engine.config import EngineConfig
 from areal_jax.engine.engine import EngineRequestError, EngineStoppedError, GenerationEngine
 from areal_jax.engine.launch import (
