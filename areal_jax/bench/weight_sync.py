@@ -295,6 +295,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         report = group.last
                         assert report is not None
                         bump["bytes_moved"] = report.nbytes
+                        # the learner's HF conversion (layer slices, transposes), and the
+                        # rest of the send but the last bucket's reply (broadcasts, HTTP)
+                        bump["convert_s"], bump["broadcast_s"] = report.host_s, report.stream_s
                         # the last bucket's request: receive, place + probe, swap
                         bump["server_apply_s"] = bump["paused_call_s"] = report.stage_s
                         paused = re.search(r"paused ([0-9.]+)s", " ".join(
