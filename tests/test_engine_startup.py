@@ -16,6 +16,7 @@ import pytest
 
 from areal_jax.engine import EngineConfig, GenerationEngine
 from areal_jax.engine.launch import launch_server
+from areal_jax.engine.runner import BACKGROUND_COMPILE_NICE
 from areal_jax.sampling_params import SamplingParams
 from tests.hf_fixtures import make_tiny_hf_checkpoint
 from tests.test_engine import hf_greedy
@@ -132,6 +133,9 @@ def test_a_request_during_the_background_compile_is_answered_correctly(ckpt):
         assert engine.generate(prompt, _greedy(8), timeout=300).output_ids == expected
         assert engine.stats["prefill_calls"] == calls + 1  # one 256 chunk now
         assert engine.num_compilations == 6
+        if sys.platform == "linux":  # the background compile ran below the step loop
+            expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_COMPILE_NICE)
+            assert engine.runner.background_nice == expected
     finally:
         engine.shutdown()
 

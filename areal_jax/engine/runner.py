@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -72,6 +73,10 @@ PREFILL_CHUNKS = (16, 64, 256)
 DECODE_WINDOWS = (64, 128, 256)
 logger = logging.getLogger(__name__)
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# How much lower the background compile's thread runs than the step loop (its nice value
+# above the process's, Linux): a request served while the larger programs compile gets
+# the cores first, the compile what is left (a tenth of a busy core at nice 10).
+BACKGROUND_COMPILE_NICE = 10
 _compile_watch = threading.local()  # .hit: set while a step call runs on this thread
 _listener_installed = False
 
@@ -86,6 +91,19 @@ def _install_compile_listener() -> None:
     if not _listener_installed:
         jax.monitoring.register_event_duration_secs_listener(_on_duration_event)
         _listener_installed = True
+
+
+def _lower_thread_priority(increment: int) -> int | None:
+    """Raises the calling thread's nice value by ``increment`` (on Linux a thread has its
+    own); returns the new value, or None where it cannot (another OS, no permission)."""
+    if not hasattr(os, "setpriority") or not os.path.isdir("/proc/self/task"):
+        return None
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except OSError:
+        return None
 
 
 def prefill_chunks(max_seq_len: int) -> list[int]:
@@ -183,6 +201,8 @@ class ModelRunner:
         # key -> lowered program whose HLO size is still to be measured: printing a deep
         # model's module takes seconds, so it is done off the start-up path.
         self._unmeasured: dict[tuple[str, int], Any] = {}
+        # The background compile thread's nice value once it runs (None: not lowered).
+        self.background_nice: int | None = None
         self._measure_lock = threading.Lock()
         _install_compile_listener()
         self.reset()
@@ -528,6 +548,7 @@ class ModelRunner:
         with the programs it has; a step that needs one of these waits only for it)."""
 
         def run() -> None:
+            self.background_nice = _lower_thread_priority(BACKGROUND_COMPILE_NICE)
             for key in keys:
                 try:
                     self._compile_one(key)
