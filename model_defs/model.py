@@ -20,6 +20,7 @@ PEFT module name (``q_proj`` ... ``down_proj``); ``model_defs.lora.add_lora`` fi
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -133,7 +134,7 @@ class Attention(nnx.Module):
 
     def _project(self, x_btd: Array, kernel: nnx.Param, bias: nnx.Param | None,
                  name: str) -> Array:
-        out_btnh = jnp.einsum("btd,dnh->btnh", x_btd, kernel[...].astype(self.dtype))
+        out_btnh = _dot("btd,dnh->btnh", x_btd, kernel[...], self.dtype)
         delta_bto = lora_delta(self.lora, name, x_btd)
         if delta_bto is not None:
             out_btnh = out_btnh + delta_bto.reshape(out_btnh.shape)
@@ -165,7 +166,7 @@ class Attention(nnx.Module):
         """Output projection of head-major attention outputs, -> [B, T, D]."""
         b, k, g, t, dh = out_bkgtd.shape
         out_bthd = out_bkgtd.transpose(0, 3, 1, 2, 4).reshape(b, t, k * g, dh)
-        out_btd = jnp.einsum("bthd,hdD->btD", out_bthd, self.o_kernel_hkd[...].astype(self.dtype))
+        out_btd = _dot("bthd,hdD->btD", out_bthd, self.o_kernel_hkd[...], self.dtype)
         delta_btd = lora_delta(self.lora, "o_proj", out_bthd.reshape(b, t, k * g * dh))
         return out_btd if delta_btd is None else out_btd + delta_btd
 
@@ -175,6 +176,15 @@ class Attention(nnx.Module):
         out_bkgtd = attention(q_bkgtd, k_bktd, v_bktd, segment_ids_bt=segment_ids_bt,
                               impl=attention_impl)
         return self.project_out(out_bkgtd)
+
+
+def _dot(spec: str, x: Array, kernel: Array, dtype: DTypeLike) -> Array:
+    """``einsum(spec, x, kernel)`` in ``dtype``, accumulated in fp32 and rounded once. For
+    bf16 this is what accelerators do anyway; on the CPU it also lets XLA multiply the bf16
+    kernel as it is, where a bf16 product would first convert the whole kernel to fp32 (a
+    temporary as large as the weights, allocated on every call)."""
+    return jnp.einsum(spec, x.astype(dtype), kernel.astype(dtype),
+                      preferred_element_type=jnp.float32).astype(dtype)
 
 
 class MLP(nnx.Module):
@@ -188,7 +198,7 @@ class MLP(nnx.Module):
         self.lora: nnx.Dict | None = nnx.data(None)  # adapters: model_defs.lora
 
     def _matmul(self, x_bti: Array, kernel: nnx.Param, name: str) -> Array:
-        out_bto = x_bti @ kernel[...].astype(self.dtype)
+        out_bto = _dot("...i,io->...o", x_bti, kernel[...], self.dtype)
         delta_bto = lora_delta(self.lora, name, x_bti)
         return out_bto if delta_bto is None else out_bto + delta_bto
 
@@ -453,6 +463,16 @@ class CausalLM(nnx.Module):
         _, leaves, rebuild = _layer_leaves(self.layers)
         return [rebuild([v[i] for v in leaves]) for i in range(self.num_layers)]
 
+    def layers_of(self, per_layer: Sequence[Sequence[Array]]) -> list[DecoderLayer]:
+        """The decoder layers holding the given arrays: ``per_layer[i]`` is layer i's
+        variables, in the order ``jax.tree.leaves`` lists the stacked layers' state (e.g.
+        arrays that alias the stacked ones' slices, which a traced slice would copy)."""
+        _, leaves, rebuild = _layer_leaves(self.layers)
+        if len(per_layer) != self.num_layers or any(len(x) != len(leaves) for x in per_layer):
+            raise ValueError(f"layers_of needs {self.num_layers} layers of {len(leaves)} "
+                             "arrays each")
+        return [rebuild(list(x)) for x in per_layer]
+
     def unembed_dv(self) -> Array:
         """[D, V] output projection (the transposed embedding when tied)."""
         if self.lm_head_dv is None:
@@ -523,15 +543,15 @@ class CausalLM(nnx.Module):
         return self.final_norm(x_btd)
 
     def logits_from_hidden(self, hidden_btd: Array) -> Array:
-        """fp32 logits [B, T, V] = hidden @ unembed_dv."""
-        w_dv = self.unembed_dv()
-        if self.dtype == jnp.float32 and w_dv.dtype == jnp.float32:
-            logits_btv = hidden_btd @ w_dv
+        """fp32 logits [B, T, V] = hidden @ unembed_dv (from the weight as stored: a tied
+        embedding is not transposed, which on the CPU would copy it on every call)."""
+        w, vocab_axis = self.unembed_weight()
+        spec = "btd,vd->btv" if vocab_axis == 0 else "btd,dv->btv"
+        if self.dtype == jnp.float32 and w.dtype == jnp.float32:
+            logits_btv = jnp.einsum(spec, hidden_btd, w)
         else:
-            logits_btv = jnp.einsum(
-                "btd,dv->btv", hidden_btd, w_dv.astype(self.dtype),
-                preferred_element_type=jnp.float32,
-            )
+            logits_btv = jnp.einsum(spec, hidden_btd, w.astype(self.dtype),
+                                    preferred_element_type=jnp.float32)
         return shard(logits_btv.astype(jnp.float32), ("batch", "seq", "vocab"))
 
     def __call__(

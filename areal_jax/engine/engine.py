@@ -171,7 +171,7 @@ class GenerationEngine:
             t0 = time.perf_counter()
             self.runner.compile_programs(self.runner.essential_keys())
             self.startup["programs_s"] = time.perf_counter() - t0
-            if config.check_weights:  # compiles the updates' probe now; the start weights pass it
+            if config.check_weights:  # the start weights pass the probe (no program of its own)
                 try:
                     check_probe_forward(self.runner.state, self.runner)
                 except WeightCheckError as e:

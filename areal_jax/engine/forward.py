@@ -43,7 +43,7 @@ Exactness is tested against model_defs' full forward and transformers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar, cast
 
 import jax
@@ -102,18 +102,29 @@ def scan_layers_by_default() -> bool:
     return active_platform() == "tpu"
 
 
+# Per layer, its variables (``CausalLM.layers_of``), or None: the loop slices the stack.
+LayerLeaves = Sequence[Sequence[Array]] | None
+
+
 class _LayerLoop:
     """The engine's loop over the decoder layers: a ``lax.scan`` for a stacked cache (one
     layer in the program, each step reading its slice of the stacked weights), else
     unrolled over layers sliced once, when the loop is built (a slice is a copy on the
-    CPU, so one taken inside a step loop would be taken at every step).
+    CPU, so one taken inside a step loop would be taken at every step), or over the
+    per-layer arrays ``layer_leaves`` when the caller has them (the runner passes arrays
+    aliasing the stacked weights on a CPU, so its programs copy no weights at all).
 
     Per-layer operands are stacked [L, ...] arrays for a scan and lists of L arrays when
     unrolled (``per_layer``)."""
 
-    def __init__(self, model: CausalLM, scan: bool):
+    def __init__(self, model: CausalLM, scan: bool, layer_leaves: LayerLeaves = None):
         self.model, self.scan, self.n = model, scan, model.num_layers
-        self.layers = None if scan else model.unstacked_layers()
+        if scan:
+            self.layers = None
+        elif layer_leaves is not None:  # per-layer arrays given: nothing to slice
+            self.layers = model.layers_of(layer_leaves)
+        else:
+            self.layers = model.unstacked_layers()
 
     def per_layer(self, cache_part: Array | tuple[Array, ...],
                   fn: Callable[[Array], Array] = lambda a: a) -> Array | list[Array]:
@@ -154,16 +165,17 @@ class _LayerLoop:
 
 def prefill_forward(model: CausalLM, prompt_pt: Array, prompt_len_p: Array, slot_p: Array,
                     cache: SlotCache, start_p: Array | None = None,
-                    kv_len: Array | int = 0) -> tuple[Array, SlotCache]:
+                    kv_len: Array | int = 0, layer_leaves: LayerLeaves = None
+                    ) -> tuple[Array, SlotCache]:
     """Runs a chunk of right-padded prompts [P, C] sitting at positions ``start_p + [0, C)``
     (default 0: whole prompts) and stores their keys/values in slots ``slot_p``
     (out-of-range slots, used for padding rows, are dropped). Each row's tokens attend to
     its slot's cache below ``start_p`` (the earlier chunks of a long prompt; the loop
     reads keys [0, ``kv_len``), ``kv_len`` >= every row's start) and causally to the chunk.
     ``prompt_len_p``: each row's real tokens in the chunk. Returns the fp32 logits at each
-    row's last real token [P, V] and the cache."""
+    row's last real token [P, V] and the cache. ``layer_leaves``: see ``_LayerLoop``."""
     rows, chunk = prompt_pt.shape
-    loop = _LayerLoop(model, cache.stacked)
+    loop = _LayerLoop(model, cache.stacked, layer_leaves)
     start_p = jnp.zeros((rows,), jnp.int32) if start_p is None else jnp.asarray(start_p)
     positions_pt = start_p[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
     cos_sin = model.rope(positions_pt)
@@ -212,7 +224,8 @@ def decode_forward(model: CausalLM, token_b: Array, position_b: Array, cache: Sl
 def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: SlotCache,
                  kv_len: Array | int, steps: int,
                  choose: Callable[[Array, Array, Array], tuple[Array, PyTree]],
-                 window: int | None = None) -> tuple[PyTree, SlotCache]:
+                 window: int | None = None, layer_leaves: LayerLeaves = None
+                 ) -> tuple[PyTree, SlotCache]:
     """``steps`` decode steps for every slot, feeding back ``choose``'s tokens.
 
     Slot b feeds ``token_b[b]`` at ``position_b[b]``, then its own choices at the next
@@ -226,7 +239,7 @@ def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: Slot
     (``position_b`` is where they will sit); the stacked ``extra`` [steps, ...] is returned.
     """
     b = token_b.shape[0]
-    loop = _LayerLoop(model, cache.stacked)
+    loop = _LayerLoop(model, cache.stacked, layer_leaves)
     kv, _, dh = loop.per_layer(cache.v)[0].shape[-3:]
     start_b = position_b
     # The cache's first keys [B, K, Dh, W] and values [B, K, W, Dh], sliced once per call

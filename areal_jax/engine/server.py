@@ -492,6 +492,32 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+# XLA's loop-invariant code motion hoists, out of the decode call's loop over its steps, a
+# transposed copy and an fp32 conversion of the tied embedding (0.8 GB of temporaries per
+# call at the 0.5B shape, page-faulted in on every call): on a CPU engine that costs more
+# than it saves. Measured at the 0.5B shape, 4 slots, 4 steps per call: CPU time per decode
+# call 1.33 -> 0.68 s, minor page faults 215k -> 5-13k, the same tokens.
+CPU_ENGINE_XLA_FLAGS = ("--xla_disable_hlo_passes=while-loop-invariant-code-motion",)
+
+
+def cpu_only_host() -> bool:
+    """JAX will run on the CPU here: JAX_PLATFORMS says cpu, or no GPU or TPU device node."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    accelerators = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd", "/dev/accel0",
+                    "/dev/vfio/0")
+    return not any(os.path.exists(p) for p in accelerators)
+
+
+def apply_cpu_engine_xla_flags() -> None:
+    """Adds CPU_ENGINE_XLA_FLAGS to XLA_FLAGS on a CPU-only host, before JAX starts its
+    backend; a --xla_disable_hlo_passes the user set is kept as it is."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if cpu_only_host() and not any(f.startswith("--xla_disable_hlo_passes") for f in flags):
+        os.environ["XLA_FLAGS"] = " ".join([*flags, *CPU_ENGINE_XLA_FLAGS])
+
+
 def _apply_process_settings(cpu_affinity: str | None, parent_pid: int | None) -> None:
     if cpu_affinity:
         try:
@@ -535,6 +561,7 @@ def resolve_api_key(flag: str | None, key_file: str | None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_cpu_engine_xla_flags()  # before anything starts JAX's backend
     args = build_arg_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -13,12 +13,12 @@ cast). Finite weights can still overflow in use (weights near the fp32 limit, a 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
@@ -76,27 +76,18 @@ def check_finite(state: object) -> None:
 PROBE_TOKENS = 16  # length of the probe prompt, spread over the vocabulary
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _probe_flags(graphdef: nnx.GraphDef, state: nnx.State, ids_bt: jax.Array) -> jax.Array:
-    """[2] bool: the probe's logits are finite; its log-probs are finite."""
-    logits_btv = nnx.merge(graphdef, state)(ids_bt).astype(jnp.float32)
-    return jnp.stack([jnp.all(jnp.isfinite(logits_btv)),
-                      jnp.all(jnp.isfinite(jax.nn.log_softmax(logits_btv, axis=-1)))])
-
-
 def check_probe_forward(state: nnx.State, runner: ModelRunner) -> None:
     """Raises WeightCheckError unless a forward pass of ``state`` on a probe prompt (token
-    ids spread over the vocabulary) gives finite logits and log-probs: finite weights that
-    overflow would otherwise be served and fail every request."""
-    ids_bt = jnp.linspace(0, runner.cfg.vocab_size - 1, PROBE_TOKENS).astype(jnp.int32)[None, :]
-    logits_ok, logprobs_ok = (bool(f) for f in jax.device_get(
-        _probe_flags(runner.graphdef, state, ids_bt)))
-    if not (logits_ok and logprobs_ok):
+    ids spread over the vocabulary) gives a finite greedy log-prob (a NaN or infinite logit
+    makes it NaN): finite weights that overflow would otherwise be served and fail every
+    request. The engine's own prefill program runs it (``ModelRunner.probe_logprob``), so
+    it compiles nothing and copies no weight."""
+    ids = np.linspace(0, runner.cfg.vocab_size - 1, PROBE_TOKENS).astype(np.int32).tolist()
+    if not np.isfinite(runner.probe_logprob(state, ids)):
         raise WeightCheckError(
-            f"a forward pass on a probe prompt gives non-finite "
-            f"{'logits' if not logits_ok else 'log-probs'}: the values are finite but "
-            "overflow float32 in use (weights too large, or a LoRA scale lora_alpha/r too "
-            "large)")
+            "a forward pass on a probe prompt gives non-finite log-probs: the values are "
+            "finite but overflow float32 in use (weights too large, or a LoRA scale "
+            "lora_alpha/r too large)")
 
 
 def load_update(model_path: str, served: ModelConfig, dtype: str, runner: ModelRunner,
