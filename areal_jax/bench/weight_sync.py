@@ -258,6 +258,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         group = DistributedPublisher([server.url], cfg, bucket_bytes=args.bucket_mb << 20)
         group.send(serving_arrays(model, args.dtype), 0)  # makes the group; compiles the cast
     previous = named_host_arrays(host_params(model, args.dtype)) if args.delta_size else None
+    arrays = None
     try:
         baseline_rss = _rss_bytes(server.pid)
         with _Load(server.url, args.concurrency, cfg.vocab_size) as load:
@@ -341,6 +342,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         (a.view(np.uint16) != b.view(np.uint16)).reshape(-1)
                         for (_, a), (_, b) in zip(current, previous, strict=True)])))
                     previous = current
+                # A run drops each version's cast on the sender's thread once it is sent;
+                # here it is dropped now, untimed, not inside the next bump's learner wait.
+                arrays = None
                 bumps.append(bump)
                 print(f"bump {v}: " + ", ".join(f"{k} {val:.3g}" for k, val in bump.items()
                                                 if k != "version"), flush=True)
