@@ -372,3 +372,46 @@ def test_a_server_killed_leaves_the_others_on_v0(servers, on_a, ckpts, learners)
     assert urls[1] in str(e.value)
     assert status(urls[0])["staged"] is None and status(urls[0])["receiving"] is None
     assert_serves(urls[0], learners[0], ckpts[0], 0)
+
+
+def test_swaps_during_short_requests_never_stall_generation(on_a, ckpts, learners):
+    """A swap that lands just as the running requests finish (a decode call still in
+    flight, no slot busy) must leave generation running: the engine once kept refusing to
+    dispatch decode calls after such a swap, and every later request hung."""
+    import threading
+
+    url = on_a[0]
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def short_requests(seed):
+        rng = np.random.default_rng(seed)
+        with httpx.Client(timeout=60) as c:
+            while not stop.is_set():
+                try:
+                    r = c.post(f"{url}/generate", json={
+                        "input_ids": PROMPT, "sampling_params": {
+                            "max_new_tokens": int(rng.integers(1, 12)), "temperature": 0.0,
+                            "ignore_eos": True}})
+                except httpx.TimeoutException:
+                    errors.append("a request hung for 60 s")
+                    return
+                if r.status_code != 200:
+                    errors.append(r.text)
+
+    threads = [threading.Thread(target=short_requests, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        sender = StreamPublisher([url])
+        for v in range(1, 21):
+            transfer = sender.send(serving_arrays(learners[v % 2], "float32"), v)
+            assert swap(url, transfer, v).status_code == 200
+            tokens, _, served = generate(url)  # a request after the swap completes
+            assert served == str(v) and len(tokens) == 12
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(90)
+    assert not errors, errors[:3]
+    assert_serves(url, learners[0], ckpts[0], 20)

@@ -585,7 +585,8 @@ class GenerationEngine:
                 self._maybe_swap_weights()
                 self._admit()
                 previous, self._in_flight = self._in_flight, None
-                if any(s is not None for s in self._slots) and not self._pending_abort:
+                if any(s is not None for s in self._slots) and not (
+                        self._pending_abort and self._pending_update is not None):
                     self._in_flight = self._dispatch_decode(previous)
                 if previous is not None:
                     self._collect(previous)
@@ -618,6 +619,7 @@ class GenerationEngine:
         state, version, done, aborted, load_id = self._pending_update
         aborted += aborted_now
         self._pending_update = None
+        self._pending_abort = False  # (set when the last slot emptied before the abort ran)
         self.runner.swap_params(state)
         self.swapped_at, self.first_token_at = time.time(), None
         self._served_load_id = load_id
