@@ -362,18 +362,6 @@ def test_a_delta_bump_serves_the_learners_weights_and_a_bad_one_is_refused(on_a,
     assert delta_update(url, "/etc/hostname", 4).status_code == 403
 
 
-def test_a_server_killed_leaves_the_others_on_v0(servers, on_a, ckpts, learners):
-    """The last test of the module: it kills the second server."""
-    urls = on_a
-    servers[1].kill()
-    servers[1].process.wait(30)
-    with pytest.raises(PublishError, match="every server keeps the old version") as e:
-        StreamPublisher(urls).send(serving_arrays(learners[1], "float32"), 9)
-    assert urls[1] in str(e.value)
-    assert status(urls[0])["staged"] is None and status(urls[0])["receiving"] is None
-    assert_serves(urls[0], learners[0], ckpts[0], 0)
-
-
 def test_swaps_during_short_requests_never_stall_generation(on_a, ckpts, learners):
     """A swap that lands just as the running requests finish (a decode call still in
     flight, no slot busy) must leave generation running: the engine once kept refusing to
@@ -415,3 +403,16 @@ def test_swaps_during_short_requests_never_stall_generation(on_a, ckpts, learner
             t.join(90)
     assert not errors, errors[:3]
     assert_serves(url, learners[0], ckpts[0], 20)
+
+
+def test_a_server_killed_leaves_the_others_on_v0(servers, on_a, ckpts, learners):
+    """The last test of the module: it kills the second server."""
+    urls = on_a
+    servers[1].kill()
+    servers[1].process.wait(30)
+    with pytest.raises(PublishError, match="every server keeps the old version") as e:
+        StreamPublisher(urls).send(serving_arrays(learners[1], "float32"), 9)
+    assert urls[1] in str(e.value)
+    assert status(urls[0])["staged"] is None and status(urls[0])["receiving"] is None
+    assert_serves(urls[0], learners[0], ckpts[0], 0)
+

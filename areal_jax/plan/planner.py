@@ -290,13 +290,15 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any, scan: bool | None = None
     # for the active mesh's platform, else for jax's default backend, which here is the host
     # CPU (plain XLA), not the chip the engine runs on (splash on TPU).
     with use_mesh(chip_mesh):
+        # The params as the step programs take them: (state, per-layer views); the target
+        # chip slices the stack itself (the views are a CPU engine's, ModelRunner.params).
         prefill = jax.jit(runner._prefill_impl, donate_argnums=(1, 2)).lower(
-            state, cache, slots, arg((p, t), jnp.int32), arg((p,), jnp.int32),
+            (state, None), cache, slots, arg((p, t), jnp.int32), arg((p,), jnp.int32),
             arg((p,), jnp.int32), arg((p,), jnp.float32), arg((p,), jnp.float32),
             arg((p,), jnp.int32), arg((p,), jnp.uint32), arg((p,), jnp.int32),
             arg((), jnp.int32), flag, flag)
         decode = jax.jit(runner._decode_impl, donate_argnums=(1, 2), static_argnums=(6,)).lower(
-            state, cache, slots, arg((), jnp.int32), flag, flag, shapes["max_seq_len"])
+            (state, None), cache, slots, arg((), jnp.int32), flag, flag, shapes["max_seq_len"])
     shapes["param_bytes"] = device_bytes(state)
     shapes["kv_cache_bytes"] = device_bytes(cache)
     return prefill, decode, shapes
