@@ -51,7 +51,7 @@ import asyncio
 import contextlib
 import posixpath
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -213,29 +213,24 @@ class WeightSync:
         if self.staged:
             return await self.swap_servers(path, version)
         t0 = time.perf_counter()
-        ex, client = self.executor, self.client
-        ex.pause()  # no new runs until the servers have the new version
-        try:
+        client = self.client
+        async with self._runs_held_back():
+            try:
+                if self.interruptible:
+                    await client.pause()  # in-flight requests return as abort, resubmitted
+                if self.adapter_subdir is None:  # raises if a server refuses
+                    await client.update_weights_from_disk(path, version)
+                else:
+                    await client.load_lora_adapter(
+                        f"v{version}", posixpath.join(path, self.adapter_subdir), version)
+                self.executor.set_version(version)
+            except BaseException:
+                if self.interruptible:  # the servers left (if any) go on; the first error stands
+                    with contextlib.suppress(Exception):
+                        await client.continue_()
+                raise
             if self.interruptible:
-                await client.pause()  # in-flight requests return as abort and are resubmitted
-            else:  # let in-flight runs finish under the old weights
-                while ex.metrics()["running"] > 0:
-                    await asyncio.sleep(0.005)
-            if self.adapter_subdir is None:  # raises if a server refuses
-                await client.update_weights_from_disk(path, version)
-            else:
-                await client.load_lora_adapter(
-                    f"v{version}", posixpath.join(path, self.adapter_subdir), version)
-            ex.set_version(version)
-        except BaseException:
-            if self.interruptible:  # the servers left (if any) go on; the first error stands
-                with contextlib.suppress(Exception):
-                    await client.continue_()
-            ex.resume()
-            raise
-        if self.interruptible:
-            await client.continue_()
-        ex.resume()
+                await client.continue_()
         return time.perf_counter() - t0
 
     async def delta_servers(self, path: str, version: int) -> float:
@@ -252,17 +247,10 @@ class WeightSync:
             return full_path
 
         t0 = time.perf_counter()
-        ex = self.executor
-        ex.pause()  # no new runs until the servers serve the new version
-        try:
-            if not self.interruptible:  # let in-flight runs finish under the old weights
-                while ex.metrics()["running"] > 0:
-                    await asyncio.sleep(0.005)
+        async with self._runs_held_back():
             replies = await self.client.update_weights_from_delta(
                 path, version, full, abort_all_requests=self.interruptible)
-            ex.set_version(version)
-        finally:
-            ex.resume()
+            self.executor.set_version(version)
         self.full_servers[version] = sum(bool(r.get("full")) for r in replies)
         self.bytes_written[version] = self.bytes_written.get(version, 0) + sum(wrote_full)
         return time.perf_counter() - t0
@@ -275,47 +263,50 @@ class WeightSync:
         runs finish first). Returns (seconds of the push, seconds new runs were held back)."""
         assert self.push is not None
         t0 = time.perf_counter()
-        ex, client = self.executor, self.client
-        ex.pause()  # no new runs until the servers serve the new version
-        paused = False
+        client = self.client
+        async with self._runs_held_back():
+            paused = False
+            try:
+                if self.interruptible and self.pause_servers:
+                    await client.pause()
+                    paused = True
+                t1 = time.perf_counter()
+                await asyncio.to_thread(self.push, params, version, self.interruptible)
+                push_s = time.perf_counter() - t1
+                self.executor.set_version(version)
+                if paused:
+                    paused = False
+                    await client.continue_()
+            except Exception as e:  # noqa: BLE001 - a transport or server error
+                if paused:  # the servers left (if any) go on; the first error stands
+                    with contextlib.suppress(Exception):
+                        await client.continue_()
+                self.executor.fail_waits(_failed(version, e))
+                raise
+        return push_s, time.perf_counter() - t0
+
+    @contextlib.asynccontextmanager
+    async def _runs_held_back(self) -> AsyncIterator[None]:
+        """While the servers take a version: no new runs (the executor pauses until the
+        block ends); when not ``interruptible``, the runs in flight first finish under the
+        old weights."""
+        ex = self.executor
+        ex.pause()
         try:
-            if not self.interruptible:  # let in-flight runs finish under the old weights
+            if not self.interruptible:
                 while ex.metrics()["running"] > 0:
                     await asyncio.sleep(0.005)
-            elif self.pause_servers:
-                await client.pause()
-                paused = True
-            t1 = time.perf_counter()
-            await asyncio.to_thread(self.push, params, version, self.interruptible)
-            push_s = time.perf_counter() - t1
-            ex.set_version(version)
-            if paused:
-                paused = False
-                await client.continue_()
-        except Exception as e:  # noqa: BLE001 - a transport or server error
-            if paused:  # the servers left (if any) go on; the first error stands
-                with contextlib.suppress(Exception):
-                    await client.continue_()
-            self.executor.fail_waits(_failed(version, e))
-            raise
+            yield
         finally:
             ex.resume()
-        return push_s, time.perf_counter() - t0
 
     async def swap_servers(self, transfer: str, version: int) -> float:
         """Runs on the executor's loop: every server swaps to the weights it staged for
         ``transfer``, as ``version``; returns the seconds the executor held back new runs
         (the servers' own pause, abort to swap, is shorter)."""
         t0 = time.perf_counter()
-        ex = self.executor
-        ex.pause()  # no new runs until the servers serve the new version
-        try:
-            if not self.interruptible:  # let in-flight runs finish under the old weights
-                while ex.metrics()["running"] > 0:
-                    await asyncio.sleep(0.005)
+        async with self._runs_held_back():
             await self.client.swap_staged_weights(transfer, version,
                                                   abort_all_requests=self.interruptible)
-            ex.set_version(version)
-        finally:
-            ex.resume()
+            self.executor.set_version(version)
         return time.perf_counter() - t0
