@@ -38,3 +38,23 @@ def test_bf16_step_programs_hold_no_copy_of_the_weights(vocab_heavy):
             "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}})
         assert r.status_code == 200, r.text
         assert len(r.json()["output_ids"]) == 6
+
+
+def test_cpu_engine_xla_flags_add_each_missing_flag_and_keep_the_users(monkeypatch):
+    from areal_jax.engine import server as server_mod
+
+    monkeypatch.setattr(server_mod, "cpu_only_host", lambda: True)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=3 --xla_foo=1")
+    server_mod.apply_cpu_engine_xla_flags()
+    flags = server_mod.os.environ["XLA_FLAGS"].split()
+    # the user's level stays (once); the flags the user did not set are added
+    assert [f for f in flags if f.startswith("--xla_backend_optimization_level")] == [
+        "--xla_backend_optimization_level=3"]
+    assert "--xla_foo=1" in flags
+    assert "--xla_disable_hlo_passes=while-loop-invariant-code-motion" in flags
+    server_mod.apply_cpu_engine_xla_flags()  # applying twice adds nothing
+    assert server_mod.os.environ["XLA_FLAGS"].split() == flags
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setattr(server_mod, "cpu_only_host", lambda: False)
+    server_mod.apply_cpu_engine_xla_flags()  # an accelerator host: XLA's defaults
+    assert server_mod.os.environ["XLA_FLAGS"] == ""

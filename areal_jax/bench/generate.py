@@ -197,6 +197,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from areal_jax.engine.config import request_cpu_devices
 
     request_cpu_devices(max(dps))  # one XLA CPU device per slot shard, before JAX starts
+    from areal_jax.engine.server import apply_cpu_engine_xla_flags
+
+    apply_cpu_engine_xla_flags()  # the engine as serve.py runs it (a no-op off a CPU host)
     if args.compile_cache:
         from areal_jax.compile_cache import enable_compilation_cache
 
