@@ -279,6 +279,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         assert report is not None
                         bump["server_apply_s"] = report.stage_s
                         bump["bytes_moved"] = report.nbytes
+                        # the transfer's parts: the wait for the cast, the shared-memory
+                        # write, the server's mapping + checksums, placing, probe
+                        bump.update(cast_s=report.host_s, shm_write_s=report.write_s,
+                                    load_s=report.load_s, place_s=report.place_s,
+                                    probe_s=report.probe_s)
                         t2 = time.perf_counter()
                         r = http.post("/weights/swap", json={
                             "transfer": transfer, "weight_version": str(v),
@@ -363,10 +368,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     phases = [("learner wait", "learner_wait_s", "memcpy_s"),
               ("transfer (write or stream + stage)", "transfer_s", "write_fsync_s"),
               ("server apply (stage / load)", "server_apply_s", "memcpy_s"),
+              # the memory path's transfer, part by part
+              ("- wait for the learner's cast", "cast_s", "memcpy_s"),
+              ("- shared-memory write", "shm_write_s", "page_cache_write_s"),
+              ("- server maps + checksums it", "load_s", "memcpy_s"),
+              ("- server places it", "place_s", "memcpy_s"),
+              ("- server's probe forward", "probe_s", "memcpy_s"),
               ("generation paused (server)", "paused_s", "memcpy_s"),
               ("paused, orchestrator's call", "paused_call_s", "memcpy_s"),
               ("update sent -> new version generating", "sent_to_generating_s", "memcpy_s"),
               ("update sent -> first reply at it", "sent_to_first_reply_s", "memcpy_s")]
+    phases = [p for p in phases if all(p[1] in b for b in bumps)]
     for name, key, limit in phases:
         rows.append([name, round(med(key), 4), limit.replace("_s", ""),
                      round(limits[limit], 4), round(med(key) / limits[limit], 1)])

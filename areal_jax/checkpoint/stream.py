@@ -140,6 +140,13 @@ class SendReport:
     stream_s: float = 0.0
     stage_s: float = 0.0
     server_stage_s: dict[str, float] = field(default_factory=dict)
+    # the parts of stream_s and stage_s (the slowest server's): writing the shared-memory
+    # file, the server's mapping and checksums of it, its placing and its probe forward
+    write_s: float = 0.0
+    load_s: float = 0.0
+    place_s: float = 0.0
+    probe_s: float = 0.0
+    server_replies: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class StreamPublisher:
@@ -199,15 +206,16 @@ class StreamPublisher:
 
     def _send_one(self, url: str, manifest: Manifest, arrays: Sequence[np.ndarray],
                   crcs: list[concurrent.futures.Future[int]], shm_path: str | None = None
-                  ) -> float:
+                  ) -> tuple[float, dict[str, Any]]:
         """begin, every bucket (or the shared-memory file), stage on one server; returns
-        the server's stage seconds."""
+        the server's stage seconds and its stage and load_file replies merged."""
         conn = self._connect(url)
+        loaded: dict[str, Any] = {}
         try:
             self._request(conn, url, "POST", "/weights/begin", manifest.to_json())
             if shm_path is not None:
                 try:
-                    self._request(conn, url, "POST", "/weights/load_file", {
+                    loaded = self._request(conn, url, "POST", "/weights/load_file", {
                         "transfer": manifest.transfer, "path": shm_path,
                         "checksums": [c.result() for c in crcs]})
                 except _ServerRefused as e:
@@ -223,9 +231,9 @@ class StreamPublisher:
                               parts=bucket_views(manifest, arrays, i),
                               headers={CHECKSUM_HEADER: str(crcs[i].result())})
             t0 = time.perf_counter()
-            self._request(conn, url, "POST", "/weights/stage",
-                          {"transfer": manifest.transfer})
-            return time.perf_counter() - t0
+            staged = self._request(conn, url, "POST", "/weights/stage",
+                                   {"transfer": manifest.transfer})
+            return time.perf_counter() - t0, {**loaded, **staged}
         finally:
             conn.close()
 
@@ -261,7 +269,9 @@ class StreamPublisher:
         try:
             if self.shm_dir is not None:
                 try:
+                    t_write = time.perf_counter()
                     shm_path = self._write_shm(manifest, arrays)
+                    report.write_s = time.perf_counter() - t_write
                 except OSError as e:  # e.g. a container's 64 MiB /dev/shm
                     logger.warning("weights v%d: cannot write %s (%s); sending them over "
                                    "HTTP from now on", version, self.shm_dir, e)
@@ -296,13 +306,13 @@ class StreamPublisher:
                 concurrent.futures.ThreadPoolExecutor(len(self.urls)) as pool:
             crcs = [crc_pool.submit(checksum, bucket_views(manifest, arrays, i), manifest.checksum)
                     for i in range(manifest.num_buckets)]
-            futures: dict[str, concurrent.futures.Future[float]] = {
+            futures: dict[str, concurrent.futures.Future[tuple[float, dict[str, Any]]]] = {
                 url: pool.submit(self._send_one, url, manifest, arrays, crcs, shm_path)
                 for url in self.urls}
             errors = []
             for url, fut in futures.items():
                 try:
-                    report.server_stage_s[url] = fut.result()
+                    report.server_stage_s[url], report.server_replies[url] = fut.result()
                 except _ServerRefused as e:
                     errors.append(str(e))
                 except (OSError, http.client.HTTPException) as e:
@@ -316,6 +326,9 @@ class StreamPublisher:
                                   if len(errors) > 1 else "")
                                + "; every server keeps the old version")
         report.stage_s = max(report.server_stage_s.values(), default=0.0)
+        for key in ("load_s", "place_s", "probe_s"):  # the slowest server's (older: none)
+            setattr(report, key, max((float(r.get(key, 0.0)) for r in
+                                      report.server_replies.values()), default=0.0))
         report.stream_s = time.perf_counter() - t1 - report.stage_s
         self.last = report
         return manifest.transfer

@@ -202,10 +202,12 @@ class WeightStaging:
                 self._fail(str(e))
                 raise StagingError(f"weights not updated: {e}") from None
 
-    def load_file(self, transfer: str, path: str, crcs: list[int]) -> None:
+    def load_file(self, transfer: str, path: str, crcs: list[int]) -> float:
         """Every bucket of ``transfer`` from the file ``path`` (its sender wrote the
         stream to shared memory: same host), each checked against ``crcs``. The file
-        must be a regular file named ``areal-weights-*`` holding exactly the stream."""
+        must be a regular file named ``areal-weights-*`` holding exactly the stream.
+        Returns the seconds it took (mapping and checksums)."""
+        t0 = time.perf_counter()
         with self._lock:
             a = self._current(transfer)
             self._assembler = None  # nothing else writes it meanwhile
@@ -234,6 +236,7 @@ class WeightStaging:
         with self._lock:
             self._assembler = a
             self._touched = time.monotonic()
+        return time.perf_counter() - t0
 
     def abort(self, transfer: str | None = None, reason: str = "aborted by the sender") -> bool:
         """Drops ``transfer`` (None: whatever is in progress or staged); True if it was."""
@@ -261,15 +264,20 @@ class WeightStaging:
                 raise StagingError(f"weights not updated: {e}") from None
             self._assembler = None  # from here the arrays belong to the staged params
         try:
-            state = place_named(arrays, self.runner, self.check)
+            state = place_named(arrays, self.runner, False)
+            t_placed = time.perf_counter()
+            if self.check:
+                check_probe_forward(state, self.runner)
         except WeightCheckError as e:
             self.last_error = str(e)
             raise StagingError(f"weights not updated: v{a.manifest.version}: {e}") from None
         del arrays
         with self._lock:
             self._staged = (transfer, a.manifest.version, state)
+        t_end = time.perf_counter()
+        # place_s: placing the tensors like the served ones; probe_s: the probe forward
         return {"success": True, "transfer": transfer, "version": a.manifest.version,
-                "stage_s": time.perf_counter() - t0}
+                "stage_s": t_end - t0, "place_s": t_placed - t0, "probe_s": t_end - t_placed}
 
     def put(self, transfer: str, version: int, state: nnx.State) -> None:
         """Stages ``state``, already placed and checked (``place_named``) by another route

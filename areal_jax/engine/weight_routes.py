@@ -13,9 +13,10 @@
   the server maps it read-only and every bucket is checked in a worker thread; the new
   tensors are views of the mapping, which a CPU device aliases (the bytes are neither
   sent over HTTP nor copied; the pages are freed when the sender has removed the file and
-  the server no longer serves them).
-- ``POST /weights/stage`` ``{"transfer"}`` → ``{"success", "version", "stage_s"}``: every
-  bucket whole, placed like the served params and probed; generation goes on meanwhile.
+  the server no longer serves them) → ``{"success", "load_s"}``.
+- ``POST /weights/stage`` ``{"transfer"}`` → ``{"success", "version", "stage_s", "place_s",
+  "probe_s"}``: every bucket whole, placed like the served params and probed; generation
+  goes on meanwhile.
 - ``POST /weights/swap`` ``{"transfer", "weight_version", "abort_all_requests"}`` →
   SGLang's update reply (``success``, ``message``, ``num_paused_requests``) and
   ``wait_s`` (the wait for the step boundary: the decode call in flight is collected, its
@@ -142,10 +143,10 @@ def register_weight_routes(app: FastAPI, engine: GenerationEngine,
                                 "(a list of ints, one per bucket)")
         assert transfer is not None
         try:
-            await asyncio.to_thread(staging.load_file, transfer, path, crcs)
+            seconds = await asyncio.to_thread(staging.load_file, transfer, path, crcs)
         except StagingError as e:
             return _refused(str(e))
-        return {"success": True}
+        return {"success": True, "load_s": seconds}
 
     @app.post("/weights/stage")
     async def stage(request: Request):
