@@ -416,3 +416,29 @@ def test_a_server_killed_leaves_the_others_on_v0(servers, on_a, ckpts, learners)
     assert status(urls[0])["staged"] is None and status(urls[0])["receiving"] is None
     assert_serves(urls[0], learners[0], ckpts[0], 0)
 
+
+
+def test_the_casts_finiteness_flags_are_exact():
+    """The learner's check is a float32 sum per tensor, fused with the cast: a NaN, an
+    infinity, or a value beyond the serving dtype's range (infinite once cast) is refused;
+    finite values whose sum overflows are not."""
+    from areal_jax.checkpoint.stream import ServingArrays, _cast_and_check
+
+    base = [jnp.ones((64, 8), jnp.float32), jnp.arange(16, dtype=jnp.int32)]
+
+    def flags(leaf, dtype):
+        cast, finite = _cast_and_check([leaf, base[1]], jnp.zeros((), dtype))
+        return ServingArrays([("w", cast[0]), ("ids", cast[1])], finite)
+
+    big = jnp.full((64, 8), 3e38, jnp.float32)  # finite in both; the sum overflows
+    for dtype in (jnp.float32, jnp.bfloat16):
+        flags(base[0], dtype).check_finite()
+        flags(big, dtype).check_finite()
+        for bad in (jnp.nan, jnp.inf, -jnp.inf):
+            with pytest.raises(PublishError, match="NaN or Inf in w"):
+                flags(base[0].at[5, 3].set(bad), dtype).check_finite()
+    # float32's largest value rounds past bfloat16's: infinite as served
+    edge = base[0].at[0, 0].set(np.finfo(np.float32).max)
+    flags(edge, jnp.float32).check_finite()
+    with pytest.raises(PublishError, match="NaN or Inf in w"):
+        flags(edge, jnp.bfloat16).check_finite()

@@ -77,15 +77,24 @@ class ServingArrays:
     named: list[tuple[str, Any]]
     finite: Any = None
 
+    def check_finite(self) -> None:
+        """Raises :class:`PublishError` naming the first tensor that holds NaN or Inf as
+        cast. The cast's flags are a float32 sum per tensor (see ``_cast_and_check``); a
+        flagged tensor is checked element by element here, so a sum that overflowed on
+        finite values passes."""
+        if self.finite is None:
+            return
+        flags = np.asarray(jax.device_get(self.finite))
+        for i in np.flatnonzero(~flags):
+            name, array = self.named[int(i)]
+            if not np.isfinite(np.asarray(jax.device_get(array)).astype(np.float32)).all():
+                raise PublishError(f"the learner's weights hold NaN or Inf in {name}; not "
+                                   "sent (the servers keep the old version)")
+
     def host(self) -> list[tuple[str, np.ndarray]]:
         """The arrays on the host (on a CPU device: views of the device buffers, no copy).
         Raises :class:`PublishError` naming the first non-finite tensor."""
-        if self.finite is not None:
-            flags = np.asarray(jax.device_get(self.finite))
-            if not flags.all():
-                bad = self.named[int(np.argmin(flags))][0]
-                raise PublishError(f"the learner's weights hold NaN or Inf in {bad}; not "
-                                   "sent (the servers keep the old version)")
+        self.check_finite()
         return [(name, np.asarray(jax.device_get(a))) for name, a in self.named]
 
     @property
@@ -96,12 +105,19 @@ class ServingArrays:
 @jax.jit
 def _cast_and_check(leaves: list[jax.Array], dtype_probe: jax.Array
                     ) -> tuple[list[jax.Array], jax.Array]:
-    """Each floating leaf cast to ``dtype_probe``'s dtype, and per leaf whether it is
-    finite: one program, one pass over the weights."""
+    """Each floating leaf cast to ``dtype_probe``'s dtype, and per leaf whether its float32
+    sum as cast is finite: one program. A NaN or an infinity (a value beyond the serving
+    dtype's range is infinite there) makes the sum NaN or infinite; a sum of finite values
+    overflows only for values near the dtype's largest, which ``check_finite`` then
+    checks element by element. XLA fuses the sum with the cast, where ``all(isfinite(x))``
+    on the float32 input read the weights a second time (0.5B shape on a quiet 2-core
+    host: 0.36 s against 0.60 s). (A max of magnitudes would be exact, but whether XLA's
+    CPU max propagates a NaN depends on the vector instructions it picks.)"""
     want = dtype_probe.dtype
     out = [x.astype(want) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in leaves]
-    flags = jnp.stack([jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating)
-                       else jnp.bool_(True) for x in leaves])
+    flags = jnp.stack([jnp.isfinite(jnp.sum(x, dtype=jnp.float32))
+                       if jnp.issubdtype(x.dtype, jnp.floating) else jnp.bool_(True)
+                       for x in out])
     return out, flags
 
 
