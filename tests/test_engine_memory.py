@@ -6,6 +6,8 @@ own memory analysis, on a real server (``/get_server_info``'s ``programs``)."""
 
 from __future__ import annotations
 
+import sys
+
 import httpx
 import pytest
 
@@ -58,3 +60,31 @@ def test_cpu_engine_xla_flags_add_each_missing_flag_and_keep_the_users(monkeypat
     monkeypatch.setattr(server_mod, "cpu_only_host", lambda: False)
     server_mod.apply_cpu_engine_xla_flags()  # an accelerator host: XLA's defaults
     assert server_mod.os.environ["XLA_FLAGS"] == ""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_release_freed_memory_returns_the_heaps_free_pages():
+    import ctypes
+    import ctypes.util
+
+    from areal_jax.engine.runner import release_freed_memory
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def rss_mb() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+    # 64 KiB blocks come from the heap (below glibc's mmap threshold): freed, they stay
+    # resident until trimmed; the last one, kept, pins the heap's top.
+    blocks = [libc.malloc(64 << 10) for _ in range(3200)]  # 200 MiB
+    for block in blocks:
+        ctypes.memset(block, 1, 64 << 10)
+    for block in blocks[:-1]:
+        libc.free(block)
+    before = rss_mb()
+    assert release_freed_memory()
+    assert rss_mb() < before - 100, (before, rss_mb())
+    libc.free(blocks[-1])

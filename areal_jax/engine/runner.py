@@ -107,6 +107,21 @@ def _lower_thread_priority(increment: int) -> int | None:
         return None
 
 
+def release_freed_memory() -> bool:
+    """Hands the C heap's free pages back to the OS (glibc's ``malloc_trim``; False where
+    there is none). XLA's compile leaves what it allocated free but held by the heap: at
+    the 0.5B shape 0.23 to 0.28 GB of a server's resident set after its programs compile,
+    which a weight update's new version would otherwise come on top of."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def prefill_chunks(max_seq_len: int) -> list[int]:
     """The prefill programs' chunk lengths for ``max_seq_len``: ``PREFILL_CHUNKS`` capped."""
     return sorted({min(c, max_seq_len) for c in PREFILL_CHUNKS})
@@ -564,9 +579,13 @@ class ModelRunner:
         if workers is None:
             workers = max(1, min(usable_cpu_count(), len(keys)))
         if workers == 1:
-            return sum(self._compile_one(key) for key in keys)
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            return sum(pool.map(self._compile_one, keys))
+            count = sum(self._compile_one(key) for key in keys)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                count = sum(pool.map(self._compile_one, keys))
+        if count:
+            release_freed_memory()
+        return count
 
     def measure_programs(self) -> None:
         """Adds ``hlo_chars`` (the size of its StableHLO text) to each compiled program's
@@ -600,6 +619,7 @@ class ModelRunner:
                 except Exception:  # noqa: BLE001 - the step call compiles it itself then
                     logger.exception("background compile of %s failed", key)
             self.measure_programs()
+            release_freed_memory()
 
         thread = threading.Thread(target=run, name="engine-compile", daemon=True)
         thread.start()
