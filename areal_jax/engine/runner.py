@@ -71,10 +71,7 @@ from model_defs import CausalLM, fp32_matmuls
 PREFILL_CHUNKS = (16, 64, 256)
 # The decode programs' windows (each capped at max_seq_len): the cache's first keys each
 # reads as one slice per call. The first serves every request while the others compile.
-# 512 (the long-tail config's 448): reading keys 257-448 through the key-block loop cost
-# a decode call 1.5x what one slice of them does (long-tail model, 64 slots, 8 steps:
-# 32-40 ms against 22-25 ms at 350-440 cached keys), and the long tail lives there.
-DECODE_WINDOWS = (64, 128, 256, 512)
+DECODE_WINDOWS = (64, 128, 256)
 logger = logging.getLogger(__name__)
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # How much lower the background compile's thread runs than the step loop (its nice value
