@@ -135,8 +135,12 @@ def test_interrupted_update_stitches_versions(servers, ckpt_a, ckpt_b):
             raw_task = asyncio.create_task(raw.post(f"{url}/generate", json={
                 "input_ids": [9, 9, 9], "return_logprob": True,
                 "sampling_params": {"max_new_tokens": n_new, "ignore_eos": True}}))
-            await asyncio.to_thread(wait_until, lambda: server_info(url)["generated_tokens"]
-                                    >= before + 5 * (len(prompts) + 1), what="tokens")
+            # Every request running (the raw one too: a request still queued at the pause is
+            # not aborted, and its reply would wait for the continue below), with tokens.
+            await asyncio.to_thread(wait_until, lambda: (
+                (info := server_info(url))["num_running_reqs"] == len(prompts) + 1
+                and info["generated_tokens"] >= before + 5 * (len(prompts) + 1)),
+                what="every request running, with tokens")
             await client.pause()
             try:
                 partial = (await raw_task).json()
