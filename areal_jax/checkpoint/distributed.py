@@ -288,7 +288,7 @@ class DistributedPublisher:
         except WeightGroupError as e:
             raise PublishError(f"checkpoint.publish: distributed: {e}") from None
         t0 = time.perf_counter()
-        check_finite(weights)
+        weights.check_finite()  # NaN or Inf: nothing sent, the servers keep theirs
         entries = hf_entries(weights.named, self.model_cfg)
         report = SendReport(f"distributed-v{version}",
                             sum(math.prod(e[1]) * np.dtype(e[2]).itemsize for e in entries))
@@ -346,8 +346,3 @@ class DistributedPublisher:
 def _same(body: dict[str, Any], _server: int) -> dict[str, Any]:
     return body
 
-
-def check_finite(weights: ServingArrays) -> None:
-    """Raises :class:`PublishError` naming the first tensor the learner's cast found NaN or
-    Inf in (``ServingArrays.check_finite``; the arrays stay where they are)."""
-    weights.check_finite()
