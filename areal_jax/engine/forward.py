@@ -187,13 +187,18 @@ def prefill_forward(model: CausalLM, prompt_pt: Array, prompt_len_p: Array, slot
         # Right padding comes after every real token, so causal attention alone keeps it
         # out of the real tokens' outputs.
         own = attention(q_pkgtd, k_pktd, v_pktd, impl=model.attention_impl, return_lse=True)
-        prefix = cache_attention(q_pkgtd, pk, pv, prefix_limit_pt, kv_len,
-                                 block=DECODE_KV_BLOCK, rows_b=slot_p)
-        x_ptd = layer.finish(x_ptd, merge_attention([prefix, own], model.dtype))
-        return x_ptd, (k_pktd.swapaxes(2, 3), v_pktd)
+        # Unrolled, each layer's cache comes back as the key-block loop carried it and the
+        # write below goes into that one, in place (cache_attention's pass_through). A
+        # scan would stack what comes back into a new cache: there the write goes into
+        # the stacked cache given.
+        out, lse, *read = cache_attention(q_pkgtd, pk, pv, prefix_limit_pt, kv_len,
+                                          block=DECODE_KV_BLOCK, rows_b=slot_p,
+                                          pass_through=not loop.scan)
+        x_ptd = layer.finish(x_ptd, merge_attention([(out, lse), own], model.dtype))
+        return x_ptd, (k_pktd.swapaxes(2, 3), v_pktd, *read)
 
-    x_ptd, (new_k, new_v) = loop.run(layer_step, model.embed(prompt_pt),
-                                     (loop.per_layer(cache.k), loop.per_layer(cache.v)))
+    x_ptd, (new_k, new_v, *read) = loop.run(
+        layer_step, model.embed(prompt_pt), (loop.per_layer(cache.k), loop.per_layer(cache.v)))
     rows_pc = jnp.broadcast_to(slot_p[:, None], (rows, chunk))
     pos_pc = positions_pt
 
@@ -205,7 +210,8 @@ def prefill_forward(model: CausalLM, prompt_pt: Array, prompt_len_p: Array, slot
         return c.at[rows_pc, :, pos_pc].set(new_pkcd.transpose(0, 2, 1, 3).astype(c.dtype),
                                              mode="drop")
 
-    cache = SlotCache(k=loop.write(cache.k, new_k, write_k), v=loop.write(cache.v, new_v, write_v))
+    read_k, read_v = (cache.k, cache.v) if loop.scan else (tuple(read[0]), tuple(read[1]))
+    cache = SlotCache(k=loop.write(read_k, new_k, write_k), v=loop.write(read_v, new_v, write_v))
     last_pd = jnp.take_along_axis(x_ptd, (prompt_len_p - 1)[:, None, None], axis=1)[:, 0]
     hidden_p1d = model.final_norm(last_pd[:, None, :])
     return model.logits_from_hidden(hidden_p1d)[:, 0], cache
