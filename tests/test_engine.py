@@ -83,6 +83,17 @@ def test_prefill_chunks_and_plans():
     assert chunk_plan(17, [16, 64, 256]) == [(0, 17, 64)]
     assert chunk_plan(300, [16, 64, 256]) == [(0, 256, 256), (256, 44, 64)]
     assert chunk_plan(40, [16]) == [(0, 16, 16), (16, 16, 16), (32, 8, 16)]
+    # Weighing calls against padding (the CPU's plan): the pieces of least work, each call
+    # counted as its chunk plus 8 tokens, longest first; a tie goes to fewer calls.
+    assert chunk_plan(85, [16, 64, 256], 8) == [(0, 64, 64), (64, 16, 16), (80, 5, 16)]
+    assert chunk_plan(17, [16, 64, 256], 8) == [(0, 16, 16), (16, 1, 16)]
+    assert chunk_plan(64, [16, 64, 256], 8) == [(0, 64, 64)]
+    assert chunk_plan(300, [16, 64, 256], 8) == [(0, 256, 256), (256, 44, 64)]
+    assert chunk_plan(300, [16, 64, 256], 1000) == chunk_plan(300, [16, 64, 256])
+    for n in range(1, 450):
+        plan = chunk_plan(n, [16, 64, 256], 8)
+        assert [s for s, _, _ in plan] == list(np.cumsum([0] + [k for _, k, _ in plan])[:-1])
+        assert sum(k for _, k, _ in plan) == n and all(0 < k <= c for _, k, c in plan)
 
 
 def test_first_argmax_and_greedy_logprob_match_the_reference_ops():

@@ -651,7 +651,7 @@ class GenerationEngine:
         # compile in the background, a long prompt takes more calls of the shortest), one
         # round per chunk index; a prompt's last chunk samples its first token.
         sizes = self._usable_chunks()
-        plans = [(slot, req, chunk_plan(req.prompt_len, sizes))
+        plans = [(slot, req, chunk_plan(req.prompt_len, sizes, self.runner.prefill_call_tokens))
                  for slot, req in zip(free, batch, strict=False)]
         failed: set[int] = set()
         rows_per_call = self.runner.prefill_rows
