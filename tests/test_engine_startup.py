@@ -105,9 +105,11 @@ def test_the_programs_do_not_grow_with_max_seq_len(ckpt):
             engine.shutdown()
         # The prompt prefilled in two chunks gives transformers' greedy tokens.
         assert reqs[3].output_ids == hf_greedy(ckpt, _prompt(300, 300), 10)
-    assert compiled[320] == compiled[2048], compiled
-    # decode windows 64, 128, 256 (longer sequences loop beyond), prefill chunks 16, 64, 256
-    assert compiled[2048][0] == len(keys) == 6, compiled
+    # decode windows 64, 128, 256 and 512 capped at max_seq_len (longer sequences loop
+    # beyond), prefill chunks 16, 64, 256: as many programs whatever max_seq_len
+    assert compiled[320][0] == compiled[2048][0] == len(keys) == 7, compiled
+    assert [n for n in compiled[320][1] if "window=320" not in n] == [
+        n for n in compiled[2048][1] if "window=512" not in n], compiled
 
 
 def test_a_request_during_the_background_compile_is_answered_correctly(ckpt):
@@ -121,18 +123,20 @@ def test_a_request_during_the_background_compile_is_answered_correctly(ckpt):
         prompt = _prompt(100, 1)
         req = engine.generate(prompt, _greedy(8), timeout=300)
         assert pending, "every program was compiled before the engine was ready"
-        assert set(pending) <= {"decode_128", "decode_256", "prefill_64", "prefill_256"}
+        assert set(pending) <= {"decode_128", "decode_256", "decode_320", "prefill_64",
+                                "prefill_256"}
         expected = hf_greedy(ckpt, prompt, 8)
         assert req.output_ids == expected
         engine.warmup()  # waits for the background compile
         info = engine.info()
         assert info["programs_pending"] == [] and set(info["programs"]) == {
-            "decode_64", "decode_128", "decode_256", "prefill_16", "prefill_64", "prefill_256"}
+            "decode_64", "decode_128", "decode_256", "decode_320", "prefill_16", "prefill_64",
+            "prefill_256"}
         assert all(p["compile_s"] > 0 and p["hlo_chars"] > 0 for p in info["programs"].values())
         calls = engine.stats["prefill_calls"]
         assert engine.generate(prompt, _greedy(8), timeout=300).output_ids == expected
         assert engine.stats["prefill_calls"] == calls + 1  # one 256 chunk now
-        assert engine.num_compilations == 6
+        assert engine.num_compilations == 7
         if sys.platform == "linux":  # the background compile ran below the step loop
             expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_COMPILE_NICE)
             assert engine.runner.background_nice == expected

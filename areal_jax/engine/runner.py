@@ -72,7 +72,10 @@ from model_defs import CausalLM, fp32_matmuls
 PREFILL_CHUNKS = (16, 64, 256)
 # The decode programs' windows (each capped at max_seq_len): the cache's first keys each
 # reads as one slice per call. The first serves every request while the others compile.
-DECODE_WINDOWS = (64, 128, 256)
+# 512 (the long-tail config's 448): reading keys 257-448 through the key-block loop cost
+# a decode call 1.5x what one slice of them does (long-tail model, 64 slots, 8 steps:
+# 32-40 ms against 22-25 ms at 350-440 cached keys), and the long tail lives there.
+DECODE_WINDOWS = (64, 128, 256, 512)
 # A prefill call's fixed cost on a CPU, in tokens of a chunk's work: on the long-tail
 # model, 4 rows, one core, a 16/64/256-token chunk took 1.26/3.81/16.5 ms (about 0.5 ms a
 # call and 0.062 ms a padded token). ``chunk_plan`` weighs calls against padding with it;
