@@ -160,30 +160,32 @@ def cache_attention(q_bkgtd: Array, k_cache: Array, v_bksd: Array, kv_limit_bt: 
     never = jnp.iinfo(jnp.int32).max  # a key index no query reaches
 
     def body(i, carry):
-        *carry, k_cache, v_bksd = carry
+        keys, values = k_cache, v_bksd
         if pass_through:
-            k_cache, v_bksd = jax.lax.optimization_barrier((k_cache, v_bksd))
+            *carry, keys, values = carry
+            keys, values = jax.lax.optimization_barrier((keys, values))
         nominal = start + i * block
         first = jnp.minimum(nominal, s - block)
-        k_blk = jax.lax.dynamic_slice_in_dim(k_cache, first, block, axis=s_axis)
-        v_blk = jax.lax.dynamic_slice_in_dim(v_bksd, first, block, axis=2)
+        k_blk = jax.lax.dynamic_slice_in_dim(keys, first, block, axis=s_axis)
+        v_blk = jax.lax.dynamic_slice_in_dim(values, first, block, axis=2)
         if rows_b is not None:
             k_blk = jnp.take(k_blk, rows_b, axis=0, mode="clip")
             v_blk = jnp.take(v_blk, rows_b, axis=0, mode="clip")
         idx_s = first + jnp.arange(block, dtype=jnp.int32)
         kv_idx_bs = jnp.broadcast_to(jnp.where(idx_s >= nominal, idx_s, never), (b, block))
-        return (*_block(q_bkgtd, k_blk.astype(q_bkgtd.dtype), v_blk.astype(q_bkgtd.dtype),
-                        limit_bt, kv_idx_bs, None, None, keys_transposed, tuple(carry)),
-                k_cache, v_bksd)
+        out = _block(q_bkgtd, k_blk.astype(q_bkgtd.dtype), v_blk.astype(q_bkgtd.dtype),
+                     limit_bt, kv_idx_bs, None, None, keys_transposed, tuple(carry))
+        return (*out, keys, values) if pass_through else out
 
     carry = (jnp.zeros((b, kh, g, t, dh), jnp.float32),
              jnp.full((b, kh, g, t), MASK_VALUE, jnp.float32),
-             jnp.zeros((b, kh, g, t), jnp.float32), k_cache, v_bksd)
+             jnp.zeros((b, kh, g, t), jnp.float32))
+    if pass_through:
+        carry = (*carry, k_cache, v_bksd)
     # Under a cond: a loop that runs no step still costs its set-up at every call on the CPU.
-    acc, m, l_sum, k_out, v_out = jax.lax.cond(
+    acc, m, l_sum, *cache = jax.lax.cond(
         n_blocks > 0, lambda c: jax.lax.fori_loop(0, n_blocks, body, c), lambda c: c, carry)
-    out = _finish(acc, m, l_sum, q_bkgtd.dtype, return_lse=True)
-    return (*out, k_out, v_out) if pass_through else out
+    return (*_finish(acc, m, l_sum, q_bkgtd.dtype, return_lse=True), *cache)
 
 
 def merge_attention(parts: list[tuple[Array, Array]], dtype: Any) -> Array:
