@@ -177,9 +177,9 @@ def cache_attention(q_bkgtd: Array, k_cache: Array, v_bksd: Array, kv_limit_bt: 
                      limit_bt, kv_idx_bs, None, None, keys_transposed, tuple(carry))
         return (*out, keys, values) if pass_through else out
 
-    carry = (jnp.zeros((b, kh, g, t, dh), jnp.float32),
-             jnp.full((b, kh, g, t), MASK_VALUE, jnp.float32),
-             jnp.zeros((b, kh, g, t), jnp.float32))
+    carry: tuple[Array, ...] = (jnp.zeros((b, kh, g, t, dh), jnp.float32),
+                                jnp.full((b, kh, g, t), MASK_VALUE, jnp.float32),
+                                jnp.zeros((b, kh, g, t), jnp.float32))
     if pass_through:
         carry = (*carry, k_cache, v_bksd)
     # Under a cond: a loop that runs no step still costs its set-up at every call on the CPU.
