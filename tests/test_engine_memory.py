@@ -88,3 +88,40 @@ def test_release_freed_memory_returns_the_heaps_free_pages():
     assert release_freed_memory()
     assert rss_mb() < before - 100, (before, rss_mb())
     libc.free(blocks[-1])
+
+
+def _plugin_modules_after_start(skip: bool, platforms: str | None) -> tuple[bool, list[str]]:
+    """In a fresh process: whether ``skip_accelerator_plugins`` acted, and the plugin
+    packages (``jax_plugins.*``, each a PJRT plugin JAX loads and initialises) imported
+    once its CPU backend started."""
+    import json
+    import os
+    import subprocess
+
+    code = (
+        "import json, sys, jax\n"
+        "from areal_jax.engine.server import skip_accelerator_plugins\n"
+        f"did = skip_accelerator_plugins() if {skip} else False\n"
+        "jax.devices('cpu')\n"
+        "mods = sorted(m for m in sys.modules if m.startswith('jax_plugins.'))\n"
+        "print(json.dumps([did, mods]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    if platforms is not None:
+        env["JAX_PLATFORMS"] = platforms
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    did, mods = json.loads(out.stdout.strip().splitlines()[-1])
+    return did, mods
+
+
+def test_a_cpu_server_loads_no_accelerator_plugin():
+    """With JAX_PLATFORMS=cpu (how launch_server starts a CPU engine) the server's process
+    loads no PJRT plugin (jax-cuda's: 0.29 GB of resident set where it is installed);
+    without JAX_PLATFORMS, or naming another platform too, JAX finds its plugins as usual."""
+    did, mods = _plugin_modules_after_start(skip=True, platforms="cpu")
+    assert did and mods == []
+    assert _plugin_modules_after_start(skip=True, platforms=None)[0] is False
+    assert _plugin_modules_after_start(skip=True, platforms="cpu,cuda")[0] is False
+    _, default = _plugin_modules_after_start(skip=False, platforms="cpu")
+    if not default:
+        pytest.skip("no accelerator plugin installed here: nothing to keep out")
