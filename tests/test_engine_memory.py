@@ -90,38 +90,42 @@ def test_release_freed_memory_returns_the_heaps_free_pages():
     libc.free(blocks[-1])
 
 
-def _plugin_modules_after_start(skip: bool, platforms: str | None) -> tuple[bool, list[str]]:
-    """In a fresh process: whether ``skip_accelerator_plugins`` acted, and the plugin
-    packages (``jax_plugins.*``, each a PJRT plugin JAX loads and initialises) imported
-    once its CPU backend started."""
+def _plugin_libraries_after_start(skip: bool, platforms: str | None) -> tuple[bool, list[str]]:
+    """In a fresh process: whether ``skip_accelerator_plugins`` applied, and the shared
+    libraries of accelerator plugins (a ``jax_plugins`` package's PJRT library, the CUDA
+    libraries it loads) mapped once JAX's CPU backend started."""
     import json
     import os
     import subprocess
 
     code = (
-        "import json, sys, jax\n"
+        "import json, jax\n"
         "from areal_jax.engine.server import skip_accelerator_plugins\n"
         f"did = skip_accelerator_plugins() if {skip} else False\n"
         "jax.devices('cpu')\n"
-        "mods = sorted(m for m in sys.modules if m.startswith('jax_plugins.'))\n"
-        "print(json.dumps([did, mods]))\n")
+        "maps = {line.split()[-1] for line in open('/proc/self/maps') if len(line.split()) > 5}\n"
+        "libs = sorted(m for m in maps if ('/jax_plugins/' in m or '/nvidia/' in m)\n"
+        "              and '.so' in m)\n"
+        "print(json.dumps([did, libs]))\n")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     if platforms is not None:
         env["JAX_PLATFORMS"] = platforms
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120, check=True)
-    did, mods = json.loads(out.stdout.strip().splitlines()[-1])
-    return did, mods
+    did, libs = json.loads(out.stdout.strip().splitlines()[-1])
+    return did, libs
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_a_cpu_server_loads_no_accelerator_plugin():
     """With JAX_PLATFORMS=cpu (how launch_server starts a CPU engine) the server's process
-    loads no PJRT plugin (jax-cuda's: 0.29 GB of resident set where it is installed);
-    without JAX_PLATFORMS, or naming another platform too, JAX finds its plugins as usual."""
-    did, mods = _plugin_modules_after_start(skip=True, platforms="cpu")
-    assert did and mods == []
-    assert _plugin_modules_after_start(skip=True, platforms=None)[0] is False
-    assert _plugin_modules_after_start(skip=True, platforms="cpu,cuda")[0] is False
-    _, default = _plugin_modules_after_start(skip=False, platforms="cpu")
+    loads no plugin library (jax-cuda's PJRT library and CUDA libraries: 0.29 GB of
+    resident set where it is installed); without JAX_PLATFORMS, or with another platform
+    named too, the function leaves JAX's plugins alone."""
+    did, libs = _plugin_libraries_after_start(skip=True, platforms="cpu")
+    assert did and libs == []
+    assert _plugin_libraries_after_start(skip=True, platforms=None)[0] is False
+    assert _plugin_libraries_after_start(skip=True, platforms="cpu,cuda")[0] is False
+    _, default = _plugin_libraries_after_start(skip=False, platforms="cpu")
     if not default:
         pytest.skip("no accelerator plugin installed here: nothing to keep out")
