@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -486,9 +486,13 @@ def _rollout_side(cfg: TrainConfig, stack: contextlib.ExitStack, inputs: _Rollou
                                         tokenizer_dir=inputs.tokenizer_dir)
 
     memory = cfg.publish_path == "memory"  # checkpoint.publish
-    write = (StreamPublisher([h.url for h in handles], api_key=cfg.rollout.api_key,
-                             bucket_bytes=cfg.checkpoint.publish_bucket_mb << 20).send
-             if memory else write_files)
+    write: Callable[[Any, int], str] = write_files
+    if memory:
+        sender = StreamPublisher([h.url for h in handles], api_key=cfg.rollout.api_key,
+                                 bucket_bytes=cfg.checkpoint.publish_bucket_mb << 20,
+                                 spare_file=cfg.checkpoint.publish_spare_file)
+        stack.callback(sender.close)
+        write = sender.send
     push = None
     if cfg.publish_path == "distributed":  # SGLang's torch-group update, learner at rank 0
         push = _distributed_sender(cfg, side.learner.model_cfg,

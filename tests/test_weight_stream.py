@@ -149,6 +149,60 @@ def test_a_memory_bump_serves_the_learners_weights_on_every_server(on_a, ckpts, 
     assert swap(urls[0], transfer, 1).status_code == 400  # staged weights are handed over once
 
 
+def test_the_next_send_writes_into_the_spare_file_made_after_the_last(on_a, ckpts, learners):
+    """After a send the sender allocates the next version's shared-memory file in the
+    background; the next send renames it and writes into it (its zero padding and stale
+    size are handled: the servers then serve that version bit for bit), close() removes
+    it, and a spare left by a dead sender is removed by the next one."""
+    urls = on_a
+    import tempfile
+
+    shm = tempfile.mkdtemp(prefix="areal-test-shm-", dir="/dev/shm")
+    try:
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        orphan = os.path.join(shm, f"areal-weights-spare-{dead}-abcdef")
+        mine = os.path.join(shm, f"areal-weights-spare-{os.getpid()}-abcdef")
+        for path in (orphan, mine):
+            open(path, "wb").close()
+        sender = StreamPublisher(urls, bucket_bytes=10_000, shm_dir=shm)
+        assert not os.path.exists(orphan) and os.path.exists(mine)  # its process lives
+        os.unlink(mine)
+
+        def spares():
+            if sender._spare_thread is not None:
+                sender._spare_thread.join()
+            return sorted(n for n in os.listdir(shm) if n.startswith("areal-weights-spare-"))
+
+        assert spares() == []  # none before the first send
+        for version, model in ((1, learners[1]), (2, learners[0]), (3, learners[1])):
+            before = spares()
+            transfer = sender.send(serving_arrays(model, "float32"), version)
+            after = spares()
+            assert len(after) == 1 and after != before  # the old spare was used, a new made
+            size = os.path.getsize(os.path.join(shm, after[0]))
+            assert size >= sender.last.nbytes  # the stream file: tensors 64-byte aligned
+            assert sender.shm_fallbacks == []
+            for u in urls:
+                assert swap(u, transfer, version).json()["success"]
+                assert_serves(u, model, ckpts[1 if model is learners[1] else 0], version)
+        sender.close()
+        assert spares() == []
+        # a spare of another size (another model) is dropped, not written into
+        sender._prepare_spare(123)
+        assert len(spares()) == 1
+        transfer = sender.send(serving_arrays(learners[0], "float32"), 4)
+        for u in urls:
+            assert swap(u, transfer, 4).json()["success"]
+            assert_serves(u, learners[0], ckpts[0], 4)
+        sender.close()
+        assert os.listdir(shm) == []  # the stream files went with their sends
+    finally:
+        import shutil
+
+        shutil.rmtree(shm, ignore_errors=True)
+
+
 def put_bucket(url, manifest, arrays, index, crc=None, data=None):
     parts = bucket_views(manifest, arrays, index)
     return httpx.put(

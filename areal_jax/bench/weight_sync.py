@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "every this many")
     parser.add_argument("--concurrency", type=int, default=2,
                         help="greedy requests kept running on the server during the bumps")
+    parser.add_argument("--spare-file", action=argparse.BooleanOptionalAction, default=True,
+                        help="memory: allocate the next version's shared-memory file ahead "
+                             "(checkpoint.publish_spare_file)")
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=4)
     parser.add_argument("--layers", type=int, default=None,
@@ -250,7 +253,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         delta = DeltaPublisher(weights_dir, full_every=args.full_every, keep=3)
         delta.publish(host_params(model, args.dtype), 0)  # the base the server holds
-    sender = StreamPublisher([server.url], bucket_bytes=args.bucket_mb << 20)
+    sender = StreamPublisher([server.url], bucket_bytes=args.bucket_mb << 20,
+                             spare_file=args.spare_file)
     group = None
     if args.path == "distributed":
         from areal_jax.checkpoint.distributed import DistributedPublisher
@@ -356,6 +360,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if group is not None:
             group.close()
+        sender.close()
         http.close()
         server.terminate()
         if tmp is not None:

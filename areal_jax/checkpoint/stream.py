@@ -21,6 +21,18 @@ cannot be written (a full or small ``/dev/shm``, as in a container's 64 MiB defa
 sender uses HTTP buckets from then on; a server that cannot read it (on 127.0.0.1 but in
 another container) gets the buckets over HTTP (``shm_fallbacks``).
 
+The shared-memory file's pages are made ahead (``spare_file``, on by default): after each
+send, a background thread creates the next version's file and allocates its pages
+(``posix_fallocate``), so the next send only copies into them. A fresh file's pages are
+allocated and zeroed by the kernel as they are first written, which was most of the
+write (0.5B shape, 0.99 GB, quiet 2-core host: 0.34-0.37 s fresh, 0.13-0.17 s into
+allocated pages; the allocation itself 0.20 s, now off the bump's path). The cost: between
+bumps ``/dev/shm`` holds one version's bytes that no process maps yet (it shows in
+``free``'s ``shared``, in no process's RSS). ``spare_file=False`` (``checkpoint.
+publish_spare_file: false``) turns it off. A spare is named
+``areal-weights-spare-<pid>-<random>`` and removed by :meth:`close`, at exit, or by the next
+sender on the host once its process is gone.
+
 Any failure (a server refusing, a connection dropped, a server gone, a non-finite value
 in the learner's weights) aborts the transfer on every server (``POST /weights/abort``):
 they all keep serving the old version, whole, and :class:`PublishError` says what failed
@@ -36,8 +48,12 @@ import http.client
 import json
 import logging
 import os
+import re
+import secrets
+import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +71,7 @@ from areal_jax.weight_wire import (
     Manifest,
     bucket_views,
     checksum,
+    file_layout,
     leaf_name,
     manifest_for,
     write_stream_file,
@@ -141,6 +158,38 @@ def serving_arrays(model: CausalLM | nnx.State, dtype: str) -> ServingArrays:
     return ServingArrays(list(zip(names, cast, strict=True)), finite)
 
 
+_SPARE_NAME = re.compile(re.escape(SHM_PREFIX) + r"spare-(\d+)-[0-9a-f]+$")
+
+
+def _remove_spares(spares: list[tuple[str, int]]) -> None:
+    for path, _ in spares:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    spares.clear()
+
+
+def remove_orphan_spares(shm_dir: str) -> list[str]:
+    """Removes the spare weight files in ``shm_dir`` whose sender process is gone (killed
+    before it could); returns their paths."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(shm_dir):
+            m = _SPARE_NAME.match(name)
+            if m is None:
+                continue
+            try:
+                os.kill(int(m.group(1)), 0)
+                continue  # its process lives (or is another user's)
+            except ProcessLookupError:
+                pass
+            except OSError:
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(os.path.join(shm_dir, name))
+    return removed
+
+
 class _ServerRefused(Exception):
     pass
 
@@ -170,7 +219,7 @@ class StreamPublisher:
 
     def __init__(self, urls: Sequence[str], *, api_key: str | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0,
-                 shm_dir: str | None = SHM_DIR):
+                 shm_dir: str | None = SHM_DIR, spare_file: bool = True):
         if not urls:
             raise ValueError("StreamPublisher needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -182,6 +231,68 @@ class StreamPublisher:
         self.timeout_s = timeout_s
         self.last: SendReport | None = None
         self.shm_fallbacks: list[str] = []  # the last send's servers that got HTTP buckets
+        self.spare_file = spare_file and self.shm_dir is not None
+        # The next send's shared-memory file, its pages allocated ahead (see the module
+        # doc): (path, size) once ready; the thread making it.
+        self._spare: list[tuple[str, int]] = []
+        self._spare_thread: threading.Thread | None = None
+        self._finalizer = weakref.finalize(self, _remove_spares, self._spare)
+        if self.shm_dir is not None:
+            remove_orphan_spares(self.shm_dir)
+
+    def close(self) -> None:
+        """Removes the spare shared-memory file (if any). The sender may still send."""
+        if self._spare_thread is not None:
+            self._spare_thread.join()
+        _remove_spares(self._spare)
+
+    def _prepare_spare(self, size: int) -> None:
+        """In the background: a file of ``size`` bytes in shm_dir, its pages allocated."""
+        if not self.spare_file or self.shm_dir is None or size <= 0:
+            return
+        shm_dir = self.shm_dir
+
+        def make() -> None:
+            path = os.path.join(shm_dir, f"{SHM_PREFIX}spare-{os.getpid()}-"
+                                         f"{secrets.token_hex(6)}")
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except OSError as e:
+                logger.warning("no spare weight file in %s (%s); each send allocates its "
+                               "pages", shm_dir, e)
+                self.spare_file = False
+                return
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:  # a small /dev/shm: the send itself will tell
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                logger.warning("no spare weight file in %s (%s); each send allocates its "
+                               "pages", shm_dir, e)
+                self.spare_file = False
+                return
+            finally:
+                os.close(fd)
+            self._spare.append((path, size))
+
+        self._spare_thread = threading.Thread(target=make, name="weights-spare", daemon=True)
+        self._spare_thread.start()
+
+    def _take_spare(self, size: int) -> str | None:
+        """The spare file's path if it holds ``size`` bytes (it is then the caller's);
+        otherwise None (a spare of another size is removed)."""
+        if self._spare_thread is not None:
+            self._spare_thread.join()  # being made: finishing it beats starting afresh
+            self._spare_thread = None
+        spares, self._spare[:] = list(self._spare), []
+        path = None
+        for p, n in spares:
+            if n == size and path is None:
+                path = p
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
+        return path
 
     # ------------------------------------------------------------------ HTTP
     def _connect(self, url: str) -> http.client.HTTPConnection:
@@ -297,12 +408,23 @@ class StreamPublisher:
             if shm_path is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(shm_path)
+                self._prepare_spare(file_layout(manifest)[1])
 
     def _write_shm(self, manifest: Manifest, arrays: Sequence[np.ndarray]) -> str:
         """The stream as one file in shared memory (readable by this user only)."""
         assert self.shm_dir is not None
         path = os.path.join(self.shm_dir, f"{SHM_PREFIX}{manifest.transfer}")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        spare = self._take_spare(file_layout(manifest)[1])
+        if spare is not None:
+            try:  # its pages are allocated (and zero): the write only copies
+                os.rename(spare, path)
+                fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(spare)
+                spare = None
+        if spare is None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             write_stream_file(fd, manifest, arrays)
         except BaseException:
