@@ -5,11 +5,13 @@ greedy tokens and logprobs are the learner's; every fault leaves the old version
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.parse
 
 import httpx
@@ -363,7 +365,7 @@ def test_a_learner_killed_mid_stream_leaves_v0_and_the_next_bump_works(on_a, ckp
     assert_serves(url, learners[1], ckpts[1], 7)
 
 
-def test_non_finite_weights_are_refused_on_the_learner_and_by_the_probe(on_a, ckpts, learners):
+def test_non_finite_weights_are_refused_on_the_learner_and_at_the_swap(on_a, ckpts, learners):
     urls = on_a
     state = nnx.state(learners[1])
     nan = jax.tree.map(lambda x: x, state.to_pure_dict())
@@ -371,14 +373,115 @@ def test_non_finite_weights_are_refused_on_the_learner_and_by_the_probe(on_a, ck
         jnp.nan)
     with pytest.raises(PublishError, match="NaN or Inf in layers.mlp.up_kernel_df"):
         StreamPublisher(urls).send(serving_arrays(nnx.State(nan), "float32"), 8)
-    # Finite weights that overflow in use: only the servers' probe forward sees it.
-    huge = jax.tree.map(lambda x: x, state.to_pure_dict())
-    huge["final_norm"]["scale"] = jnp.full_like(huge["final_norm"]["scale"], 3e38)
-    with pytest.raises(PublishError, match="probe prompt gives non-finite"):
-        StreamPublisher(urls).send(serving_arrays(nnx.State(huge), "float32"), 8)
     for u in urls:
         assert status(u)["staged"] is None
+    # Finite weights that overflow in use: only the servers' probe forward sees it, at the
+    # swap, in the first prefill under them (here a request that arrives meanwhile, and on
+    # the other server alone, the engine idle). Each server puts v0 back: the request's
+    # tokens are v0's, and v0 serves on.
+    huge = jax.tree.map(lambda x: x, state.to_pure_dict())
+    huge["final_norm"]["scale"] = jnp.full_like(huge["final_norm"]["scale"], 3e38)
+    transfer = StreamPublisher(urls).send(serving_arrays(nnx.State(huge), "float32"), 8)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        swapping = pool.submit(swap, urls[0], transfer, 8)
+        time.sleep(0.05)  # the swap is in: the request below comes after it
+        tokens, logprobs, served = generate(urls[0])
+        r = swapping.result()
+    assert r.status_code == 400 and "probe prompt gives non-finite" in r.json()["error"], r.text
+    assert served == "0"
+    ref, argmax = learner_logprobs(learners[0], ckpts[0], tokens)
+    np.testing.assert_array_equal(tokens, argmax)
+    r = swap(urls[1], transfer, 8)
+    assert r.status_code == 400 and "probe prompt gives non-finite" in r.json()["error"], r.text
+    for u in urls:
+        assert "probe prompt" in status(u)["last_error"]
         assert_serves(u, learners[0], ckpts[0], 0)
+    # and the next good version swaps in as usual, its probe in the first prefill
+    transfer = StreamPublisher(urls).send(serving_arrays(learners[1], "float32"), 9)
+    for u in urls:
+        reply = swap(u, transfer, 9).json()
+        assert reply["success"] and reply["verify_s"] >= 0
+        assert_serves(u, learners[1], ckpts[1], 9)
+
+
+class _Load:
+    """Greedy requests back to back on ``url`` from 8 threads; one the server aborts is
+    resubmitted with its partial output (as the rollout client does). Keeps each whole
+    reply: (output ids, [(first, end, weight version) of each part])."""
+
+    def __init__(self, url):
+        self.url, self.replies, self.stop = url, [], False
+        self.pool = concurrent.futures.ThreadPoolExecutor(8)  # the 4 slots stay busy
+        self.futures = [self.pool.submit(self._run) for _ in range(8)]
+
+    def _run(self):
+        while not self.stop:
+            prompt, output, parts = list(PROMPT), [], []
+            while True:
+                r = httpx.post(f"{self.url}/generate", timeout=120, json={
+                    "input_ids": prompt + output, "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 40 - len(output),
+                                        "temperature": 0.0, "ignore_eos": True}})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                parts.append((len(output), len(output) + len(body["output_ids"]),
+                              body["meta_info"]["weight_version"]))
+                output += body["output_ids"]
+                if body["meta_info"]["finish_reason"]["type"] != "abort":
+                    self.replies.append((output, parts))
+                    break
+
+    def close(self):
+        self.stop = True
+        for f in self.futures:
+            f.result()
+        self.pool.shutdown()
+
+
+def test_the_probe_rides_in_the_prefill_of_the_requests_the_swap_aborted(on_a, ckpts,
+                                                                       learners):
+    """A swap that aborts running requests probes the new version in the prefill of those
+    requests when they come back (no pass of its own): a good version serves them; one
+    whose probe fails is put back before any of their tokens leaves, and they run on v0."""
+    url = on_a[0]
+    state = nnx.state(learners[1]).to_pure_dict()
+    huge = jax.tree.map(lambda x: x, state)
+    huge["final_norm"]["scale"] = jnp.full_like(huge["final_norm"]["scale"], 3e38)
+    for version, weights, good in ((11, nnx.State(huge), False), (12, learners[1], True)):
+        for _attempt in range(5):  # until the swap found requests running
+            transfer = StreamPublisher([url]).send(serving_arrays(weights, "float32"), version)
+            load = _Load(url)
+            try:
+                while len(load.replies) < 2:
+                    time.sleep(0.01)
+                r = swap(url, transfer, version)
+                seen = len(load.replies)
+                while len(load.replies) < seen + 4:
+                    time.sleep(0.01)
+            finally:
+                load.close()
+            probe = status(url)["last_probe"]
+            assert probe["transfer"] == transfer and probe["finite"] == good
+            if good:
+                assert r.status_code == 200 and r.json()["success"], r.text
+                paused = r.json()["num_paused_requests"]
+            else:
+                assert r.status_code == 400 and "probe prompt" in r.json()["error"], r.text
+                paused = None
+            if probe["ran"] == "in a prefill":
+                break
+            assert paused in (0, None)  # it ran alone only when the swap aborted none
+        assert probe["ran"] == "in a prefill"
+        # Every token is the greedy choice of the version its part reports: v0 or the new
+        # one if it is good; never the refused one.
+        models = {"0": learners[0], str(version): learners[1]}
+        for output, parts in load.replies[seen:]:
+            for first, end, served in parts:
+                assert served in (("0", str(version)) if good else ("0",))
+                _, argmax = learner_logprobs(models[served], None, output)
+                np.testing.assert_array_equal(output[first:end], argmax[first:end])
+        model, path = (learners[1], ckpts[1]) if good else (learners[0], ckpts[0])
+        assert_serves(url, model, path, version if good else 0)
 
 
 def delta_update(url, path, version):

@@ -296,6 +296,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         bump["paused_call_s"] = time.perf_counter() - t2
                         bump["paused_s"] = r.json()["paused_s"]
                         bump["swap_wait_s"] = r.json()["wait_s"]
+                        # the probe rides in the first prefill after the swap (older servers:
+                        # it ran at stage, probe_s)
+                        bump["verify_s"] = r.json().get("verify_s", 0.0)
                     elif group is not None:
                         arrays = serving_arrays(model, args.dtype)
                         bump["learner_wait_s"] = time.perf_counter() - t0
@@ -378,9 +381,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               ("- shared-memory write", "shm_write_s", "page_cache_write_s"),
               ("- server maps + checksums it", "load_s", "memcpy_s"),
               ("- server places it", "place_s", "memcpy_s"),
-              ("- server's probe forward", "probe_s", "memcpy_s"),
+              ("- server's probe forward (at stage; older servers)", "probe_s", "memcpy_s"),
               ("generation paused (server)", "paused_s", "memcpy_s"),
               ("paused, orchestrator's call", "paused_call_s", "memcpy_s"),
+              ("- its wait for the decode call in flight", "swap_wait_s", "memcpy_s"),
+              ("- swap -> probe result (in the first prefill)", "verify_s", "memcpy_s"),
               ("update sent -> new version generating", "sent_to_generating_s", "memcpy_s"),
               ("update sent -> first reply at it", "sent_to_first_reply_s", "memcpy_s")]
     phases = [p for p in phases if all(p[1] in b for b in bumps)]

@@ -27,6 +27,7 @@ first or allowed to finish), so every response was produced by a single weight v
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -49,7 +50,13 @@ from areal_jax.engine.model_dir import ModelPathError, check_model_dir, read_eos
 from areal_jax.engine.request import EngineRequest
 from areal_jax.engine.runner import ModelRunner, chunk_plan, program_name, release_freed_memory
 from areal_jax.engine.staging import StagingError, WeightStaging, load_delta
-from areal_jax.engine.weight_check import WeightCheckError, check_probe_forward, load_update
+from areal_jax.engine.weight_check import (
+    PROBE_FAILED,
+    WeightCheckError,
+    check_probe_forward,
+    load_update,
+    probe_ids,
+)
 from areal_jax.sampling_params import SamplingParams
 from areal_jax.tokenizer import ChatTokenizer, load_tokenizer
 from model_defs import JsonDict, load_hf
@@ -80,6 +87,26 @@ def _optional_tokenizer(path: Path) -> ChatTokenizer | None:
         logger.warning("could not load the tokenizer of %s (%s); responses will have empty "
                        "text and the OpenAI routes take token ids only", path, e)
         return None
+
+# A staged swap's probe waits this long for a prefill to ride in when the swap aborted
+# requests (they come back within milliseconds) before it runs alone.
+VERIFY_IDLE_S = 0.25
+
+
+@dataclasses.dataclass
+class _Verify:
+    """A version swapped in whose probe has not run yet, and what comes back if it fails."""
+
+    old_base: tuple[Any, Any, Any]
+    transfer: str
+    old_state: Any = None
+    old_version: str = ""
+    old_served_load_id: int | None = None
+    done: Future | None = None
+    result: JsonDict | None = None
+    since: float = 0.0
+    due: float = 0.0  # when it runs alone if no prefill has carried it
+
 
 class EngineRequestError(ValueError):
     """A request the engine cannot run (bad prompt, duplicate rid); maps to HTTP 400."""
@@ -153,6 +180,12 @@ class GenerationEngine:
         # boundary after the decode call in flight (none is dispatched meanwhile), so its
         # tokens reach them and the swap finds the device idle. Engine thread only.
         self._pending_abort = False
+        # swap_staged with check_weights: the probe of the version being swapped in, run in
+        # a row of the first prefill under it (or alone once the engine idles VERIFY_IDLE_S);
+        # the old version is kept until then and comes back if the probe fails. Engine
+        # thread only (_pending_verify is set by the command that asks for the swap).
+        self._pending_verify: _Verify | None = None
+        self._verifying: _Verify | None = None
         # Wall-clock times (time.time) of the last weight swap and of the first token
         # generated after it: how soon a new version generates (/get_server_info).
         self.swapped_at: float | None = None
@@ -430,7 +463,17 @@ class GenerationEngine:
         arrive meanwhile wait for the new weights. The reply's ``wait_s`` is the wait for
         that boundary (generation went on under the old weights) and ``paused_s`` the time
         from the old weights' last step to the new ones in place. The new weights become the
-        base that LoRA adapters merge onto; an active adapter is dropped."""
+        base that LoRA adapters merge onto; an active adapter is dropped.
+
+        With ``check_weights`` the new version's probe (``weight_check.check_probe_forward``)
+        runs in a row of its own in the first prefill under it, which follows the swap at
+        once when the requests it aborted come back, so it costs no pass over the weights of
+        its own; with none aborted, or none back within ``VERIFY_IDLE_S``, it runs alone (the
+        device idle: nothing runs). No token of that
+        prefill reaches a request before the probe's logprob is known, and the reply waits
+        for it (``verify_s``: swap to probe result): a non-finite one puts the old version
+        back (weights, version, LoRA base), requeues that prefill's requests and fails the
+        swap with the probe's message, so the old version serves, whole."""
         try:
             _, state = self.staging.take(transfer)
         except StagingError as e:
@@ -441,11 +484,14 @@ class GenerationEngine:
 
             def begin() -> None:
                 with self._lock:
+                    old_base = (self._base_state, self._adapter, self._adapter_load_id)
                     self._base_state = state
                     self._adapter = None
                     self._adapter_load_id = None
                 self._pending_update = (state, weight_version, done, 0, None)
                 self._pending_abort = abort_all_requests
+                self._pending_verify = (_Verify(old_base=old_base, transfer=transfer)
+                                        if self.config.check_weights else None)
 
             try:
                 self._call(begin)
@@ -573,7 +619,7 @@ class GenerationEngine:
             while True:
                 with self._lock:
                     while not self._stop and not self._commands and not self._has_work():
-                        self._lock.wait()
+                        self._lock.wait(self._idle_timeout())
                     if self._stop:
                         return
                     commands = list(self._commands)
@@ -584,6 +630,9 @@ class GenerationEngine:
                     except Exception as e:  # noqa: BLE001 - handed to the caller
                         fut.set_exception(e)
                 self._maybe_swap_weights()
+                if self._verifying is not None and (self.runner.prefill_rows == 1 or not (
+                        self._waiting and not self._paused)):
+                    self._verify_alone_if_idle()
                 self._admit()
                 previous, self._in_flight = self._in_flight, None
                 if any(s is not None for s in self._slots) and not (
@@ -600,8 +649,16 @@ class GenerationEngine:
             self._fail_all(f"engine error: {self.fatal_error}" if self.fatal_error
                            else "engine shut down")
 
+    def _idle_timeout(self) -> float | None:
+        """How long the idle loop may sleep: until a pending probe is due, else for good."""
+        if self._verifying is None:
+            return None
+        return max(0.001, self._verifying.due - time.perf_counter())
+
     def _has_work(self) -> bool:
         if self._in_flight is not None or any(s is not None for s in self._slots):
+            return True
+        if self._verifying is not None and time.perf_counter() >= self._verifying.due:
             return True
         if self._pending_update is not None:
             return True
@@ -621,20 +678,73 @@ class GenerationEngine:
         aborted += aborted_now
         self._pending_update = None
         self._pending_abort = False  # (set when the last slot emptied before the abort ran)
+        verify, self._pending_verify = self._pending_verify, None
+        if verify is not None:  # what comes back if the probe fails
+            verify.old_state, verify.old_version = self.runner.state, self.weight_version
+            verify.old_served_load_id = self._served_load_id
         self.runner.swap_params(state)
         self.swapped_at, self.first_token_at = time.time(), None
         self._served_load_id = load_id
         self.runner.reset()  # nothing computed under the old weights is reused
         if version is not None:
             self.weight_version = version
-        done.set_result({
+        result = {
             "success": True,
             "message": "Succeeded to update model weights. "
                        f"Weight version is {self.weight_version}.",
             "num_paused_requests": aborted,
             "_stopped_at": stopped_at,
             "_swapped_at": time.perf_counter(),
-        })
+        }
+        if verify is None:
+            done.set_result(result)
+            return
+        verify.done, verify.result, verify.since = done, result, time.perf_counter()
+        # Requests aborted for the swap come back within milliseconds: their prefill carries
+        # the probe. With none (nothing ran, or the swap waited for them to finish while new
+        # runs were held back) the probe runs alone at once, the device idle anyway.
+        verify.due = verify.since + (VERIFY_IDLE_S if aborted > 0 else 0.0)
+        self._verifying = verify
+
+    def _verify_alone_if_idle(self) -> None:
+        """The probe of the version just swapped in, run alone: when no prefill has carried
+        it within VERIFY_IDLE_S (nothing to admit), or when a prefill has no row to spare."""
+        v = self._verifying
+        if v is None:
+            return
+        if self.runner.prefill_rows > 1 and time.perf_counter() < v.due:
+            return
+        self._verified(self.runner.probe_logprob(self.runner.state, probe_ids(self.runner)),
+                       "alone")
+
+    def _verified(self, probe_logprob: float, where: str) -> bool:
+        """Ends the verification of the version just swapped in: with a finite probe
+        logprob it is served and the swap's caller hears so; otherwise the old version is
+        put back and the swap fails. Returns whether the new version stays."""
+        v, self._verifying = self._verifying, None
+        assert v is not None and v.done is not None and v.result is not None
+        v.result["verify_s"] = time.perf_counter() - v.since
+        self.staging.last_probe = {"transfer": v.transfer, "version": self.weight_version,
+                                   "ran": where, "finite": math.isfinite(probe_logprob),
+                                   "verify_s": v.result["verify_s"]}
+        if math.isfinite(probe_logprob):
+            v.done.set_result(v.result)
+            return True
+        failed = self.weight_version
+        self.runner.swap_params(v.old_state)
+        self.runner.reset()  # the probe's prefill wrote the new version's keys
+        self.weight_version = v.old_version
+        self._served_load_id = v.old_served_load_id
+        with self._lock:
+            self._base_state, self._adapter, self._adapter_load_id = v.old_base
+        self.first_token_at = None
+        message = f"weights not updated: v{failed}: {PROBE_FAILED}"
+        self.staging.last_error = message
+        logger.error("transfer %s: %s; v%s serves again", v.transfer, message, v.old_version)
+        v.done.set_result({"success": False, "message": message,
+                           "num_paused_requests": v.result["num_paused_requests"],
+                           "verify_s": v.result["verify_s"]})
+        return False
 
     def _admit(self) -> None:
         if self._paused or self._pending_update is not None:
@@ -663,8 +773,13 @@ class GenerationEngine:
                     by_size.setdefault(size, []).append(
                         (slot, req, start, n, round_ == len(plan) - 1))
             for size, group in sorted(by_size.items()):
-                for first in range(0, len(group), rows_per_call):
-                    call = group[first : first + rows_per_call]
+                first = 0
+                while first < len(group):
+                    # The first prefill under a version just swapped in carries its probe.
+                    probe = (probe_ids(self.runner)
+                             if self._verifying is not None and rows_per_call > 1 else None)
+                    call = group[first : first + rows_per_call - (probe is not None)]
+                    first += len(call)
                     rows = [{"input_ids": r.input_ids[start : start + n], "start": start,
                              "slot": slot, "temperature": r.params.temperature,
                              "top_p": r.params.top_p, "top_k": r.params.top_k, "seed": r.seed}
@@ -673,7 +788,8 @@ class GenerationEngine:
                         tokens, logprobs = self.runner.prefill(
                             size, rows,
                             any_truncation=any(r.params.truncates for _, r, *_ in call),
-                            any_random=any(not r.params.greedy for _, r, *_ in call))
+                            any_random=any(not r.params.greedy for _, r, *_ in call),
+                            probe_ids=probe)
                     except Exception as e:
                         if not self.runner.state_intact():
                             raise  # the donated cache is gone: the engine cannot go on
@@ -686,6 +802,14 @@ class GenerationEngine:
                                           error=f"prefill failed: {type(e).__name__}: {e}")
                         continue
                     self.stats["prefill_calls"] += 1
+                    if probe is not None and not self._verified(self.runner.last_probe_logprob,
+                                                            "in a prefill"):
+                        # The old version is back: these requests start again under it (none
+                        # holds a slot yet: the probe rode in this round's first call).
+                        with self._lock:
+                            self._waiting.extendleft(reversed(
+                                [r for r in batch if id(r) not in failed]))
+                        return
                     now = time.perf_counter()
                     done = [(slot, req, token, logprob) for (slot, req, _, _, last), token, logprob
                             in zip(call, tokens, logprobs, strict=True) if last]
@@ -851,3 +975,6 @@ class GenerationEngine:
             self._pending_update[2].set_result(
                 {"success": False, "message": message, "num_paused_requests": 0})
             self._pending_update = None
+        v, self._verifying = self._verifying, None
+        if v is not None and v.done is not None and not v.done.done():
+            v.done.set_result({"success": False, "message": message, "num_paused_requests": 0})

@@ -252,6 +252,7 @@ class ModelRunner:
         self.stacked_cache = scan_layers_by_default() if scan_layers is None else scan_layers
         self.layer_views = self._layer_views(self.state)
         self.num_compilations = 0
+        self.last_probe_logprob = float("nan")  # prefill(probe_ids=...): the probe row's
         self.compiled: list[str] = []
         prefill_impl, decode_impl = self._prefill_impl, self._decode_impl
         if self.mesh is not None:
@@ -448,19 +449,29 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ host API
     def prefill(self, chunk: int, rows: list[dict[str, Any]], any_truncation: bool,
-                any_random: bool) -> tuple[np.ndarray, np.ndarray]:
+                any_random: bool, probe_ids: list[int] | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
         """Prefills up to ``prefill_rows`` prompt chunks of length <= ``chunk`` (one of
         ``chunks``) into their slots.
+
+        ``probe_ids`` (at most ``prefill_rows - 1`` rows then): the weight check's probe
+        prompt rides in a row of its own (greedy, from position 0, its slot out of range so
+        nothing of it is written); its greedy logprob lands in ``last_probe_logprob``. A
+        new version's probe thus costs no pass over the weights of its own.
 
         Each row: {"input_ids" (this chunk's tokens), "start" (their first position; the
         slot's cache holds the prompt before it), "slot", "temperature", "top_p", "top_k",
         "seed"}. Returns the token sampled after each row's chunk and its logprob (host
         numpy arrays): the first output token when the chunk ends the prompt.
         """
-        p = self.prefill_rows
+        p = self.prefill_rows - (probe_ids is not None)
         if not 0 < len(rows) <= p:
             raise ValueError(f"prefill takes 1..{p} rows, got {len(rows)}")
         host_rows = self._dummy_prefill_rows(chunk)  # filled in place, row by row
+        if probe_ids is not None:  # a dummy row (greedy, start 0, dropped) with the probe
+            ids = list(probe_ids)[:chunk]
+            host_rows[0][len(rows), :len(ids)] = ids
+            host_rows[1][len(rows)] = len(ids)
         prompt_pt, prompt_len_p, slot_p, temperature_p, top_p_p, top_k_p, seed_p, start_p, \
             kv_len = host_rows
         for i, row in enumerate(rows):
@@ -478,6 +489,8 @@ class ModelRunner:
             ("prefill", chunk), self._prefill, self.params, self.cache, self.slots, *host_rows,
             np.bool_(any_truncation), np.bool_(any_random))
         token_p, logprob_p = jax.device_get((token_p, logprob_p))
+        if probe_ids is not None:
+            self.last_probe_logprob = float(logprob_p[len(rows)])
         return token_p[: len(rows)], logprob_p[: len(rows)]
 
     def probe_logprob(self, state: nnx.State, ids: list[int]) -> float:

@@ -76,18 +76,25 @@ def check_finite(state: object) -> None:
 PROBE_TOKENS = 16  # length of the probe prompt, spread over the vocabulary
 
 
+def probe_ids(runner: ModelRunner) -> list[int]:
+    """The probe prompt: ``PROBE_TOKENS`` token ids spread over the vocabulary."""
+    return np.linspace(0, runner.cfg.vocab_size - 1, PROBE_TOKENS).astype(np.int32).tolist()
+
+
+PROBE_FAILED = ("a forward pass on a probe prompt gives non-finite log-probs: the values are "
+                "finite but overflow float32 in use (weights too large, or a LoRA scale "
+                "lora_alpha/r too large)")
+
+
 def check_probe_forward(state: nnx.State, runner: ModelRunner) -> None:
     """Raises WeightCheckError unless a forward pass of ``state`` on a probe prompt (token
     ids spread over the vocabulary) gives a finite greedy log-prob (a NaN or infinite logit
     makes it NaN): finite weights that overflow would otherwise be served and fail every
     request. The engine's own prefill program runs it (``ModelRunner.probe_logprob``), so
-    it compiles nothing and copies no weight."""
-    ids = np.linspace(0, runner.cfg.vocab_size - 1, PROBE_TOKENS).astype(np.int32).tolist()
-    if not np.isfinite(runner.probe_logprob(state, ids)):
-        raise WeightCheckError(
-            "a forward pass on a probe prompt gives non-finite log-probs: the values are "
-            "finite but overflow float32 in use (weights too large, or a LoRA scale "
-            "lora_alpha/r too large)")
+    it compiles nothing and copies no weight. (A staged in-memory version is probed at its
+    swap instead, in a row of the first prefill under it: ``GenerationEngine.swap_staged``.)"""
+    if not np.isfinite(runner.probe_logprob(state, probe_ids(runner))):
+        raise WeightCheckError(PROBE_FAILED)
 
 
 def load_update(model_path: str, served: ModelConfig, dtype: str, runner: ModelRunner,

@@ -14,14 +14,18 @@
   tensors are views of the mapping, which a CPU device aliases (the bytes are neither
   sent over HTTP nor copied; the pages are freed when the sender has removed the file and
   the server no longer serves them) → ``{"success", "load_s"}``.
-- ``POST /weights/stage`` ``{"transfer"}`` → ``{"success", "version", "stage_s", "place_s",
-  "probe_s"}``: every bucket whole, placed like the served params and probed; generation
-  goes on meanwhile.
+- ``POST /weights/stage`` ``{"transfer"}`` → ``{"success", "version", "stage_s",
+  "place_s"}``: every bucket whole, placed like the served params; generation goes on
+  meanwhile.
 - ``POST /weights/swap`` ``{"transfer", "weight_version", "abort_all_requests"}`` →
   SGLang's update reply (``success``, ``message``, ``num_paused_requests``) and
   ``wait_s`` (the wait for the step boundary: the decode call in flight is collected, its
   tokens kept, and no other dispatched) and ``paused_s`` (from the old weights' last step
-  to the new ones in place): the staged weights are served from that boundary on.
+  to the new ones in place): the staged weights are served from that boundary on. With the
+  weight checks on (the default) the reply also waits for the new version's probe, which
+  rides in a spare row of the first prefill under it (``verify_s``: swap to probe result;
+  alone after 0.25 s idle); a probe that fails puts the old version back and the reply is
+  a 400 with its message.
 - ``POST /weights/abort`` ``{"transfer"}`` (or ``{}``: any) → ``{"success", "dropped"}``.
 - ``GET /weights/status`` → what is being received or staged, and the last error.
 - ``POST /update_weights_from_delta`` ``{"model_path", "weight_version",
