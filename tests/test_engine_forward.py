@@ -133,6 +133,35 @@ def test_the_runner_serves_the_same_tokens_with_scanned_layers(model):
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_one_step_decode_calls_continue_as_whole_calls_do(model, scan):
+    """``decode(n_steps=1)`` (what the engine dispatches while a weight update is on its
+    way) runs one step of the same program: calls of 1, 1, 1, 4 and 1 steps give the
+    tokens and logprobs of two whole 4-step calls, greedy and sampled rows alike."""
+    from areal_jax.engine.runner import ModelRunner
+
+    rows = [{"input_ids": [5, 9, 17, 33, 2, 8], "slot": 1, "temperature": 0.0, "top_p": 1.0,
+             "top_k": -1, "seed": 0},
+            {"input_ids": [7, 7, 100], "slot": 3, "temperature": 1.0, "top_p": 0.9,
+             "top_k": 20, "seed": 11}]
+    out = {}
+    for plan in ((4, 4), (1, 1, 1, 4, 1)):
+        runner = ModelRunner(model, max_slots=SLOTS, max_seq_len=MAX_LEN, prefill_rows=2,
+                             decode_steps=4, scan_layers=scan)
+        runner.prefill(16, rows, any_truncation=True, any_random=True)
+        tokens, logprobs, done = [], [], 0
+        for n in plan:
+            t_kb, lp_kb = runner.decode(runner.kv_len(6 + done), True, True, n_steps=n)
+            assert t_kb.shape[0] == 4  # the program's rows; the first n are the steps run
+            tokens.append(np.asarray(t_kb)[:n][:, [1, 3]])
+            logprobs.append(np.asarray(lp_kb)[:n][:, [1, 3]])
+            done += n
+        out[plan] = np.concatenate(tokens), np.concatenate(logprobs)
+    (t_whole, lp_whole), (t_steps, lp_steps) = out.values()
+    np.testing.assert_array_equal(t_whole, t_steps)
+    np.testing.assert_allclose(lp_whole, lp_steps, atol=_tol(lp_whole), rtol=0)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
 def test_chunked_prefill_and_the_key_block_loop_match_the_full_forward(model, scan,
                                                                        monkeypatch):
     """A prompt prefilled in two chunks (the second attending to the first in the cache,
@@ -207,5 +236,5 @@ def test_the_runners_step_programs_copy_no_cache(model):
         assert cache_copies(hlo) == [], f"prefill chunk {chunk}"
     for window in runner.windows:
         hlo = runner._decode.lower(runner.params, runner.cache, runner.slots, np.int32(9),
-                                   *flags, window).compile().as_text()
+                                   np.int32(2), *flags, window).compile().as_text()
         assert cache_copies(hlo) == [], f"decode window {window}"

@@ -228,12 +228,16 @@ def test_the_server_generates_on_the_old_weights_while_it_receives(on_a, ckpts, 
     for i in range(manifest.num_buckets // 2):
         assert put_bucket(url, manifest, arrays, i).status_code == 200
     assert status(url)["receiving"] == manifest.transfer
-    assert_serves(url, learners[0], ckpts[0], 0)  # mid-transfer: v0, unchanged
+    # mid-transfer: v0, unchanged, decoded one step per call (the swap is due)
+    assert status(url)["swap_expected"]
+    assert_serves(url, learners[0], ckpts[0], 0)
     for i in range(manifest.num_buckets // 2, manifest.num_buckets):
         assert put_bucket(url, manifest, arrays, i).status_code == 200
     assert httpx.post(f"{url}/weights/stage", json={"transfer": manifest.transfer},
                       timeout=120).status_code == 200
+    assert status(url)["swap_expected"]
     assert swap(url, manifest.transfer, 2).status_code == 200
+    assert not status(url)["swap_expected"]  # whole calls again
     assert_serves(url, learners[1], ckpts[1], 2)
 
 

@@ -9,9 +9,12 @@ A version goes to every server as ``areal_jax.weight_wire`` lays it out: the man
 (``POST /weights/begin``, refused at once if a tensor, shape or dtype does not fit what
 the server serves), then each bucket (``PUT /weights/bucket?transfer=&index=``, its
 checksum in a header: xxh3-64, which the manifest names), then ``POST /weights/stage``:
-the server checks it has every bucket whole, places the tensors like its served ones and
-runs its probe forward, while it keeps generating on the old weights. The servers are sent
-to side by side, one thread each.
+the server checks it has every bucket whole and places the tensors like its served ones,
+while it keeps generating on the old weights (its probe forward runs at the swap, in the
+first prefill under the new weights). The manifest goes out as soon as the learner's cast
+is dispatched, before its bytes exist: from then to the swap each server decodes one step
+per call, so the swap waits for one step instead of a whole call. The servers are sent to
+side by side, one thread each.
 Servers on this host (127.0.0.1, localhost) get the stream through shared memory instead
 of the buckets' HTTP bodies: it is written once to ``/dev/shm/areal-weights-<transfer>``
 (mode 0600, each tensor 64-byte aligned: ``weight_wire.file_layout``; removed when the send
@@ -56,7 +59,7 @@ import urllib.parse
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -331,15 +334,45 @@ class StreamPublisher:
             raise _ServerRefused(f"{url}{route.split('?')[0]}: {message}")
         return obj if isinstance(obj, dict) else {"reply": obj}
 
+    def _begin_all(self, manifest: Manifest) -> None:
+        """``/weights/begin`` on every server; if any refuses, the transfer is aborted
+        everywhere and :class:`PublishError` says why."""
+        def begin(url: str) -> None:
+            conn = self._connect(url)
+            try:
+                self._request(conn, url, "POST", "/weights/begin", manifest.to_json())
+            finally:
+                conn.close()
+
+        with concurrent.futures.ThreadPoolExecutor(len(self.urls)) as pool:
+            futures = {url: pool.submit(begin, url) for url in self.urls}
+            errors = []
+            for url, fut in futures.items():
+                try:
+                    fut.result()
+                except _ServerRefused as e:
+                    errors.append(str(e))
+                except (OSError, http.client.HTTPException) as e:
+                    errors.append(f"{url}: {type(e).__name__}: {e or 'connection dropped'}")
+        if errors:
+            self._fail(manifest, errors)
+
+    def _fail(self, manifest: Manifest, errors: list[str]) -> NoReturn:
+        self.abort(manifest.transfer)
+        raise PublishError(f"weights v{manifest.version} not sent in memory: {errors[0]}"
+                           + (f" (and {len(errors) - 1} more server(s))"
+                              if len(errors) > 1 else "")
+                           + "; every server keeps the old version")
+
     def _send_one(self, url: str, manifest: Manifest, arrays: Sequence[np.ndarray],
                   crcs: list[concurrent.futures.Future[int]], shm_path: str | None = None
                   ) -> tuple[float, dict[str, Any]]:
-        """begin, every bucket (or the shared-memory file), stage on one server; returns
-        the server's stage seconds and its stage and load_file replies merged."""
+        """Every bucket (or the shared-memory file), then stage, on one server that has
+        begun the transfer; returns the server's stage seconds and its stage and
+        load_file replies merged."""
         conn = self._connect(url)
         loaded: dict[str, Any] = {}
         try:
-            self._request(conn, url, "POST", "/weights/begin", manifest.to_json())
             if shm_path is not None:
                 try:
                     loaded = self._request(conn, url, "POST", "/weights/load_file", {
@@ -384,11 +417,19 @@ class StreamPublisher:
         aborting the transfer everywhere) if any server does not have it staged."""
         if not isinstance(weights, ServingArrays):
             weights = ServingArrays(list(weights))
+        # The servers hear of the version first (names, shapes and dtypes are known before
+        # the cast is done): a refusal comes before any byte is moved, and each server
+        # decodes one step per call from now to the swap, which then waits for one step.
+        manifest = manifest_for(weights.named, version, self.bucket_bytes)
+        self._begin_all(manifest)
         t0 = time.perf_counter()
-        named = weights.host()
+        try:
+            named = weights.host()
+        except BaseException:
+            self.abort(manifest.transfer)
+            raise
         host_s = time.perf_counter() - t0
         arrays = [a for _, a in named]
-        manifest = manifest_for(named, version, self.bucket_bytes)
         report = SendReport(manifest.transfer, manifest.total_bytes, host_s=host_s)
         self.shm_fallbacks = []
         t1 = time.perf_counter()
@@ -437,7 +478,6 @@ class StreamPublisher:
 
     def _send_all(self, manifest: Manifest, arrays: Sequence[np.ndarray], report: SendReport,
                   shm_path: str | None, t1: float) -> str:
-        version = manifest.version
         # The CRCs are computed ahead of the sends, once for all servers (zlib releases
         # the GIL on large buffers, so this overlaps the socket writes).
         with concurrent.futures.ThreadPoolExecutor(1) as crc_pool, \
@@ -458,11 +498,7 @@ class StreamPublisher:
             for crc in crcs:
                 crc.cancel()
         if errors:
-            self.abort(manifest.transfer)
-            raise PublishError(f"weights v{version} not sent in memory: {errors[0]}"
-                               + (f" (and {len(errors) - 1} more server(s))"
-                                  if len(errors) > 1 else "")
-                               + "; every server keeps the old version")
+            self._fail(manifest, errors)
         report.stage_s = max(report.server_stage_s.values(), default=0.0)
         for key in ("load_s", "place_s", "probe_s"):  # the slowest server's (older: none)
             setattr(report, key, max((float(r.get(key, 0.0)) for r in

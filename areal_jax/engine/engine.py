@@ -171,8 +171,8 @@ class GenerationEngine:
         self._inflight: dict[str, EngineRequest] = {}  # rid -> request, guarded by _lock
         self._slots: list[EngineRequest | None] = [None] * config.max_slots  # engine thread
         # The decode call in flight: (device tokens [k, B], device logprobs [k, B], the
-        # request in each slot when it was dispatched). Engine thread only.
-        self._in_flight: tuple[Any, Any, list[EngineRequest | None]] | None = None
+        # request in each slot when it was dispatched, the steps it runs). Engine thread only.
+        self._in_flight: tuple[Any, Any, list[EngineRequest | None], int] | None = None
         self._paused = False
         # (params, weight version, reply future, aborted count, adapter load id or None)
         self._pending_update: tuple[nnx.State, str | None, Future, int, int | None] | None = None
@@ -844,32 +844,38 @@ class GenerationEngine:
                             f"loaded adapter (loaded: {[now] if now is not None else 'none'})")
         return False
 
-    def _dispatch_decode(self, previous: tuple[Any, Any, list] | None
-                         ) -> tuple[Any, Any, list[EngineRequest | None]]:
+    def _dispatch_decode(self, previous: tuple[Any, Any, list, int] | None
+                         ) -> tuple[Any, Any, list[EngineRequest | None], int]:
         """Dispatches a decode call over all slots (asynchronously) and returns its handle.
 
         ``previous`` is the call still in flight, whose tokens the host has not seen yet:
-        a request it carries will sit ``decode_steps`` further when this call starts.
+        a request it carries will sit that call's steps further when this call starts.
+        While a weight update is on its way (``WeightStaging.expecting_swap``: a transfer
+        begun or staged, or a swap asked for) a call runs one step instead of
+        ``decode_steps`` (the same program), so the swap waits for one step, not a call
+        (0.5B shape, 4 steps on a 2-core host: the wait was 0.1-0.8 s).
         """
         active = [s for s in self._slots if s is not None]
         pending = {id(r) for r in previous[2] if r is not None} if previous is not None else set()
+        ahead = previous[3] if previous is not None else 0
         # The token each slot feeds next sits at position prompt_len + n_out - 1.
         max_position = max(
-            r.prompt_len + len(r.output_ids) - 1
-            + (self.config.decode_steps if id(r) in pending else 0)
+            r.prompt_len + len(r.output_ids) - 1 + (ahead if id(r) in pending else 0)
             for r in active)
         kv_len = self.runner.kv_len(max_position)
+        steps = (1 if self._pending_update is not None or self.staging.expecting_swap()
+                 else self.config.decode_steps)
         token_kb, logprob_kb = self.runner.decode(
             kv_len, window=self.runner.decode_window(kv_len, compiled_only=self.config.warmup),
             any_truncation=any(r.params.truncates for r in active),
-            any_random=any(not r.params.greedy for r in active))
+            any_random=any(not r.params.greedy for r in active), n_steps=steps)
         self.stats["decode_calls"] += 1
-        return token_kb, logprob_kb, list(self._slots)
+        return token_kb, logprob_kb, list(self._slots), steps
 
-    def _collect(self, call: tuple[Any, Any, list[EngineRequest | None]]) -> None:
+    def _collect(self, call: tuple[Any, Any, list[EngineRequest | None], int]) -> None:
         """Appends a finished decode call's tokens to the requests it was dispatched for."""
-        token_kb, logprob_kb, owners = call
-        token_kb, logprob_kb = jax.device_get((token_kb, logprob_kb))
+        token_kb, logprob_kb, owners, steps = call
+        token_kb, logprob_kb = jax.device_get((token_kb[:steps], logprob_kb[:steps]))
         for step in range(token_kb.shape[0]):
             for slot, owner in enumerate(owners):
                 if owner is not None and self._slots[slot] is owner:

@@ -230,9 +230,14 @@ def decode_forward(model: CausalLM, token_b: Array, position_b: Array, cache: Sl
 def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: SlotCache,
                  kv_len: Array | int, steps: int,
                  choose: Callable[[Array, Array, Array], tuple[Array, PyTree]],
-                 window: int | None = None, layer_leaves: LayerLeaves = None
-                 ) -> tuple[PyTree, SlotCache]:
+                 window: int | None = None, layer_leaves: LayerLeaves = None,
+                 n_steps: Array | None = None) -> tuple[PyTree, SlotCache]:
     """``steps`` decode steps for every slot, feeding back ``choose``'s tokens.
+
+    ``n_steps`` (traced, 1..steps; default all): only the first ``n_steps`` steps run (one
+    program serves every count: a loop whose bound is an argument); the extras' later rows
+    are zeros, and the cache positions they would have filled get zeros, which no later
+    call reads before it writes them (it attends below its own start).
 
     Slot b feeds ``token_b[b]`` at ``position_b[b]``, then its own choices at the next
     positions. Attention reads the cache prefix [0, kv_len) (positions below each slot's
@@ -288,8 +293,25 @@ def decode_chunk(model: CausalLM, token_b: Array, position_b: Array, cache: Slot
         next_token_b, extra = choose(logits_bv, step, position_b + 1)
         return (local_k, local_v, next_token_b, position_b + 1), extra
 
-    (local_k, local_v, _, _), extras = jax.lax.scan(
-        one_step, (local_k0, local_v0, token_b, position_b), jnp.arange(steps))
+    if n_steps is None:
+        (local_k, local_v, _, _), extras = jax.lax.scan(
+            one_step, (local_k0, local_v0, token_b, position_b), jnp.arange(steps))
+    else:
+        carry0 = (local_k0, local_v0, token_b, position_b)
+        extra_shapes = jax.eval_shape(one_step, carry0, jnp.int32(0))[1]
+        extras0 = jax.tree.map(lambda e: jnp.zeros((steps, *e.shape), e.dtype), extra_shapes)
+
+        def body(loop_carry):
+            step, carry, extras = loop_carry
+            carry, extra = one_step(carry, step)
+            extras = jax.tree.map(
+                lambda buf, e: jax.lax.dynamic_update_index_in_dim(buf, e, step, 0),
+                extras, extra)
+            return step + 1, carry, extras
+
+        _, (local_k, local_v, _, _), extras = jax.lax.while_loop(
+            lambda loop_carry: loop_carry[0] < jnp.minimum(n_steps, steps), body,
+            (jnp.int32(0), carry0, extras0))
     # Write this call's keys/values at positions start_b + [0, steps); beyond S_max: dropped.
     rows_bc = jnp.broadcast_to(jnp.arange(b)[:, None], (b, steps))
     pos_bc = start_b[:, None] + jnp.arange(steps)[None, :]

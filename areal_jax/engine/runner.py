@@ -259,7 +259,7 @@ class ModelRunner:
             prefill_impl, decode_impl = self._sharded(prefill_impl, decode_impl)
         self._prefill = jax.jit(self._counted("prefill", prefill_impl), donate_argnums=(1, 2))
         self._decode = jax.jit(self._counted("decode", decode_impl), donate_argnums=(1, 2),
-                               static_argnums=(6,))
+                               static_argnums=(7,))
         # ("prefill", chunk) / ("decode", window) -> the program compiled ahead of time; one without
         # one goes through the jitted function (and compiles there). Guarded by _programs_lock,
         # as are _compiling (key -> the compile under way, in any thread) and program_stats
@@ -301,12 +301,12 @@ class ModelRunner:
             in_specs=(P(), cache_spec, slot_specs, *([P()] * 11)),
             out_specs=(cache_spec, slot_specs, P(), P()), check_vma=False)
 
-        def decode(state, cache, slots, kv_len, any_truncation, any_random, window):
+        def decode(state, cache, slots, kv_len, n_steps, any_truncation, any_random, window):
             return jax.shard_map(
-                lambda st, c, sl, k, t, r: decode_impl(st, c, sl, k, t, r, window), mesh=mesh,
-                in_specs=(P(), cache_spec, slot_specs, P(), P(), P()),
+                lambda st, c, sl, k, n, t, r: decode_impl(st, c, sl, k, n, t, r, window),
+                mesh=mesh, in_specs=(P(), cache_spec, slot_specs, P(), P(), P(), P()),
                 out_specs=(cache_spec, slot_specs, P(None, "slots"), P(None, "slots")),
-                check_vma=False)(state, cache, slots, kv_len, any_truncation, any_random)
+                check_vma=False)(state, cache, slots, kv_len, n_steps, any_truncation, any_random)
 
         return prefill, decode
 
@@ -406,7 +406,7 @@ class ModelRunner:
             if name == "prefill":
                 self.compiled.append(f"prefill(rows={args[3].shape[0]}, chunk={args[3].shape[1]})")
             else:
-                self.compiled.append(f"decode(window={args[6]}, steps={self.decode_steps})")
+                self.compiled.append(f"decode(window={args[7]}, steps={self.decode_steps})")
             return fn(*args, **kwargs)
 
         return traced
@@ -428,7 +428,8 @@ class ModelRunner:
                  for k, v in slots.items()}
         return cache, slots, token_p, logprob_p
 
-    def _decode_impl(self, params, cache, slots, kv_len, any_truncation, any_random, window):
+    def _decode_impl(self, params, cache, slots, kv_len, n_steps, any_truncation, any_random,
+                     window):
         state, views = params
         model = nnx.merge(self.graphdef, state)
 
@@ -441,10 +442,12 @@ class ModelRunner:
         with fp32_matmuls(model.dtype):
             (token_kb, logprob_kb), cache = decode_chunk(
                 model, slots["token"], slots["position"], cache, kv_len, self.decode_steps,
-                choose, window, layer_leaves=views)
+                choose, window, layer_leaves=views, n_steps=n_steps)
         # Finished or free slots keep stepping until the host notices; keep them in range.
-        position_b = jnp.minimum(slots["position"] + self.decode_steps, self.max_seq_len - 1)
-        slots = {**slots, "token": token_kb[-1], "position": position_b}
+        n = jnp.clip(n_steps, 1, self.decode_steps)
+        position_b = jnp.minimum(slots["position"] + n, self.max_seq_len - 1)
+        last_b = jax.lax.dynamic_index_in_dim(token_kb, n - 1, 0, keepdims=False)
+        slots = {**slots, "token": last_b, "position": position_b}
         return cache, slots, token_kb, logprob_kb
 
     # ------------------------------------------------------------------ host API
@@ -526,14 +529,19 @@ class ModelRunner:
         return next((w for w in windows if w >= kv_len), windows[-1])
 
     def decode(self, kv_len: int, any_truncation: bool, any_random: bool,
-               window: int | None = None) -> tuple[jax.Array, jax.Array]:
-        """Dispatches ``decode_steps`` steps over all slots, attending to the first
-        ``kv_len`` cache positions with the program of ``window`` (default: the one for
-        ``kv_len``); returns device arrays [k, B] (tokens, logprobs)."""
+               window: int | None = None, n_steps: int | None = None
+               ) -> tuple[jax.Array, jax.Array]:
+        """Dispatches ``n_steps`` (default ``decode_steps``, at most that) steps over all
+        slots, attending to the first ``kv_len`` cache positions with the program of
+        ``window`` (default: the one for ``kv_len``); returns device arrays [decode_steps, B]
+        (tokens, logprobs), of which the first ``n_steps`` rows are the steps run. Fewer
+        steps is the same program (a swap due soon waits for one step, not a whole call)."""
         window = self.decode_window(kv_len) if window is None else window
+        n = self.decode_steps if n_steps is None else min(max(int(n_steps), 1), self.decode_steps)
         self.cache, self.slots, token_kb, logprob_kb = self._step(
             ("decode", window), self._decode, self.params, self.cache, self.slots,
-            np.int32(kv_len), np.bool_(any_truncation), np.bool_(any_random), static=(window,))
+            np.int32(kv_len), np.int32(n), np.bool_(any_truncation), np.bool_(any_random),
+            static=(window,))
         return token_kb, logprob_kb
 
     def _dummy_prefill_rows(self, chunk: int) -> tuple[np.ndarray, ...]:
@@ -588,7 +596,7 @@ class ModelRunner:
         flag = np.bool_(False)
         fixed = (self._specs(self.params), self._specs(self.cache), self._specs(self.slots))
         if key[0] == "decode":
-            return self._decode.lower(*fixed, np.int32(0), flag, flag, key[1])
+            return self._decode.lower(*fixed, np.int32(0), np.int32(1), flag, flag, key[1])
         return self._prefill.lower(*fixed, *self._dummy_prefill_rows(key[1]), flag, flag)
 
     def _compile_one(self, key: tuple[str, int]) -> bool:

@@ -55,6 +55,10 @@ if TYPE_CHECKING:
     from areal_jax.engine.runner import ModelRunner
 
 STALE_AFTER_S = 300.0
+# A transfer touched this recently (begun, a bucket, loaded, staged) makes the engine decode
+# one step per call until its swap (``expecting_swap``); one left longer (its sender gone
+# quiet) no longer does.
+SWAP_SOON_S = 30.0
 
 
 class StagingError(ValueError):
@@ -274,6 +278,7 @@ class WeightStaging:
         del arrays
         with self._lock:
             self._staged = (transfer, a.manifest.version, state)
+            self._touched = time.monotonic()
         t_end = time.perf_counter()
         # place_s: placing the tensors like the served ones (the probe runs at the swap)
         return {"success": True, "transfer": transfer, "version": a.manifest.version,
@@ -286,6 +291,7 @@ class WeightStaging:
         with self._lock:
             self._assembler = None
             self._staged = (transfer, version, state)
+            self._touched = time.monotonic()
 
     def take(self, transfer: str) -> tuple[int, nnx.State]:
         """The staged (version, params) of ``transfer``, handed over once."""
@@ -298,6 +304,12 @@ class WeightStaging:
             self._staged = None
             return version, state
 
+    def expecting_swap(self) -> bool:
+        """Whether a swap is likely soon: a transfer in progress or staged, touched within
+        ``SWAP_SOON_S`` (the engine then decodes one step per call)."""
+        return ((self._assembler is not None or self._staged is not None)
+                and time.monotonic() - self._touched < SWAP_SOON_S)
+
     def status(self) -> dict[str, Any]:
         with self._lock:
             self._drop_stale()
@@ -305,4 +317,5 @@ class WeightStaging:
             return {"receiving": a.manifest.transfer if a is not None else None,
                     "buckets_missing": len(a.missing) if a is not None else 0,
                     "staged": self._staged[0] if self._staged is not None else None,
-                    "last_error": self.last_error, "last_probe": self.last_probe}
+                    "last_error": self.last_error, "last_probe": self.last_probe,
+                    "swap_expected": self.expecting_swap()}
