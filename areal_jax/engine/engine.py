@@ -432,6 +432,8 @@ class GenerationEngine:
 
             try:
                 self._call(begin)
+            except StagingError as e:
+                return {"success": False, "message": str(e), "num_paused_requests": 0}
             except EngineStoppedError as e:
                 return {"success": False, "message": f"weights not updated: {e}",
                         "num_paused_requests": 0}
@@ -474,15 +476,15 @@ class GenerationEngine:
         for it (``verify_s``: swap to probe result): a non-finite one puts the old version
         back (weights, version, LoRA base), requeues that prefill's requests and fails the
         swap with the probe's message, so the old version serves, whole."""
-        try:
-            _, state = self.staging.take(transfer)
-        except StagingError as e:
-            return {"success": False, "message": str(e), "num_paused_requests": 0}
         with self._update_lock:
             done: Future = Future()
             asked = time.perf_counter()
 
             def begin() -> None:
+                # Taken on the engine thread, so no decode call is dispatched between the
+                # staged version leaving the staging (which made calls one step long) and
+                # the swap being pending (which keeps them so).
+                _, state = self.staging.take(transfer)
                 with self._lock:
                     old_base = (self._base_state, self._adapter, self._adapter_load_id)
                     self._base_state = state
@@ -495,6 +497,8 @@ class GenerationEngine:
 
             try:
                 self._call(begin)
+            except StagingError as e:
+                return {"success": False, "message": str(e), "num_paused_requests": 0}
             except EngineStoppedError as e:
                 return {"success": False, "message": f"weights not updated: {e}",
                         "num_paused_requests": 0}

@@ -151,6 +151,8 @@ class WeightStaging:
         self._assembler: Assembler | None = None
         self._touched = 0.0
         self._staged: tuple[str, int, nnx.State] | None = None
+        # transfers being mapped or placed outside the lock (neither receiving nor staged)
+        self._working = 0
         self.last_error: str | None = None
         # the last swapped-in version's probe (set by the engine): transfer, version, "ran"
         # ("in a prefill" or "alone"), finite, verify_s
@@ -222,6 +224,7 @@ class WeightStaging:
         with self._lock:
             a = self._current(transfer)
             self._assembler = None  # nothing else writes it meanwhile
+            self._working += 1
         try:
             if not os.path.basename(path).startswith(SHM_PREFIX):
                 raise WireError(f"{path} is not a weight stream file ({SHM_PREFIX}*)")
@@ -240,11 +243,15 @@ class WeightStaging:
             finally:
                 os.close(fd)
             a.map_file(mapping, crcs)
-        except (WireError, OSError) as e:
+        except BaseException as e:
             with self._lock:
+                self._working -= 1
                 self._fail(str(e))
-            raise StagingError(f"weights not updated: {e}") from None
+            if isinstance(e, WireError | OSError):
+                raise StagingError(f"weights not updated: {e}") from None
+            raise
         with self._lock:
+            self._working -= 1
             self._assembler = a
             self._touched = time.monotonic()
         return time.perf_counter() - t0
@@ -274,9 +281,16 @@ class WeightStaging:
                 self._fail(str(e))
                 raise StagingError(f"weights not updated: {e}") from None
             self._assembler = None  # from here the arrays belong to the staged params
-        state = place_named(arrays, self.runner, False)
+            self._working += 1
+        try:
+            state = place_named(arrays, self.runner, False)
+        except BaseException:
+            with self._lock:
+                self._working -= 1
+            raise
         del arrays
         with self._lock:
+            self._working -= 1
             self._staged = (transfer, a.manifest.version, state)
             self._touched = time.monotonic()
         t_end = time.perf_counter()
@@ -307,7 +321,7 @@ class WeightStaging:
     def expecting_swap(self) -> bool:
         """Whether a swap is likely soon: a transfer in progress or staged, touched within
         ``SWAP_SOON_S`` (the engine then decodes one step per call)."""
-        return ((self._assembler is not None or self._staged is not None)
+        return ((self._assembler is not None or self._staged is not None or self._working > 0)
                 and time.monotonic() - self._touched < SWAP_SOON_S)
 
     def status(self) -> dict[str, Any]:
