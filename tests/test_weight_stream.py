@@ -603,3 +603,27 @@ def test_the_casts_finiteness_flags_are_exact():
     flags(edge, jnp.float32).check_finite()
     with pytest.raises(PublishError, match="NaN or Inf in w"):
         flags(edge, jnp.bfloat16).check_finite()
+
+
+def test_no_spare_file_while_host_memory_is_short(tmp_path, monkeypatch):
+    """The spare is made only while the host has twice its size available: under memory
+    pressure its pages would come from reclaim."""
+    from areal_jax.checkpoint import stream
+
+    sender = StreamPublisher(["http://127.0.0.1:9"], shm_dir=str(tmp_path))
+    assert sender.shm_dir == str(tmp_path)
+
+    def spares():
+        sender._spare_thread.join()
+        return [p.name for p in tmp_path.iterdir()]
+
+    monkeypatch.setattr(stream, "_available_memory", lambda: 1500)
+    sender._prepare_spare(1000)
+    assert spares() == [] and sender._spare_skipped
+    monkeypatch.setattr(stream, "_available_memory", lambda: 2500)
+    sender._prepare_spare(1000)
+    (name,) = spares()
+    assert name.startswith(f"areal-weights-spare-{os.getpid()}-")
+    assert (tmp_path / name).stat().st_size == 1000
+    sender.close()
+    assert spares() == []

@@ -31,7 +31,9 @@ allocated and zeroed by the kernel as they are first written, which was most of 
 write (0.5B shape, 0.99 GB, quiet 2-core host: 0.34-0.37 s fresh, 0.13-0.17 s into
 allocated pages; the allocation itself 0.20 s, now off the bump's path). The cost: between
 bumps ``/dev/shm`` holds one version's bytes that no process maps yet (it shows in
-``free``'s ``shared``, in no process's RSS). ``spare_file=False`` (``checkpoint.
+``free``'s ``shared``, in no process's RSS), so none is made while the host has less than
+twice its size available (``MemAvailable``): under memory pressure the spare's pages come
+from reclaim and the writes got slower, not faster. ``spare_file=False`` (``checkpoint.
 publish_spare_file: false``) turns it off. A spare is named
 ``areal-weights-spare-<pid>-<random>`` and removed by :meth:`close`, at exit, or by the next
 sender on the host once its process is gone.
@@ -164,6 +166,18 @@ def serving_arrays(model: CausalLM | nnx.State, dtype: str) -> ServingArrays:
 _SPARE_NAME = re.compile(re.escape(SHM_PREFIX) + r"spare-(\d+)-[0-9a-f]+$")
 
 
+def _available_memory() -> int | None:
+    """The host's available memory in bytes (``MemAvailable``), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def _remove_spares(spares: list[tuple[str, int]]) -> None:
     for path, _ in spares:
         with contextlib.suppress(OSError):
@@ -239,6 +253,7 @@ class StreamPublisher:
         # doc): (path, size) once ready; the thread making it.
         self._spare: list[tuple[str, int]] = []
         self._spare_thread: threading.Thread | None = None
+        self._spare_skipped = False  # a spare was skipped for want of host memory
         self._finalizer = weakref.finalize(self, _remove_spares, self._spare)
         if self.shm_dir is not None:
             remove_orphan_spares(self.shm_dir)
@@ -256,6 +271,15 @@ class StreamPublisher:
         shm_dir = self.shm_dir
 
         def make() -> None:
+            available = _available_memory()
+            if available is not None and available < 2 * size:
+                # Host memory is short: a spare would only push the kernel to reclaim
+                # (then the write into fresh pages is the cheaper one). Tried again next time.
+                if not self._spare_skipped:
+                    logger.info("no spare weight file: %.1f GB of host memory available, "
+                                "under twice the %.1f GB it takes", available / 1e9, size / 1e9)
+                self._spare_skipped = True
+                return
             path = os.path.join(shm_dir, f"{SHM_PREFIX}spare-{os.getpid()}-"
                                          f"{secrets.token_hex(6)}")
             try:
