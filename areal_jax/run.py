@@ -490,7 +490,8 @@ def _rollout_side(cfg: TrainConfig, stack: contextlib.ExitStack, inputs: _Rollou
     if memory:
         sender = StreamPublisher([h.url for h in handles], api_key=cfg.rollout.api_key,
                                  bucket_bytes=cfg.checkpoint.publish_bucket_mb << 20,
-                                 spare_file=cfg.checkpoint.publish_spare_file)
+                                 spare_file=cfg.checkpoint.publish_spare_file,
+                                 swap_aborts=cfg.rollout.interruptible)
         stack.callback(sender.close)
         write = sender.send
     push = None

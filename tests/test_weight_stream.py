@@ -239,6 +239,15 @@ def test_the_server_generates_on_the_old_weights_while_it_receives(on_a, ckpts, 
     assert swap(url, manifest.transfer, 2).status_code == 200
     assert not status(url)["swap_expected"]  # whole calls again
     assert_serves(url, learners[1], ckpts[1], 2)
+    # A transfer whose swap will wait for the running requests keeps whole calls (one-step
+    # calls would only make them finish later); an unknown swap mode is a 400.
+    r = httpx.post(f"{url}/weights/begin", params={"swap": "wait"},
+                   json=manifest_for(named, 3, 10_000).to_json(), timeout=60)
+    assert r.status_code == 200 and not status(url)["swap_expected"]
+    r = httpx.post(f"{url}/weights/begin", params={"swap": "later"},
+                   json=manifest_for(named, 3, 10_000).to_json(), timeout=60)
+    assert r.status_code == 400 and "'abort' or 'wait'" in r.text
+    assert httpx.post(f"{url}/weights/abort", json={}, timeout=60).status_code == 200
 
 
 def test_a_corrupted_bucket_is_refused_and_v0_keeps_serving(on_a, ckpts, learners):

@@ -236,7 +236,8 @@ class StreamPublisher:
 
     def __init__(self, urls: Sequence[str], *, api_key: str | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0,
-                 shm_dir: str | None = SHM_DIR, spare_file: bool = True):
+                 shm_dir: str | None = SHM_DIR, spare_file: bool = True,
+                 swap_aborts: bool = True):
         if not urls:
             raise ValueError("StreamPublisher needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -249,6 +250,9 @@ class StreamPublisher:
         self.last: SendReport | None = None
         self.shm_fallbacks: list[str] = []  # the last send's servers that got HTTP buckets
         self.spare_file = spare_file and self.shm_dir is not None
+        # The swap that follows aborts running requests (rollout.interruptible): the servers
+        # then decode one step per call until it (``/weights/begin?swap=abort``).
+        self.swap_aborts = swap_aborts
         # The next send's shared-memory file, its pages allocated ahead (see the module
         # doc): (path, size) once ready; the thread making it.
         self._spare: list[tuple[str, int]] = []
@@ -358,13 +362,16 @@ class StreamPublisher:
             raise _ServerRefused(f"{url}{route.split('?')[0]}: {message}")
         return obj if isinstance(obj, dict) else {"reply": obj}
 
+    def _begin_route(self) -> str:
+        return "/weights/begin?swap=" + ("abort" if self.swap_aborts else "wait")
+
     def _begin_all(self, manifest: Manifest) -> None:
         """``/weights/begin`` on every server; if any refuses, the transfer is aborted
         everywhere and :class:`PublishError` says why."""
         def begin(url: str) -> None:
             conn = self._connect(url)
             try:
-                self._request(conn, url, "POST", "/weights/begin", manifest.to_json())
+                self._request(conn, url, "POST", self._begin_route(), manifest.to_json())
             finally:
                 conn.close()
 
@@ -407,7 +414,7 @@ class StreamPublisher:
                     # container) or could not read the file: it gets the buckets instead.
                     logger.warning("%s; sending it the buckets over HTTP", e)
                     self.shm_fallbacks.append(url)
-                    self._request(conn, url, "POST", "/weights/begin", manifest.to_json())
+                    self._request(conn, url, "POST", self._begin_route(), manifest.to_json())
                     shm_path = None
             for i in range(manifest.num_buckets if shm_path is None else 0):
                 route = f"/weights/bucket?transfer={manifest.transfer}&index={i}"

@@ -854,8 +854,9 @@ class GenerationEngine:
 
         ``previous`` is the call still in flight, whose tokens the host has not seen yet:
         a request it carries will sit that call's steps further when this call starts.
-        While a weight update is on its way (``WeightStaging.expecting_swap``: a transfer
-        begun or staged, or a swap asked for) a call runs one step instead of
+        While a weight update that will abort the running requests is on its way
+        (``WeightStaging.expecting_swap``: a transfer begun or staged) a call runs one step
+        instead of
         ``decode_steps`` (the same program), so the swap waits for one step, not a call
         (0.5B shape, 4 steps on a 2-core host: the wait was 0.1-0.8 s).
         """
@@ -867,8 +868,7 @@ class GenerationEngine:
             r.prompt_len + len(r.output_ids) - 1 + (ahead if id(r) in pending else 0)
             for r in active)
         kv_len = self.runner.kv_len(max_position)
-        steps = (1 if self._pending_update is not None or self.staging.expecting_swap()
-                 else self.config.decode_steps)
+        steps = 1 if self.staging.expecting_swap() else self.config.decode_steps
         token_kb, logprob_kb = self.runner.decode(
             kv_len, window=self.runner.decode_window(kv_len, compiled_only=self.config.warmup),
             any_truncation=any(r.params.truncates for r in active),

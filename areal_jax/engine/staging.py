@@ -153,6 +153,7 @@ class WeightStaging:
         self._staged: tuple[str, int, nnx.State] | None = None
         # transfers being mapped or placed outside the lock (neither receiving nor staged)
         self._working = 0
+        self._short_steps = True  # the current transfer's swap aborts (begin's short_steps)
         self.last_error: str | None = None
         # the last swapped-in version's probe (set by the engine): transfer, version, "ran"
         # ("in a prefill" or "alone"), finite, verify_s
@@ -183,7 +184,9 @@ class WeightStaging:
         return a
 
     # ------------------------------------------------------------------ steps
-    def begin(self, manifest_json: Any) -> dict[str, Any]:
+    def begin(self, manifest_json: Any, short_steps: bool = True) -> dict[str, Any]:
+        """A new transfer (see the module doc); ``short_steps``: its swap will abort the
+        running requests, so the engine decodes one step per call until then."""
         try:
             manifest = Manifest.from_json(manifest_json)
             check_against(manifest, self.served_layout())
@@ -193,6 +196,7 @@ class WeightStaging:
             self._staged = None  # a staged version not swapped in yet is superseded
             self._assembler = Assembler(manifest)
             self._touched = time.monotonic()
+            self._short_steps = short_steps
             self.last_error = None
         return {"success": True, "transfer": manifest.transfer,
                 "num_buckets": manifest.num_buckets, "total_bytes": manifest.total_bytes}
@@ -319,9 +323,13 @@ class WeightStaging:
             return version, state
 
     def expecting_swap(self) -> bool:
-        """Whether a swap is likely soon: a transfer in progress or staged, touched within
-        ``SWAP_SOON_S`` (the engine then decodes one step per call)."""
-        return ((self._assembler is not None or self._staged is not None or self._working > 0)
+        """Whether a swap that aborts the running requests is likely soon: a transfer begun
+        with ``short_steps`` in progress or staged, touched within ``SWAP_SOON_S`` (the
+        engine then decodes one step per call; a swap that waits for the requests to finish
+        gains nothing from it, and they would finish slower)."""
+        return (self._short_steps
+                and (self._assembler is not None or self._staged is not None
+                     or self._working > 0)
                 and time.monotonic() - self._touched < SWAP_SOON_S)
 
     def status(self) -> dict[str, Any]:

@@ -1,8 +1,11 @@
 """The server's routes for in-memory weight updates (``engine/staging.py`` receives them,
 ``areal_jax.weight_wire`` defines the format, ``checkpoint/stream.py`` sends them).
 
-- ``POST /weights/begin`` the manifest (JSON) → ``{"success", "transfer", "num_buckets",
-  "total_bytes"}``; 400 if a tensor, shape or dtype does not fit the served model.
+- ``POST /weights/begin[?swap=abort|wait]`` the manifest (JSON) → ``{"success",
+  "transfer", "num_buckets", "total_bytes"}``; 400 if a tensor, shape or dtype does not fit
+  the served model. ``swap=abort`` (the default): the swap will abort running requests, so
+  from now to it decode calls run one step (the swap then waits for one step); ``wait``:
+  it will wait for them to finish, and calls stay whole.
 - ``PUT /weights/bucket?transfer=ID&index=I`` the bucket's raw bytes, its checksum (the
   manifest's ``checksum``: xxh3-64 or CRC-32, decimal) in the ``x-areal-checksum`` header
   → ``{"success": true}``; 400 if its length or checksum is wrong (the transfer is then
@@ -103,8 +106,11 @@ def register_weight_routes(app: FastAPI, engine: GenerationEngine,
     @app.post("/weights/begin")
     async def begin(request: Request):
         body = parse_json_body(await request.body(), "/weights/begin")
+        swap = request.query_params.get("swap", "abort")
+        if swap not in ("abort", "wait"):
+            raise ProtocolError("/weights/begin: 'swap' must be 'abort' or 'wait'")
         try:
-            return staging.begin(body)
+            return staging.begin(body, short_steps=swap == "abort")
         except StagingError as e:
             return _refused(str(e))
 
