@@ -33,7 +33,10 @@ def _children(pid: int) -> list[int]:
     """Direct child processes (the embedded server, reward workers)."""
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
+        try:
+            text = (task / "children").read_text().split()
+        except FileNotFoundError:  # the thread ended meanwhile (short-lived helper threads)
+            continue
         out += [int(c) for c in text]
     return out
 

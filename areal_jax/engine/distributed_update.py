@@ -319,7 +319,8 @@ class DistributedReceiver:
         self._received = set()
         runner = self.engine.runner
         try:
-            state = place_named(arrays, runner, self.engine.staging.check)
+            # probed at the swap (swap_staged: in the first prefill under it), not here
+            state = place_named(arrays, runner, False)
         except (StagingError, WeightCheckError) as e:
             raise UpdateRefused(f"weights not updated: {e}") from None
         del arrays

@@ -297,8 +297,9 @@ def lower_engine(cfg: Any, model_cfg: Any, device: Any, scan: bool | None = None
             arg((p,), jnp.int32), arg((p,), jnp.float32), arg((p,), jnp.float32),
             arg((p,), jnp.int32), arg((p,), jnp.uint32), arg((p,), jnp.int32),
             arg((), jnp.int32), flag, flag)
-        decode = jax.jit(runner._decode_impl, donate_argnums=(1, 2), static_argnums=(6,)).lower(
-            (state, None), cache, slots, arg((), jnp.int32), flag, flag, shapes["max_seq_len"])
+        decode = jax.jit(runner._decode_impl, donate_argnums=(1, 2), static_argnums=(7,)).lower(
+            (state, None), cache, slots, arg((), jnp.int32), arg((), jnp.int32), flag, flag,
+            shapes["max_seq_len"])
     shapes["param_bytes"] = device_bytes(state)
     shapes["kv_cache_bytes"] = device_bytes(cache)
     return prefill, decode, shapes
