@@ -59,7 +59,7 @@ import threading
 import time
 import urllib.parse
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -209,6 +209,22 @@ def remove_orphan_spares(shm_dir: str) -> list[str]:
 
 class _ServerRefused(Exception):
     pass
+
+
+def _results(futures: Mapping[str, concurrent.futures.Future[Any]]
+             ) -> tuple[dict[str, Any], list[str]]:
+    """Each server's result, and one line per server that refused or could not be
+    reached (in the servers' order)."""
+    done: dict[str, Any] = {}
+    errors = []
+    for url, fut in futures.items():
+        try:
+            done[url] = fut.result()
+        except _ServerRefused as e:
+            errors.append(str(e))
+        except (OSError, http.client.HTTPException) as e:
+            errors.append(f"{url}: {type(e).__name__}: {e or 'connection dropped'}")
+    return done, errors
 
 
 @dataclass
@@ -376,15 +392,7 @@ class StreamPublisher:
                 conn.close()
 
         with concurrent.futures.ThreadPoolExecutor(len(self.urls)) as pool:
-            futures = {url: pool.submit(begin, url) for url in self.urls}
-            errors = []
-            for url, fut in futures.items():
-                try:
-                    fut.result()
-                except _ServerRefused as e:
-                    errors.append(str(e))
-                except (OSError, http.client.HTTPException) as e:
-                    errors.append(f"{url}: {type(e).__name__}: {e or 'connection dropped'}")
+            _, errors = _results({url: pool.submit(begin, url) for url in self.urls})
         if errors:
             self._fail(manifest, errors)
 
@@ -518,14 +526,9 @@ class StreamPublisher:
             futures: dict[str, concurrent.futures.Future[tuple[float, dict[str, Any]]]] = {
                 url: pool.submit(self._send_one, url, manifest, arrays, crcs, shm_path)
                 for url in self.urls}
-            errors = []
-            for url, fut in futures.items():
-                try:
-                    report.server_stage_s[url], report.server_replies[url] = fut.result()
-                except _ServerRefused as e:
-                    errors.append(str(e))
-                except (OSError, http.client.HTTPException) as e:
-                    errors.append(f"{url}: {type(e).__name__}: {e or 'connection dropped'}")
+            done, errors = _results(futures)
+            for url, (stage_s, reply) in done.items():
+                report.server_stage_s[url], report.server_replies[url] = stage_s, reply
             for crc in crcs:
                 crc.cancel()
         if errors:
