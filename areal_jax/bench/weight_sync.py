@@ -299,10 +299,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         bump["server_apply_s"] = report.stage_s
                         bump["bytes_moved"] = report.nbytes
                         # the transfer's parts: the wait for the cast, the shared-memory
-                        # write, the server's mapping + checksums, placing, probe
+                        # write, the server's mapping + checksums, placing
                         bump.update(cast_s=report.host_s, shm_write_s=report.write_s,
-                                    load_s=report.load_s, place_s=report.place_s,
-                                    probe_s=report.probe_s)
+                                    load_s=report.load_s, place_s=report.place_s)
                         t2 = time.perf_counter()
                         r = http.post("/weights/swap", json={
                             "transfer": transfer, "weight_version": str(v),
@@ -311,8 +310,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         bump["paused_call_s"] = time.perf_counter() - t2
                         bump["paused_s"] = r.json()["paused_s"]
                         bump["swap_wait_s"] = r.json()["wait_s"]
-                        # the probe rides in the first prefill after the swap (older servers:
-                        # it ran at stage, probe_s)
+                        # the probe rides in the first prefill after the swap (a server
+                        # without the weight checks has none)
                         bump["verify_s"] = r.json().get("verify_s", 0.0)
                     elif group is not None:
                         arrays = serving_arrays(model, args.dtype)
@@ -396,7 +395,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               ("- shared-memory write", "shm_write_s", "page_cache_write_s"),
               ("- server maps + checksums it", "load_s", "memcpy_s"),
               ("- server places it", "place_s", "memcpy_s"),
-              ("- server's probe forward (at stage; older servers)", "probe_s", "memcpy_s"),
               ("generation paused (server)", "paused_s", "memcpy_s"),
               ("paused, orchestrator's call", "paused_call_s", "memcpy_s"),
               ("- its wait for the decode call in flight", "swap_wait_s", "memcpy_s"),

@@ -239,11 +239,11 @@ class SendReport:
     stage_s: float = 0.0
     server_stage_s: dict[str, float] = field(default_factory=dict)
     # the parts of stream_s and stage_s (the slowest server's): writing the shared-memory
-    # file, the server's mapping and checksums of it, its placing and its probe forward
+    # file, the server's mapping and checksums of it, its placing (its probe runs at the
+    # swap: the swap's ``verify_s``)
     write_s: float = 0.0
     load_s: float = 0.0
     place_s: float = 0.0
-    probe_s: float = 0.0
     server_replies: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -534,7 +534,7 @@ class StreamPublisher:
         if errors:
             self._fail(manifest, errors)
         report.stage_s = max(report.server_stage_s.values(), default=0.0)
-        for key in ("load_s", "place_s", "probe_s"):  # the slowest server's (older: none)
+        for key in ("load_s", "place_s"):  # the slowest server's
             setattr(report, key, max((float(r.get(key, 0.0)) for r in
                                       report.server_replies.values()), default=0.0))
         report.stream_s = time.perf_counter() - t1 - report.stage_s

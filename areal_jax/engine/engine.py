@@ -192,7 +192,7 @@ class GenerationEngine:
         self.first_token_at: float | None = None
         self._update_lock = threading.Lock()
         # In-memory updates (weight_wire's format) received while generation goes on.
-        self.staging = WeightStaging(self.runner, config.check_weights)
+        self.staging = WeightStaging(self.runner)
         self._stop = False
         self.fatal_error: str | None = None
         self.stats = {"decode_calls": 0, "prefill_calls": 0, "generated_tokens": 0,

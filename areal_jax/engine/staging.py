@@ -143,9 +143,8 @@ def check_against_arrays(arrays: Mapping[str, np.ndarray], runner: ModelRunner) 
 class WeightStaging:
     """One transfer in progress, or one staged and waiting for its swap."""
 
-    def __init__(self, runner: ModelRunner, check: bool, stale_after_s: float = STALE_AFTER_S):
+    def __init__(self, runner: ModelRunner, stale_after_s: float = STALE_AFTER_S):
         self.runner = runner
-        self.check = check
         self.stale_after_s = stale_after_s
         self._lock = threading.Lock()
         self._assembler: Assembler | None = None
