@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -476,6 +477,13 @@ def test_memory_publish_reaches_the_embedded_servers_without_files(tmp_path):
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v0", "v3"]
     want = _checkpointed_weights(run_dir, 3, tmp_path / "want", "float32")
     _assert_published_tensors_are_the_learners(run_dir, 3, want)
+    # The shared-memory files the sender kept between bumps went with the run.
+    left = []
+    for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
+        m = re.match(r"areal-weights-(?:kept|spare)-(\d+)-", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            left.append(name)
+    assert left == []
 
 
 def test_ppo_trains_policy_and_critic_on_gae_advantages(tmp_path):

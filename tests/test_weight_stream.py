@@ -151,11 +151,21 @@ def test_a_memory_bump_serves_the_learners_weights_on_every_server(on_a, ckpts, 
     assert swap(urls[0], transfer, 1).status_code == 400  # staged weights are handed over once
 
 
-def test_the_next_send_writes_into_the_spare_file_made_after_the_last(on_a, ckpts, learners):
-    """After a send the sender allocates the next version's shared-memory file in the
-    background; the next send renames it and writes into it (its zero padding and stale
-    size are handled: the servers then serve that version bit for bit), close() removes
-    it, and a spare left by a dead sender is removed by the next one."""
+def _shm_files(shm):
+    return sorted(n for n in os.listdir(shm) if n.startswith("areal-weights-"))
+
+
+def _inode(shm, name):
+    st = os.stat(os.path.join(shm, name))
+    return st.st_dev, st.st_ino
+
+
+def test_a_send_writes_into_the_file_no_server_holds_any_more(on_a, ckpts, learners):
+    """The first send writes a new file and a spare is made after it; the second writes
+    into the spare (the first file is served); from the third on, each is written into
+    the file of the version before the served one, which no server maps any more. /dev/shm
+    then holds two versions' files, the servers serve each version bit for bit, close()
+    removes the files, and those left by a dead sender are removed by the next one."""
     urls = on_a
     import tempfile
 
@@ -163,42 +173,95 @@ def test_the_next_send_writes_into_the_spare_file_made_after_the_last(on_a, ckpt
     try:
         dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                               capture_output=True, text=True, check=True).stdout.strip()
-        orphan = os.path.join(shm, f"areal-weights-spare-{dead}-abcdef")
-        mine = os.path.join(shm, f"areal-weights-spare-{os.getpid()}-abcdef")
-        for path in (orphan, mine):
+        orphans = [os.path.join(shm, f"areal-weights-spare-{dead}-abcdef"),
+                   os.path.join(shm, f"areal-weights-kept-{dead}-0123abcd")]
+        mine = os.path.join(shm, f"areal-weights-kept-{os.getpid()}-abcdef")
+        for path in (*orphans, mine):
             open(path, "wb").close()
         sender = StreamPublisher(urls, bucket_bytes=10_000, shm_dir=shm)
-        assert not os.path.exists(orphan) and os.path.exists(mine)  # its process lives
+        assert not any(map(os.path.exists, orphans)) and os.path.exists(mine)  # it lives
         os.unlink(mine)
-
-        def spares():
-            if sender._spare_thread is not None:
-                sender._spare_thread.join()
-            return sorted(n for n in os.listdir(shm) if n.startswith("areal-weights-spare-"))
-
-        assert spares() == []  # none before the first send
-        for version, model in ((1, learners[1]), (2, learners[0]), (3, learners[1])):
-            before = spares()
+        kinds, inodes = [], []
+        plan = [(1, learners[1]), (2, learners[0]), (3, learners[1]), (4, learners[0]),
+                (5, learners[1])]
+        for version, model in plan:
             transfer = sender.send(serving_arrays(model, "float32"), version)
-            after = spares()
-            assert len(after) == 1 and after != before  # the old spare was used, a new made
-            size = os.path.getsize(os.path.join(shm, after[0]))
-            assert size >= sender.last.nbytes  # the stream file: tensors 64-byte aligned
+            kinds.append(sender.last.shm_file)
+            name = next(n for n in _shm_files(shm) if n.endswith(transfer))
+            inodes.append(_inode(shm, name))
+            assert os.path.getsize(os.path.join(shm, name)) >= sender.last.nbytes
             assert sender.shm_fallbacks == []
             for u in urls:
                 assert swap(u, transfer, version).json()["success"]
                 assert_serves(u, model, ckpts[1 if model is learners[1] else 0], version)
+                assert list(_inode(shm, name)) in status(u)["held_files"]
+            if sender._spare_thread is not None:
+                sender._spare_thread.join()
+            assert len(_shm_files(shm)) <= 2  # two versions' files, never three
+        assert kinds == ["new", "spare", "reused", "reused", "reused"]
+        # each reuse took the file of the version before the served one
+        assert inodes[2] == inodes[0] and inodes[3] == inodes[1] and inodes[4] == inodes[0]
         sender.close()
-        assert spares() == []
+        assert _shm_files(shm) == []
+        # the servers' mappings outlive the names: v5 still serves, bit for bit
+        for u in urls:
+            assert_serves(u, learners[1], ckpts[1], 5)
         # a spare of another size (another model) is dropped, not written into
         sender._prepare_spare(123)
-        assert len(spares()) == 1
-        transfer = sender.send(serving_arrays(learners[0], "float32"), 4)
+        sender._spare_thread.join()
+        assert len(_shm_files(shm)) == 1
+        transfer = sender.send(serving_arrays(learners[0], "float32"), 6)
+        assert sender.last.shm_file == "new"
+        for u in urls:
+            assert swap(u, transfer, 6).json()["success"]
+            assert_serves(u, learners[0], ckpts[0], 6)
+        sender.close()
+        assert os.listdir(shm) == []
+        # spare_file off: a fresh file every send, its name gone when the send ends
+        plain = StreamPublisher(urls, bucket_bytes=10_000, shm_dir=shm, spare_file=False)
+        for version, model in ((7, learners[1]), (8, learners[0])):
+            transfer = plain.send(serving_arrays(model, "float32"), version)
+            assert plain.last.shm_file == "new" and os.listdir(shm) == []
+            for u in urls:
+                assert swap(u, transfer, version).json()["success"]
+        assert_serves(urls[0], learners[0], ckpts[0], 8)
+    finally:
+        import shutil
+
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_file_a_server_still_serves_from_is_never_written_into(on_a, ckpts, learners):
+    """Sends without a swap between them: the served version's file is held, so the next
+    versions go elsewhere (a staged version superseded by the next transfer lets go of
+    its file at once, so that one is reused); the servers keep serving their version bit
+    for bit throughout, and a refused version (probe failed at the swap) leaves the old
+    version's file held."""
+    urls = on_a
+    import tempfile
+
+    shm = tempfile.mkdtemp(prefix="areal-test-shm-", dir="/dev/shm")
+    try:
+        sender = StreamPublisher(urls, bucket_bytes=10_000, shm_dir=shm)
+        t1 = sender.send(serving_arrays(learners[1], "float32"), 1)
+        for u in urls:
+            assert swap(u, t1, 1).json()["success"]
+        served = _inode(shm, next(n for n in _shm_files(shm) if n.endswith(t1)))
+        t2 = sender.send(serving_arrays(learners[0], "float32"), 2)  # staged, not swapped
+        assert sender.last.shm_file == "spare"
+        staged = _inode(shm, next(n for n in _shm_files(shm) if n.endswith(t2)))
+        for version in (3, 4):
+            transfer = sender.send(serving_arrays(learners[0], "float32"), version)
+            # v1's file is served: never written into; the superseded staged one is reused
+            assert sender.last.shm_file == "reused"
+            now = _inode(shm, next(n for n in _shm_files(shm) if n.endswith(transfer)))
+            assert now == staged and now != served
+            for u in urls:
+                assert list(served) in status(u)["held_files"]
+                assert_serves(u, learners[1], ckpts[1], 1)
         for u in urls:
             assert swap(u, transfer, 4).json()["success"]
             assert_serves(u, learners[0], ckpts[0], 4)
-        sender.close()
-        assert os.listdir(shm) == []  # the stream files went with their sends
     finally:
         import shutil
 

@@ -63,8 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=2,
                         help="greedy requests kept running on the server during the bumps")
     parser.add_argument("--spare-file", action=argparse.BooleanOptionalAction, default=True,
-                        help="memory: allocate the next version's shared-memory file ahead "
-                             "(checkpoint.publish_spare_file)")
+                        help="memory: write each version into a shared-memory file whose "
+                             "pages are allocated (the one no server holds any more, else a "
+                             "spare made ahead) (checkpoint.publish_spare_file)")
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=4)
     parser.add_argument("--layers", type=int, default=None,
@@ -225,7 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from areal_jax.checkpoint.delta import named_host_arrays
     from areal_jax.checkpoint.publish import WeightPublisher, host_params
-    from areal_jax.checkpoint.stream import StreamPublisher, serving_arrays
+    from areal_jax.checkpoint.stream import StreamPublisher, _available_memory, serving_arrays
     from areal_jax.engine.launch import launch_server
     from areal_jax.weight_wire import encode_delta
     from model_defs import CausalLM, ModelConfig, save_hf
@@ -286,6 +287,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 _adamw_like_step(model, args.lr, v)
                 jax.block_until_ready(nnx.state(model))
                 bump: dict[str, Any] = {"version": v}
+                available = _available_memory()  # the host's, as the bump starts
+                if available is not None:
+                    bump["host_available_gb"] = round(available / 1e9, 2)
                 with _RssSampler(server.pid) as rss:
                     t0, t0_wall = time.perf_counter(), time.time()
                     if args.path == "memory":
@@ -301,7 +305,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         # the transfer's parts: the wait for the cast, the shared-memory
                         # write, the server's mapping + checksums, placing
                         bump.update(cast_s=report.host_s, shm_write_s=report.write_s,
-                                    load_s=report.load_s, place_s=report.place_s)
+                                    load_s=report.load_s, place_s=report.place_s,
+                                    shm_file=report.shm_file)
                         t2 = time.perf_counter()
                         r = http.post("/weights/swap", json={
                             "transfer": transfer, "weight_version": str(v),

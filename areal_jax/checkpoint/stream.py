@@ -24,19 +24,28 @@ cannot be written (a full or small ``/dev/shm``, as in a container's 64 MiB defa
 sender uses HTTP buckets from then on; a server that cannot read it (on 127.0.0.1 but in
 another container) gets the buckets over HTTP (``shm_fallbacks``).
 
-The shared-memory file's pages are made ahead (``spare_file``, on by default): after each
-send, a background thread creates the next version's file and allocates its pages
-(``posix_fallocate``), so the next send only copies into them. A fresh file's pages are
-allocated and zeroed by the kernel as they are first written, which was most of the
-write (0.5B shape, 0.99 GB, quiet 2-core host: 0.34-0.37 s fresh, 0.13-0.17 s into
-allocated pages; the allocation itself 0.20 s, now off the bump's path). The cost: between
-bumps ``/dev/shm`` holds one version's bytes that no process maps yet (it shows in
-``free``'s ``shared``, in no process's RSS), so none is made while the host has less than
-twice its size available (``MemAvailable``): under memory pressure the spare's pages come
-from reclaim and the writes got slower, not faster. ``spare_file=False`` (``checkpoint.
-publish_spare_file: false``) turns it off. A spare is named
-``areal-weights-spare-<pid>-<random>`` and removed by :meth:`close`, at exit, or by the next
-sender on the host once its process is gone.
+The shared-memory file's pages are reused (``spare_file``, on by default). A fresh
+file's pages are allocated and zeroed by the kernel as they are first written, which was
+most of the write (0.5B shape, 0.99 GB, quiet 2-core host: 0.34-0.37 s fresh, 0.13-0.17 s
+into allocated pages). So the sender keeps the files it wrote (the last two) and writes a
+version into one that no server maps any more: each server lists, in its
+``/weights/begin`` reply, the files it still holds (``held_files``: a file stays mapped
+while any params are views of it: served, staged, or kept for a revert until the new
+version's probe passes), and a file none of them lists is rewritten in place. In steady
+state that is the version before the served one: the host holds two versions' bytes in
+``/dev/shm`` (served and next), the same as a bump needs anyway, and no write allocates
+a page. Until there is such a file (the first two sends), the next one is made after a
+send by a background thread that allocates its pages (``posix_fallocate``): a spare,
+made only while the host has twice its size available (``MemAvailable``; under memory
+pressure its pages came from reclaim and the writes got slower, not faster). (Before
+the reuse, a spare was made after every send: three versions in ``/dev/shm`` during
+each bump, and at the 1.5B shape on a 24 GB host the writes waited on reclaim.)
+``spare_file=False`` (``checkpoint.publish_spare_file: false``) turns both off: each
+send writes a fresh file and removes its name when the send ends. The kept files and a
+spare are named ``areal-weights-kept-<pid>-<transfer>`` and
+``areal-weights-spare-<pid>-<random>``; they are removed by :meth:`close` (the run's
+exit), at exit, or by the next sender on the host once the owning process is gone. A
+server's mapping outlives the name, so removing one never takes weights from a server.
 
 Any failure (a server refusing, a connection dropped, a server gone, a non-finite value
 in the learner's weights) aborts the transfer on every server (``POST /weights/abort``):
@@ -163,7 +172,10 @@ def serving_arrays(model: CausalLM | nnx.State, dtype: str) -> ServingArrays:
     return ServingArrays(list(zip(names, cast, strict=True)), finite)
 
 
-_SPARE_NAME = re.compile(re.escape(SHM_PREFIX) + r"spare-(\d+)-[0-9a-f]+$")
+# The files a sender keeps between sends (see the module doc): its pid in the name, so
+# the next sender on the host removes those of a process that is gone.
+_SPARE_NAME = re.compile(re.escape(SHM_PREFIX) + r"(?:spare|kept)-(\d+)-[0-9A-Za-z_-]+$")
+KEEP_FILES = 2  # the served version's file and the one the next version is written into
 
 
 def _available_memory() -> int | None:
@@ -178,16 +190,18 @@ def _available_memory() -> int | None:
     return None
 
 
-def _remove_spares(spares: list[tuple[str, int]]) -> None:
-    for path, _ in spares:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    spares.clear()
+def _remove_spares(*files: list[Any]) -> None:
+    """Unlinks the files in each list of ``(path, ...)`` and empties the lists."""
+    for group in files:
+        for path, *_ in group:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        group.clear()
 
 
 def remove_orphan_spares(shm_dir: str) -> list[str]:
-    """Removes the spare weight files in ``shm_dir`` whose sender process is gone (killed
-    before it could); returns their paths."""
+    """Removes the weight files a sender keeps (spare and kept ones) in ``shm_dir`` whose
+    sender process is gone (killed before it could); returns their paths."""
     removed = []
     with contextlib.suppress(OSError):
         for name in os.listdir(shm_dir):
@@ -244,6 +258,9 @@ class SendReport:
     write_s: float = 0.0
     load_s: float = 0.0
     place_s: float = 0.0
+    # where the shared-memory write went: "reused" (a kept file no server held), "spare"
+    # (allocated ahead), "new" (fresh pages); "" when the stream went over HTTP
+    shm_file: str = ""
     server_replies: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -274,15 +291,19 @@ class StreamPublisher:
         self._spare: list[tuple[str, int]] = []
         self._spare_thread: threading.Thread | None = None
         self._spare_skipped = False  # a spare was skipped for want of host memory
-        self._finalizer = weakref.finalize(self, _remove_spares, self._spare)
+        # The stream files of the last sends (path, size, st_dev, st_ino), oldest first:
+        # the next one is written into one no server holds (see the module doc).
+        self._kept: list[tuple[str, int, int, int]] = []
+        self._finalizer = weakref.finalize(self, _remove_spares, self._spare, self._kept)
         if self.shm_dir is not None:
             remove_orphan_spares(self.shm_dir)
 
     def close(self) -> None:
-        """Removes the spare shared-memory file (if any). The sender may still send."""
+        """Removes the shared-memory files it keeps (the servers' mappings of them stay
+        whole). The sender may still send."""
         if self._spare_thread is not None:
             self._spare_thread.join()
-        _remove_spares(self._spare)
+        _remove_spares(self._spare, self._kept)
 
     def _prepare_spare(self, size: int) -> None:
         """In the background: a file of ``size`` bytes in shm_dir, its pages allocated."""
@@ -324,6 +345,39 @@ class StreamPublisher:
 
         self._spare_thread = threading.Thread(target=make, name="weights-spare", daemon=True)
         self._spare_thread.start()
+
+    def _take_kept(self, size: int, held: set[tuple[int, int]] | None) -> str | None:
+        """A kept stream file of ``size`` bytes that no server holds (``held``: what the
+        servers' begin replies listed; None when a server did not say, then none is
+        reused); it is then the caller's. Kept files whose name no longer leads to the
+        file written are forgotten."""
+        if held is None:
+            return None
+        for i, (path, n, dev, ino) in enumerate(self._kept):
+            if n != size or (dev, ino) in held:
+                continue
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except OSError:
+                st = None
+            del self._kept[i]
+            if st is None or (st.st_dev, st.st_ino) != (dev, ino):
+                return self._take_kept(size, held)  # replaced or removed behind our back
+            return path
+        return None
+
+    def _keep(self, path: str, size: int) -> None:
+        """Keeps the file just sent for a later send; the oldest beyond ``KEEP_FILES``
+        lose their names (a server still mapping one keeps its pages until it lets go)."""
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            return
+        self._kept.append((path, size, st.st_dev, st.st_ino))
+        while len(self._kept) > KEEP_FILES:
+            old = self._kept.pop(0)[0]
+            with contextlib.suppress(OSError):
+                os.unlink(old)
 
     def _take_spare(self, size: int) -> str | None:
         """The spare file's path if it holds ``size`` bytes (it is then the caller's);
@@ -381,20 +435,32 @@ class StreamPublisher:
     def _begin_route(self) -> str:
         return "/weights/begin?swap=" + ("abort" if self.swap_aborts else "wait")
 
-    def _begin_all(self, manifest: Manifest) -> None:
+    def _begin_all(self, manifest: Manifest) -> set[tuple[int, int]] | None:
         """``/weights/begin`` on every server; if any refuses, the transfer is aborted
-        everywhere and :class:`PublishError` says why."""
-        def begin(url: str) -> None:
+        everywhere and :class:`PublishError` says why. Returns the shared-memory files
+        (st_dev, st_ino) any server still maps, None if a server did not say."""
+        def begin(url: str) -> dict[str, Any]:
             conn = self._connect(url)
             try:
-                self._request(conn, url, "POST", self._begin_route(), manifest.to_json())
+                return self._request(conn, url, "POST", self._begin_route(),
+                                     manifest.to_json())
             finally:
                 conn.close()
 
         with concurrent.futures.ThreadPoolExecutor(len(self.urls)) as pool:
-            _, errors = _results({url: pool.submit(begin, url) for url in self.urls})
+            done, errors = _results({url: pool.submit(begin, url) for url in self.urls})
         if errors:
             self._fail(manifest, errors)
+        held: set[tuple[int, int]] = set()
+        for reply in done.values():
+            files = reply.get("held_files")
+            if not isinstance(files, list):
+                return None
+            try:
+                held.update((int(dev), int(ino)) for dev, ino in files)
+            except (TypeError, ValueError):
+                return None
+        return held
 
     def _fail(self, manifest: Manifest, errors: list[str]) -> NoReturn:
         self.abort(manifest.transfer)
@@ -460,7 +526,7 @@ class StreamPublisher:
         # the cast is done): a refusal comes before any byte is moved, and each server
         # decodes one step per call from now to the swap, which then waits for one step.
         manifest = manifest_for(weights.named, version, self.bucket_bytes)
-        self._begin_all(manifest)
+        held = self._begin_all(manifest)
         t0 = time.perf_counter()
         try:
             named = weights.host()
@@ -477,7 +543,7 @@ class StreamPublisher:
             if self.shm_dir is not None:
                 try:
                     t_write = time.perf_counter()
-                    shm_path = self._write_shm(manifest, arrays)
+                    shm_path, report.shm_file = self._write_shm(manifest, arrays, held)
                     report.write_s = time.perf_counter() - t_write
                 except OSError as e:  # e.g. a container's 64 MiB /dev/shm
                     logger.warning("weights v%d: cannot write %s (%s); sending them over "
@@ -486,24 +552,44 @@ class StreamPublisher:
             return self._send_all(manifest, arrays, report, shm_path, t1)
         finally:
             if shm_path is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(shm_path)
-                self._prepare_spare(file_layout(manifest)[1])
+                size = file_layout(manifest)[1]
+                if self.spare_file:  # kept for a later send (see the module doc)
+                    self._keep(shm_path, size)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(shm_path)
+                if len(self._kept) < KEEP_FILES:  # no file to reuse next time: a spare
+                    self._prepare_spare(size)
+                elif self._spare and (self._spare_thread is None
+                                      or not self._spare_thread.is_alive()):
+                    _remove_spares(self._spare)  # a file is reused from now on
 
-    def _write_shm(self, manifest: Manifest, arrays: Sequence[np.ndarray]) -> str:
-        """The stream as one file in shared memory (readable by this user only)."""
+    def _write_shm(self, manifest: Manifest, arrays: Sequence[np.ndarray],
+                   held: set[tuple[int, int]] | None) -> tuple[str, str]:
+        """The stream as one file in shared memory (readable by this user only): written
+        into a kept file no server holds (``held``), else the spare, else a new file.
+        Returns its path and which of the three it was."""
         assert self.shm_dir is not None
-        path = os.path.join(self.shm_dir, f"{SHM_PREFIX}{manifest.transfer}")
-        spare = self._take_spare(file_layout(manifest)[1])
-        if spare is not None:
-            try:  # its pages are allocated (and zero): the write only copies
-                os.rename(spare, path)
+        size = file_layout(manifest)[1]
+        path = os.path.join(self.shm_dir,
+                            f"{SHM_PREFIX}kept-{os.getpid()}-{manifest.transfer}")
+        fd, kind = None, "new"
+        candidates = (("reused", self._take_kept(size, held) if self.spare_file else None),
+                      ("spare", None))
+        for kind, old in candidates:
+            if kind == "spare":
+                old = self._take_spare(size)  # (only now: it may still be being made)
+            if old is None:
+                continue
+            try:  # its pages are allocated: the write only copies
+                os.rename(old, path)
                 fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+                break
             except OSError:
                 with contextlib.suppress(OSError):
-                    os.unlink(spare)
-                spare = None
-        if spare is None:
+                    os.unlink(old)
+        if fd is None:
+            kind = "new"
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             write_stream_file(fd, manifest, arrays)
@@ -513,7 +599,7 @@ class StreamPublisher:
             raise
         finally:
             os.close(fd)
-        return path
+        return path, kind
 
     def _send_all(self, manifest: Manifest, arrays: Sequence[np.ndarray], report: SendReport,
                   shm_path: str | None, t1: float) -> str:

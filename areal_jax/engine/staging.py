@@ -25,11 +25,13 @@ A transfer left idle for ``stale_after_s`` (its sender died between buckets) is 
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +80,13 @@ def place_named(arrays: Mapping[str, np.ndarray], runner: ModelRunner, check: bo
     if check:
         check_probe_forward(state, runner)
     return state
+
+
+def _collect_dropped() -> None:
+    """Frees dropped staged params now (the caller has let go of them): they sit in a
+    reference cycle, so without a collection their arrays, views of a shared-memory file
+    the sender would reuse (``held_files``), lived until the collector's next run."""
+    gc.collect()
 
 
 class ServedWeights(Mapping[str, np.ndarray]):
@@ -154,6 +163,11 @@ class WeightStaging:
         self._working = 0
         self._short_steps = True  # the current transfer's swap aborts (begin's short_steps)
         self.last_error: str | None = None
+        # The shared-memory files this server has mapped, by (st_dev, st_ino): a weak
+        # reference to each mapping, alive while any view of it is (served, staged or kept
+        # for a revert params alias it). ``held_files`` reports them to the sender, which
+        # writes a later version into a file no server holds (``checkpoint/stream.py``).
+        self._mapped: dict[tuple[int, int], weakref.ref[mmap.mmap]] = {}
         # the last swapped-in version's probe (set by the engine): transfer, version, "ran"
         # ("in a prefill" or "alone"), finite, verify_s
         self.last_probe: dict[str, Any] | None = None
@@ -192,13 +206,31 @@ class WeightStaging:
         except WireError as e:
             raise StagingError(f"weights not updated: {e}") from None
         with self._lock:
-            self._staged = None  # a staged version not swapped in yet is superseded
+            superseded, self._staged = self._staged, None  # a staged version not swapped in
             self._assembler = Assembler(manifest)
             self._touched = time.monotonic()
             self._short_steps = short_steps
             self.last_error = None
+        if superseded is not None:
+            superseded = None
+            _collect_dropped()
         return {"success": True, "transfer": manifest.transfer,
-                "num_buckets": manifest.num_buckets, "total_bytes": manifest.total_bytes}
+                "num_buckets": manifest.num_buckets, "total_bytes": manifest.total_bytes,
+                "held_files": self.held_files()}
+
+    def held_files(self) -> list[list[int]]:
+        """``[st_dev, st_ino]`` of each shared-memory file this server still maps: some
+        params (served, staged, or the old ones kept until the new version's probe passes)
+        or a transfer in progress are views of it. A mapping is released (unmapped) when
+        its last view goes, so a file not listed here is one this server no longer reads:
+        the sender may write another version into it."""
+        with self._lock:
+            return self._held()
+
+    def _held(self) -> list[list[int]]:
+        for key in [k for k, ref in self._mapped.items() if ref() is None]:
+            del self._mapped[key]
+        return sorted([dev, ino] for dev, ino in self._mapped)
 
     def write(self, transfer: str, index: int, chunk: bytes) -> None:
         with self._lock:
@@ -245,6 +277,9 @@ class WeightStaging:
                                     mmap.PROT_READ) if size else b""
             finally:
                 os.close(fd)
+            if isinstance(mapping, mmap.mmap):
+                with self._lock:
+                    self._mapped[(st.st_dev, st.st_ino)] = weakref.ref(mapping)
             a.map_file(mapping, crcs)
         except BaseException as e:
             with self._lock:
@@ -261,6 +296,7 @@ class WeightStaging:
 
     def abort(self, transfer: str | None = None, reason: str = "aborted by the sender") -> bool:
         """Drops ``transfer`` (None: whatever is in progress or staged); True if it was."""
+        superseded = None
         with self._lock:
             dropped = False
             if self._assembler is not None and transfer in (None,
@@ -268,9 +304,12 @@ class WeightStaging:
                 self._fail(f"transfer {self._assembler.manifest.transfer}: {reason}")
                 dropped = True
             if self._staged is not None and transfer in (None, self._staged[0]):
-                self._staged = None
+                superseded, self._staged = self._staged, None
                 dropped = True
-            return dropped
+        if superseded is not None:
+            superseded = None
+            _collect_dropped()
+        return dropped
 
     def stage(self, transfer: str) -> dict[str, Any]:
         """Places the complete transfer like the served params (see the module doc: its
@@ -339,4 +378,5 @@ class WeightStaging:
                     "buckets_missing": len(a.missing) if a is not None else 0,
                     "staged": self._staged[0] if self._staged is not None else None,
                     "last_error": self.last_error, "last_probe": self.last_probe,
-                    "swap_expected": self.expecting_swap()}
+                    "swap_expected": self.expecting_swap(),
+                    "held_files": self._held()}
