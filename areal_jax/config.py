@@ -559,10 +559,10 @@ class CheckpointConfig:
     # (NCCL) and embedded engines (gloo). Needs torch on the learner (not a core dependency).
     publish: Literal["auto", "memory", "delta", "disk", "distributed"] = "auto"
     publish_bucket_mb: int = 64  # memory, distributed: the bytes per bucket
-    # memory, servers on this host: after each version, the next one's shared-memory file
-    # is made and its pages allocated in the background, so a bump only copies into them
-    # (0.5B shape: the write 0.35 -> ~0.15 s); costs one version's bytes in /dev/shm
-    # between bumps (docs/checkpoints.md)
+    # memory, servers on this host: each version is written into the shared-memory file
+    # of an earlier one that no server maps any more (a spare made ahead for the first
+    # two), so a bump only copies into allocated pages (0.5B shape: the write 0.35 ->
+    # ~0.15 s); /dev/shm holds the served version and the next (docs/checkpoints.md)
     publish_spare_file: bool = True
     # distributed: the group's backend ("gloo": CPU, any server; "nccl": SGLang on GPUs,
     # torch with CUDA on the learner), the address the servers reach the learner's

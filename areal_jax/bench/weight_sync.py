@@ -377,8 +377,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # here it is dropped now, untimed, not inside the next bump's learner wait.
                 arrays = None
                 bumps.append(bump)
-                print(f"bump {v}: " + ", ".join(f"{k} {val:.3g}" for k, val in bump.items()
-                                                if k != "version"), flush=True)
+                print(f"bump {v}: " + ", ".join(
+                    f"{k} {val:.3g}" if isinstance(val, float) else f"{k} {val}"
+                    for k, val in bump.items() if k != "version"), flush=True)
     finally:
         if group is not None:
             group.close()
