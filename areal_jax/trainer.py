@@ -45,7 +45,7 @@ import numpy as np
 from areal_jax.checkpoint.meta import CheckpointMeta
 from areal_jax.checkpoint.orbax_ckpt import CheckpointWriteError, rng_to_json
 from areal_jax.checkpoint.publish import join_inline_publish, serving_copy
-from areal_jax.checkpoint.stream import serving_arrays
+from areal_jax.checkpoint.stream import ServingArrays, serving_arrays
 from areal_jax.config import TrainConfig, to_dict
 from areal_jax.data.advantages import distill_metrics, gae_targets_for
 from areal_jax.data.trajectories import save_batch
@@ -151,6 +151,9 @@ class Trainer:
         self.startup = dict(startup or {})  # seconds from process start to each milestone
         self._nonfinite = 0  # versions in a row with a non-finite loss
         self._mismatch_warner = MismatchWarner(cfg.algo.mismatch_warn_abs_diff)
+        # The last version's serving cast, on a CPU learner: the next cast writes into it
+        # (``serving_arrays``' reuse; fresh pages were most of the cast's time)
+        self._last_cast: ServingArrays | None = None
 
     @property
     def is_main(self) -> bool:
@@ -325,7 +328,10 @@ class Trainer:
         through SGLang's weight update group."""
         self.wait_published()
         if self.cfg.publish_path in ("memory", "delta", "distributed"):
-            arrays = serving_arrays(self.learner.model, self.cfg.serving_dtype)  # collective
+            # (the last version's cast is sent by now: on CPU the cast writes into it)
+            arrays = serving_arrays(self.learner.model, self.cfg.serving_dtype,  # collective
+                                    reuse=self._last_cast)
+            self._last_cast = arrays if arrays.on_cpu else None
             if self.is_main:
                 self.rollout_side.weights.publish(arrays, version)
             return

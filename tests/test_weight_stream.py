@@ -677,6 +677,43 @@ def test_the_casts_finiteness_flags_are_exact():
         flags(edge, jnp.bfloat16).check_finite()
 
 
+def test_the_next_cast_writes_into_the_last_versions_buffers(learners):
+    """serving_arrays(reuse=...) on CPU: the cast writes into the earlier version's
+    buffers (same addresses) and gives exactly what a fresh cast gives, finiteness flags
+    included; the earlier result is emptied. A buffer still viewed on the host is not
+    written into (the old version's bytes stay), and a result of another dtype or model
+    is not reused."""
+    model = learners[0]
+    fresh = serving_arrays(model, "bfloat16")
+    want = [(n, np.asarray(a).copy()) for n, a in fresh.named]
+    other = serving_arrays(learners[1], "bfloat16")
+    assert other.on_cpu
+    addresses = [a.unsafe_buffer_pointer() for _, a in other.named]
+    got = serving_arrays(model, "bfloat16", reuse=other)
+    assert other.named == [] and other.finite is None  # donated: its arrays are got's
+    assert [a.unsafe_buffer_pointer() for _, a in got.named] == addresses
+    for (name, a), (want_name, b) in zip(got.named, want, strict=True):
+        assert name == want_name
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), b.view(np.uint16))
+    got.check_finite()
+    assert np.asarray(got.finite).all()
+    # a NumPy view of the old version is alive: that version's bytes are left alone
+    views = [np.asarray(a) for _, a in got.named]
+    kept = [v.copy() for v in views]
+    again = serving_arrays(learners[1], "bfloat16", reuse=got)
+    for v, k in zip(views, kept, strict=True):
+        np.testing.assert_array_equal(v.view(np.uint16), k.view(np.uint16))
+    for (_, a), (_, b) in zip(again.named, serving_arrays(learners[1], "bfloat16").named,
+                              strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
+                                      np.asarray(b).view(np.uint16))
+    del views
+    # another dtype: nothing reused, the earlier result untouched
+    f32 = serving_arrays(model, "float32", reuse=again)
+    assert again.named and not any(a.is_deleted() for _, a in again.named)
+    assert all(a.dtype == jnp.float32 for _, a in f32.named)
+
+
 def test_no_spare_file_while_host_memory_is_short(tmp_path, monkeypatch):
     """The spare is made only while the host has twice its size available: under memory
     pressure its pages would come from reclaim."""

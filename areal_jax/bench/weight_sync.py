@@ -268,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         group = DistributedPublisher([server.url], cfg, bucket_bytes=args.bucket_mb << 20)
         group.send(serving_arrays(model, args.dtype), 0)  # makes the group; compiles the cast
     previous = named_host_arrays(host_params(model, args.dtype)) if args.delta_size else None
-    arrays = None
+    arrays = last_cast = None
     try:
         baseline_rss = _rss_bytes(server.pid)
         with _Load(server.url, args.concurrency, cfg.vocab_size) as load:
@@ -293,7 +293,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 with _RssSampler(server.pid) as rss:
                     t0, t0_wall = time.perf_counter(), time.time()
                     if args.path == "memory":
-                        arrays = serving_arrays(model, args.dtype)
+                        # as the run does: on CPU the cast writes into the last one's buffers
+                        arrays = serving_arrays(model, args.dtype, reuse=last_cast)
                         bump["learner_wait_s"] = time.perf_counter() - t0
                         t1 = time.perf_counter()
                         transfer = sender.send(arrays, v)
@@ -373,8 +374,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         (a.view(np.uint16) != b.view(np.uint16)).reshape(-1)
                         for (_, a), (_, b) in zip(current, previous, strict=True)])))
                     previous = current
-                # A run drops each version's cast on the sender's thread once it is sent;
-                # here it is dropped now, untimed, not inside the next bump's learner wait.
+                # A run keeps the version's cast for the next one to write into (on CPU;
+                # elsewhere it is dropped once sent): here too, the rest dropped untimed.
+                last_cast = arrays if arrays is not None and arrays.on_cpu else None
                 arrays = None
                 bumps.append(bump)
                 print(f"bump {v}: " + ", ".join(
