@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "spare made ahead) (checkpoint.publish_spare_file)")
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=4)
+    parser.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unrolled"],
+                        help="the server's --layer-loop (scan: smaller compiled programs, "
+                             "a slower decode on CPU)")
     parser.add_argument("--layers", type=int, default=None,
                         help="override the preset's layer count (a quicker run)")
     parser.add_argument("--delta-size", action=argparse.BooleanOptionalAction, default=True,
@@ -248,7 +251,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     server = launch_server(start, max_slots=max(4, args.concurrency), dtype=args.dtype,
                            max_seq_len=args.max_seq_len, warmup=True,
                            allowed_weight_dirs=[weights_dir], startup_timeout=1800,
-                           extra_args=["--decode-steps", str(args.decode_steps)],
+                           extra_args=["--decode-steps", str(args.decode_steps),
+                                       "--layer-loop", args.layer_loop],
                            log_path=workdir / "server.log")
     http = httpx.Client(base_url=server.url, timeout=1800)
     rows, bumps = [], []
@@ -269,6 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         group.send(serving_arrays(model, args.dtype), 0)  # makes the group; compiles the cast
     previous = named_host_arrays(host_params(model, args.dtype)) if args.delta_size else None
     arrays = last_cast = None
+    load_tokens_per_s = float("nan")
     try:
         baseline_rss = _rss_bytes(server.pid)
         with _Load(server.url, args.concurrency, cfg.vocab_size) as load:
@@ -283,6 +288,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(0.1)
             print(f"server programs compiled ({time.perf_counter() - t_wait:.1f} s after "
                   "the load started)", flush=True)
+            t_bumps = time.perf_counter()
             for v in range(1, args.bumps + 1):
                 _adamw_like_step(model, args.lr, v)
                 jax.block_until_ready(nnx.state(model))
@@ -382,6 +388,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"bump {v}: " + ", ".join(
                     f"{k} {val:.3g}" if isinstance(val, float) else f"{k} {val}"
                     for k, val in bump.items() if k != "version"), flush=True)
+            # the load's tokens per second over the bumps (pauses and re-prefills included)
+            t_end = time.perf_counter()
+            load_tokens_per_s = sum(n for t, _, n in load.replies if t >= t_bumps) / (
+                t_end - t_bumps)
     finally:
         if group is not None:
             group.close()
@@ -417,6 +427,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "preset": args.preset, "path": args.path, "dtype": args.dtype,
         "weight_gb": round(gb, 3), "bumps": len(bumps), "lr": args.lr,
         "bytes_moved_fraction": round(med("bytes_moved") / weight_bytes, 4),
+        "load_tokens_per_s": round(load_tokens_per_s, 2), "layer_loop": args.layer_loop,
         "server_baseline_rss_gb": round(baseline_rss / 1e9, 3),
         "server_peak_rss_gb": round(max(b["server_peak_rss_gb"] for b in bumps), 3),
         "server_peak_rss_x_weights": round(max(b["server_peak_rss_gb"] for b in bumps) / gb, 2),
