@@ -2,10 +2,12 @@
 ``areal_jax.weight_wire`` defines the format, ``checkpoint/stream.py`` sends them).
 
 - ``POST /weights/begin[?swap=abort|wait]`` the manifest (JSON) → ``{"success",
-  "transfer", "num_buckets", "total_bytes"}``; 400 if a tensor, shape or dtype does not fit
-  the served model. ``swap=abort`` (the default): the swap will abort running requests, so
-  from now to it decode calls run one step (the swap then waits for one step); ``wait``:
-  it will wait for them to finish, and calls stay whole.
+  "transfer", "num_buckets", "total_bytes", "held_files"}`` (``held_files``: the
+  ``[st_dev, st_ino]`` of each shared-memory file the server still maps, which its sender
+  must not write into); 400 if a tensor, shape or dtype does not fit the served model.
+  ``swap=abort`` (the default): the swap will abort running requests, so from now to it
+  decode calls run one step (the swap then waits for one step); ``wait``: it will wait for
+  them to finish, and calls stay whole.
 - ``PUT /weights/bucket?transfer=ID&index=I`` the bucket's raw bytes, its checksum (the
   manifest's ``checksum``: xxh3-64 or CRC-32, decimal) in the ``x-areal-checksum`` header
   → ``{"success": true}``; 400 if its length or checksum is wrong (the transfer is then
