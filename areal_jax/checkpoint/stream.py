@@ -225,7 +225,7 @@ def _reusable(reuse: ServingArrays | None, names: list[str], leaves: list[Any],
 
 # The files a sender keeps between sends (see the module doc): its pid in the name, so
 # the next sender on the host removes those of a process that is gone.
-_SPARE_NAME = re.compile(re.escape(SHM_PREFIX) + r"(?:spare|kept)-(\d+)-[0-9A-Za-z_-]+$")
+_OWNED_NAME = re.compile(re.escape(SHM_PREFIX) + r"(?:spare|kept)-(\d+)-[0-9A-Za-z_-]+$")
 KEEP_FILES = 2  # the served version's file and the one the next version is written into
 
 
@@ -241,7 +241,7 @@ def _available_memory() -> int | None:
     return None
 
 
-def _remove_spares(*files: list[Any]) -> None:
+def _remove_files(*files: list[Any]) -> None:
     """Unlinks the files in each list of ``(path, ...)`` and empties the lists."""
     for group in files:
         for path, *_ in group:
@@ -256,7 +256,7 @@ def remove_orphan_spares(shm_dir: str) -> list[str]:
     removed = []
     with contextlib.suppress(OSError):
         for name in os.listdir(shm_dir):
-            m = _SPARE_NAME.match(name)
+            m = _OWNED_NAME.match(name)
             if m is None:
                 continue
             try:
@@ -345,7 +345,7 @@ class StreamPublisher:
         # The stream files of the last sends (path, size, st_dev, st_ino), oldest first:
         # the next one is written into one no server holds (see the module doc).
         self._kept: list[tuple[str, int, int, int]] = []
-        self._finalizer = weakref.finalize(self, _remove_spares, self._spare, self._kept)
+        self._finalizer = weakref.finalize(self, _remove_files, self._spare, self._kept)
         if self.shm_dir is not None:
             remove_orphan_spares(self.shm_dir)
 
@@ -354,7 +354,7 @@ class StreamPublisher:
         whole). The sender may still send."""
         if self._spare_thread is not None:
             self._spare_thread.join()
-        _remove_spares(self._spare, self._kept)
+        _remove_files(self._spare, self._kept)
 
     def _prepare_spare(self, size: int) -> None:
         """In the background: a file of ``size`` bytes in shm_dir, its pages allocated."""
@@ -404,17 +404,17 @@ class StreamPublisher:
         file written are forgotten."""
         if held is None:
             return None
-        for i, (path, n, dev, ino) in enumerate(self._kept):
+        for entry in list(self._kept):
+            path, n, dev, ino = entry
             if n != size or (dev, ino) in held:
                 continue
+            self._kept.remove(entry)
             try:
                 st = os.stat(path, follow_symlinks=False)
             except OSError:
-                st = None
-            del self._kept[i]
-            if st is None or (st.st_dev, st.st_ino) != (dev, ino):
-                return self._take_kept(size, held)  # replaced or removed behind our back
-            return path
+                continue  # removed behind our back
+            if (st.st_dev, st.st_ino) == (dev, ino):  # (else replaced behind our back)
+                return path
         return None
 
     def _keep(self, path: str, size: int) -> None:
@@ -613,7 +613,7 @@ class StreamPublisher:
                     self._prepare_spare(size)
                 elif self._spare and (self._spare_thread is None
                                       or not self._spare_thread.is_alive()):
-                    _remove_spares(self._spare)  # a file is reused from now on
+                    _remove_files(self._spare)  # a file is reused from now on
 
     def _write_shm(self, manifest: Manifest, arrays: Sequence[np.ndarray],
                    held: set[tuple[int, int]] | None) -> tuple[str, str]:
@@ -624,24 +624,12 @@ class StreamPublisher:
         size = file_layout(manifest)[1]
         path = os.path.join(self.shm_dir,
                             f"{SHM_PREFIX}kept-{os.getpid()}-{manifest.transfer}")
-        fd, kind = None, "new"
-        candidates = (("reused", self._take_kept(size, held) if self.spare_file else None),
-                      ("spare", None))
-        for kind, old in candidates:
-            if kind == "spare":
-                old = self._take_spare(size)  # (only now: it may still be being made)
-            if old is None:
-                continue
-            try:  # its pages are allocated: the write only copies
-                os.rename(old, path)
-                fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
-                break
-            except OSError:
-                with contextlib.suppress(OSError):
-                    os.unlink(old)
+        kind, fd = "reused", self._reopen(self._take_kept(size, held) if self.spare_file
+                                          else None, path)
+        if fd is None:  # the spare is taken only now: it may still be being made
+            kind, fd = "spare", self._reopen(self._take_spare(size), path)
         if fd is None:
-            kind = "new"
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            kind, fd = "new", os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             write_stream_file(fd, manifest, arrays)
         except BaseException:
@@ -651,6 +639,21 @@ class StreamPublisher:
         finally:
             os.close(fd)
         return path, kind
+
+    @staticmethod
+    def _reopen(old: str | None, path: str) -> int | None:
+        """``old`` (a file whose pages are allocated: the write only copies) renamed to
+        ``path`` and opened for writing; None if there is none or it cannot be (it is then
+        removed)."""
+        if old is None:
+            return None
+        try:
+            os.rename(old, path)
+            return os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(old)
+            return None
 
     def _send_all(self, manifest: Manifest, arrays: Sequence[np.ndarray], report: SendReport,
                   shm_path: str | None, t1: float) -> str:
