@@ -108,6 +108,38 @@ def test_memory_run_model_dir_keeps_the_preset_vocab_with_the_demo_tokenizer(tmp
     assert load_tokenizer(str(tmp_path / "m")).vocab_size < cfg.vocab_size  # 20 tokens
 
 
+def test_weight_sync_rss_parts_count_a_mapped_shared_memory_file_as_shmem(tmp_path):
+    """The weight-sync bench splits a server's RSS into its heap and the shared memory it
+    maps (the weight versions): a child that maps and reads a 64 MiB /dev/shm file shows
+    it under shmem, not anon, and the parts add up to VmRSS."""
+    from areal_jax.bench.weight_sync import _rss_parts
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    size = 64 << 20
+    path = f"/dev/shm/areal-test-rss-{os.getpid()}"
+    with open(path, "wb") as f:
+        f.truncate(size)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import mmap, sys\n"
+         f"f = open({path!r}, 'r+b'); m = mmap.mmap(f.fileno(), {size})\n"
+         f"sum(m[i] for i in range(0, {size}, 4096)); print('mapped', flush=True)\n"
+         "sys.stdin.readline()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "mapped"
+        parts = _rss_parts(child.pid)
+        # the kernel's per-thread counters may lag by a few pages (as above)
+        assert parts["shmem"] >= size - 64 * 4096
+        assert parts["anon"] < size  # a bare interpreter's heap, the file not in it
+        assert abs(parts["anon"] + parts["shmem"] + parts["file"] - parts["rss"]) <= 4096
+    finally:
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.wait(timeout=30)
+        os.unlink(path)
+
+
 def test_peak_rss_is_the_high_water_mark_and_none_once_gone():
     import psutil
 

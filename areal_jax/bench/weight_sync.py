@@ -28,7 +28,11 @@ Per bump: the learner's wait, the transfer (write or stream + stage), generation
 (the server's own ``paused_s`` where it reports one, and the orchestrator's call), the bump
 end to end (update sent → the server's first token under the new weights, and → the first
 ``/generate`` reply at the new version: a whole request of the load), bytes moved, and the
-server's peak RSS (sampled every 10 ms) against the weight bytes. The limits for the same
+server's peak RSS (sampled every 10 ms) against the weight bytes, split at that peak into
+the shared memory it maps (on the memory path the weight versions: two while a staged one
+waits for its swap) and the rest (its own heap: runtime, compiled programs, KV cache; and
+mapped libraries). The baseline is the server's RSS once every program is compiled, the
+load running, before the first bump. The limits for the same
 bytes, measured in the same run: a warm memcpy, a cold one (fresh pages), a page-cache
 write and a write + fsync. The machine may be loaded: compare the ratios, not the seconds.
 """
@@ -80,33 +84,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: a temporary directory)")
 
 
-def _rss_bytes(pid: int) -> int:
+def _rss_parts(pid: int) -> dict[str, int]:
+    """The process's resident set (``VmRSS``) and its parts, bytes: ``anon`` (its own
+    heap: the runtime, compiled programs, caches), ``shmem`` (mapped shared memory: on the
+    memory path the weight versions it maps) and ``file`` (mapped files: libraries)."""
+    keys = {"VmRSS": "rss", "RssAnon": "anon", "RssShmem": "shmem", "RssFile": "file"}
+    parts = dict.fromkeys(keys.values(), 0)
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            name = line.split(":", 1)[0]
+            if name in keys:
+                parts[keys[name]] = int(line.split()[1]) * 1024
+    return parts
+
+
+def _rss_bytes(pid: int) -> int:
+    return _rss_parts(pid)["rss"]
 
 
 class _RssSampler:
-    """Peak RSS of a process, sampled every ``interval_s`` while running."""
+    """Peak RSS of a process, sampled every ``interval_s`` while running, and its parts
+    (``_rss_parts``) at that peak."""
 
     def __init__(self, pid: int, interval_s: float = 0.01):
         self.pid, self.interval_s = pid, interval_s
         self.peak = 0
+        self.at_peak: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        parts = _rss_parts(self.pid)
+        if parts["rss"] >= self.peak:
+            self.peak, self.at_peak = parts["rss"], parts
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.peak = max(self.peak, _rss_bytes(self.pid))
+                self._sample()
             except OSError:
                 return
             time.sleep(self.interval_s)
 
     def __enter__(self) -> _RssSampler:
-        self.peak = _rss_bytes(self.pid)
+        self._sample()
         self._thread.start()
         return self
 
@@ -275,7 +296,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     arrays = last_cast = None
     load_tokens_per_s = float("nan")
     try:
-        baseline_rss = _rss_bytes(server.pid)
         with _Load(server.url, args.concurrency, cfg.vocab_size) as load:
             load.first_at(0, 0.0)  # generation is running
             # The server compiles its larger programs in the background after it is ready;
@@ -288,6 +308,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(0.1)
             print(f"server programs compiled ({time.perf_counter() - t_wait:.1f} s after "
                   "the load started)", flush=True)
+            # the server's resident set before any bump: every program compiled, the load on
+            baseline_rss = _rss_bytes(server.pid)
             t_bumps = time.perf_counter()
             for v in range(1, args.bumps + 1):
                 _adamw_like_step(model, args.lr, v)
@@ -372,6 +394,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     # the server's first token under the new weights (same host: one clock)
                     bump["sent_to_generating_s"] = info["first_token_after_swap_at"] - t0_wall
                 bump["server_peak_rss_gb"] = rss.peak / 1e9
+                # at that peak: the server's own heap, and the weight versions it maps
+                bump["server_peak_anon_gb"] = rss.at_peak["anon"] / 1e9
+                bump["server_peak_shmem_gb"] = rss.at_peak["shmem"] / 1e9
                 if previous is not None:  # untimed: the delta this bump would have shipped
                     current = named_host_arrays(host_params(model, args.dtype))
                     data = encode_delta(current, dict(previous), v, v - 1)
@@ -423,6 +448,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, key, limit in phases:
         rows.append([name, round(med(key), 4), limit.replace("_s", ""),
                      round(limits[limit], 4), round(med(key) / limits[limit], 1)])
+    top = max(bumps, key=lambda b: b["server_peak_rss_gb"])
     summary = {
         "preset": args.preset, "path": args.path, "dtype": args.dtype,
         "weight_gb": round(gb, 3), "bumps": len(bumps), "lr": args.lr,
@@ -431,6 +457,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "server_baseline_rss_gb": round(baseline_rss / 1e9, 3),
         "server_peak_rss_gb": round(max(b["server_peak_rss_gb"] for b in bumps), 3),
         "server_peak_rss_x_weights": round(max(b["server_peak_rss_gb"] for b in bumps) / gb, 2),
+        # the highest bump's peak, split: the weight versions the server maps (memory path:
+        # two while a staged one waits for the swap) and the rest (runtime, programs, cache)
+        "server_peak_shmem_x_weights": round(top["server_peak_shmem_gb"] / gb, 2),
+        "server_peak_rest_gb": round(top["server_peak_rss_gb"] - top["server_peak_shmem_gb"], 3),
         # what an update adds on top of the server's resident set before the bumps
         "server_update_rss_x_weights": round(
             (max(b["server_peak_rss_gb"] for b in bumps) - baseline_rss / 1e9) / gb, 2),
