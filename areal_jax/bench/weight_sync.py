@@ -335,7 +335,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         # write, the server's mapping + checksums, placing
                         bump.update(cast_s=report.host_s, shm_write_s=report.write_s,
                                     load_s=report.load_s, place_s=report.place_s,
-                                    shm_file=report.shm_file)
+                                    shm_file=report.shm_file,
+                                    spare_wait_s=report.spare_wait_s)
                         t2 = time.perf_counter()
                         r = http.post("/weights/swap", json={
                             "transfer": transfer, "weight_version": str(v),

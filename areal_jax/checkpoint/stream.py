@@ -312,6 +312,9 @@ class SendReport:
     # where the shared-memory write went: "reused" (a kept file no server held), "spare"
     # (allocated ahead), "new" (fresh pages); "" when the stream went over HTTP
     shm_file: str = ""
+    # of write_s: the wait for the spare file's allocation to finish (it starts after the
+    # send before; a send that follows at once waits for the rest of it)
+    spare_wait_s: float = 0.0
     server_replies: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -342,6 +345,7 @@ class StreamPublisher:
         self._spare: list[tuple[str, int]] = []
         self._spare_thread: threading.Thread | None = None
         self._spare_skipped = False  # a spare was skipped for want of host memory
+        self._spare_wait_s = 0.0  # the last write's wait for the spare being made
         # The stream files of the last sends (path, size, st_dev, st_ino), oldest first:
         # the next one is written into one no server holds (see the module doc).
         self._kept: list[tuple[str, int, int, int]] = []
@@ -434,8 +438,10 @@ class StreamPublisher:
         """The spare file's path if it holds ``size`` bytes (it is then the caller's);
         otherwise None (a spare of another size is removed)."""
         if self._spare_thread is not None:
+            t0 = time.perf_counter()
             self._spare_thread.join()  # being made: finishing it beats starting afresh
             self._spare_thread = None
+            self._spare_wait_s = time.perf_counter() - t0
         spares, self._spare[:] = list(self._spare), []
         path = None
         for p, n in spares:
@@ -594,7 +600,9 @@ class StreamPublisher:
             if self.shm_dir is not None:
                 try:
                     t_write = time.perf_counter()
+                    self._spare_wait_s = 0.0
                     shm_path, report.shm_file = self._write_shm(manifest, arrays, held)
+                    report.spare_wait_s = self._spare_wait_s
                     report.write_s = time.perf_counter() - t_write
                 except OSError as e:  # e.g. a container's 64 MiB /dev/shm
                     logger.warning("weights v%d: cannot write %s (%s); sending them over "
