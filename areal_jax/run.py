@@ -38,7 +38,7 @@ from areal_jax.checkpoint.delta import DeltaPublisher
 from areal_jax.checkpoint.distributed import DistributedPublisher
 from areal_jax.checkpoint.orbax_ckpt import CheckpointError
 from areal_jax.checkpoint.publish import ADAPTER_SUBDIR, serving_copy
-from areal_jax.checkpoint.stream import StreamPublisher
+from areal_jax.checkpoint.stream import StreamPublisher, serving_shapes
 from areal_jax.config import RolloutConfig, TrainConfig, to_dict
 from areal_jax.cpu_affinity import check_cpus_available, pin_process_to_cpus
 from areal_jax.data.prompts import load_prompt_dataset
@@ -493,6 +493,8 @@ def _rollout_side(cfg: TrainConfig, stack: contextlib.ExitStack, inputs: _Rollou
                                  spare_file=cfg.checkpoint.publish_spare_file,
                                  swap_aborts=cfg.rollout.interruptible)
         stack.callback(sender.close)
+        # the first version's file, made while the first batch is generated and trained on
+        sender.prepare(serving_shapes(side.learner.model, cfg.serving_dtype))
         write = sender.send
     push = None
     if cfg.publish_path == "distributed":  # SGLang's torch-group update, learner at rank 0

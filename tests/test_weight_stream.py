@@ -23,7 +23,7 @@ from flax import nnx
 
 from areal_jax.checkpoint.delta import DeltaPublisher
 from areal_jax.checkpoint.publish import PublishError
-from areal_jax.checkpoint.stream import StreamPublisher, serving_arrays
+from areal_jax.checkpoint.stream import StreamPublisher, serving_arrays, serving_shapes
 from areal_jax.weight_wire import (
     CHECKSUM_HEADER,
     bucket_views,
@@ -228,6 +228,69 @@ def test_a_send_writes_into_the_file_no_server_holds_any_more(on_a, ckpts, learn
             for u in urls:
                 assert swap(u, transfer, version).json()["success"]
         assert_serves(urls[0], learners[0], ckpts[0], 8)
+    finally:
+        import shutil
+
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_serving_shapes_are_what_serving_arrays_hands_over(ckpts):
+    """Names, shapes and dtypes in the same order, for a plain model and one with LoRA
+    adapters (merged into the kernels), without computing either."""
+    from model_defs.lora import LoraConfig, add_lora
+
+    plain = load_hf(ckpts[0])[0]
+    adapted = load_hf(ckpts[0])[0]
+    add_lora(adapted, LoraConfig(rank=2, target_modules=("q_proj", "down_proj")),
+             rngs=nnx.Rngs(0))
+    for model in (plain, adapted):
+        for dtype in ("bfloat16", "float32"):
+            real = [(n, tuple(a.shape), str(a.dtype))
+                    for n, a in serving_arrays(model, dtype).named]
+            traced = [(n, tuple(a.shape), str(a.dtype)) for n, a in serving_shapes(model, dtype)]
+            assert traced == real
+    assert not any("lora" in n for n, _ in serving_shapes(adapted, "bfloat16"))
+
+
+def test_prepare_makes_the_first_versions_file_ahead(on_a, ckpts, learners):
+    """``prepare`` writes a spare of the first version's size before any send: the first
+    send writes into it (the second into the next spare, the third reuses a file), every
+    version served bit for bit; a second ``prepare`` makes nothing more, and a sender
+    without ``spare_file`` makes nothing."""
+    urls = on_a
+    import tempfile
+
+    shm = tempfile.mkdtemp(prefix="areal-test-shm-", dir="/dev/shm")
+    try:
+        sender = StreamPublisher(urls, bucket_bytes=10_000, shm_dir=shm)
+        sender.prepare(serving_shapes(learners[1], "float32"))
+        sender.prepare(serving_shapes(learners[1], "float32"))  # one is being made
+        sender._spare_thread.join()
+        (spare,) = _shm_files(shm)
+        size = os.path.getsize(os.path.join(shm, spare))
+        expect = file_layout(manifest_for(serving_arrays(learners[1], "float32").named, 1))[1]
+        assert "-spare-" in spare and size == expect
+        with open(os.path.join(shm, spare), "rb") as f:  # zeros until a version
+            assert not any(f.read())
+        kinds = []
+        for version, model in ((1, learners[1]), (2, learners[0]), (3, learners[1])):
+            transfer = sender.send(serving_arrays(model, "float32"), version)
+            kinds.append(sender.last.shm_file)
+            for u in urls:
+                assert swap(u, transfer, version).json()["success"]
+                assert_serves(u, model, ckpts[1 if model is learners[1] else 0], version)
+            if sender._spare_thread is not None:
+                sender._spare_thread.join()
+        assert kinds == ["spare", "spare", "reused"]
+        before, thread = _shm_files(shm), sender._spare_thread
+        sender.prepare(serving_shapes(learners[1], "float32"))  # files are kept: nothing
+        assert sender._spare_thread is thread and _shm_files(shm) == before
+        sender.close()
+        assert _shm_files(shm) == []
+        off = StreamPublisher(urls, bucket_bytes=10_000, shm_dir=shm, spare_file=False)
+        off.prepare(serving_shapes(learners[1], "float32"))
+        assert off._spare_thread is None and os.listdir(shm) == []
+        off.close()
     finally:
         import shutil
 

@@ -250,7 +250,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from areal_jax.checkpoint.delta import named_host_arrays
     from areal_jax.checkpoint.publish import WeightPublisher, host_params
-    from areal_jax.checkpoint.stream import StreamPublisher, _available_memory, serving_arrays
+    from areal_jax.checkpoint.stream import (
+        StreamPublisher,
+        _available_memory,
+        serving_arrays,
+        serving_shapes,
+    )
     from areal_jax.engine.launch import launch_server
     from areal_jax.weight_wire import encode_delta
     from model_defs import CausalLM, ModelConfig, save_hf
@@ -286,6 +291,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         delta.publish(host_params(model, args.dtype), 0)  # the base the server holds
     sender = StreamPublisher([server.url], bucket_bytes=args.bucket_mb << 20,
                              spare_file=args.spare_file)
+    if args.path == "memory":  # as the run does when it starts: the first file made ahead
+        sender.prepare(serving_shapes(model, args.dtype))
     group = None
     if args.path == "distributed":
         from areal_jax.checkpoint.distributed import DistributedPublisher

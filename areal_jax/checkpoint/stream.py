@@ -34,10 +34,14 @@ while any params are views of it: served, staged, or kept for a revert until the
 version's probe passes), and a file none of them lists is rewritten in place. In steady
 state that is the version before the served one: the host holds two versions' bytes in
 ``/dev/shm`` (served and next), the same as a bump needs anyway, and no write allocates
-a page. Until there is such a file (the first two sends), the next one is made after a
-send by a background thread that allocates its pages (``posix_fallocate``): a spare,
-made only while the host has twice its size available (``MemAvailable``; under memory
-pressure its pages came from reclaim and the writes got slower, not faster). (Before
+a page. Until there is such a file (the first two sends), the next one is made ahead by
+a background thread that writes its pages (zeros): a spare, made after a send, and
+before the first one by :meth:`prepare` (the run calls it when it starts), and only
+while the host has twice its size available (``MemAvailable``; under memory pressure
+its pages came from reclaim and the writes got slower, not faster). Its pages are
+written, not only reserved with ``posix_fallocate``: under a server's load, writing the
+0.5B shape's 0.99 GB into reserved pages cost the kernel 2.4-2.7 s, into written ones
+0.2 s, into fresh ones 0.8-0.9 s. (Before
 the reuse, a spare was made after every send: three versions in ``/dev/shm`` during
 each bump, and at the 1.5B shape on a 24 GB host the writes waited on reclaim.)
 ``spare_file=False`` (``checkpoint.publish_spare_file: false``) turns both off: each
@@ -206,6 +210,19 @@ def serving_arrays(model: CausalLM | nnx.State, dtype: str,
     return ServingArrays(list(zip(names, cast, strict=True)), finite)
 
 
+def serving_shapes(model: CausalLM | nnx.State, dtype: str) -> list[tuple[str, Any]]:
+    """What :func:`serving_arrays` would hand over, without computing it: ``(name,
+    jax.ShapeDtypeStruct)`` per tensor, in its order (the LoRA merge and the cast are only
+    traced). For :meth:`StreamPublisher.prepare`, before the first version exists."""
+    if isinstance(model, CausalLM):
+        plain = model
+        model = jax.eval_shape(lambda: nnx.state(merge_lora(plain)))
+    want = parse_dtype(dtype)
+    return [(leaf_name(path), jax.ShapeDtypeStruct(
+                x.shape, want if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype))
+            for path, x in jax.tree_util.tree_flatten_with_path(model)[0]]
+
+
 def _reusable(reuse: ServingArrays | None, names: list[str], leaves: list[Any],
               want: Any) -> list[jax.Array] | None:
     """``reuse``'s arrays if each matches what the cast of ``leaves`` makes (name, shape,
@@ -227,6 +244,7 @@ def _reusable(reuse: ServingArrays | None, names: list[str], leaves: list[Any],
 # the next sender on the host removes those of a process that is gone.
 _OWNED_NAME = re.compile(re.escape(SHM_PREFIX) + r"(?:spare|kept)-(\d+)-[0-9A-Za-z_-]+$")
 KEEP_FILES = 2  # the served version's file and the one the next version is written into
+SPARE_CHUNK_BYTES = 16 << 20  # the zeros a spare's pages are written with, per call
 
 
 def _available_memory() -> int | None:
@@ -360,6 +378,16 @@ class StreamPublisher:
             self._spare_thread.join()
         _remove_files(self._spare, self._kept)
 
+    def prepare(self, shapes: Sequence[tuple[str, Any]]) -> None:
+        """Makes the first version's file ahead (a spare, in the background), so that the
+        first send writes into written pages as later ones do, not into fresh ones (0.5B
+        shape under the server's load: 0.86-1.2 s fresh, 0.2 s written). ``shapes``: what
+        the sends will carry (``serving_shapes``). Does nothing if a file is kept or being
+        made already, or without shared memory or ``spare_file``."""
+        if self._kept or self._spare or self._spare_thread is not None:
+            return
+        self._prepare_spare(file_layout(manifest_for(shapes, 0, self.bucket_bytes))[1])
+
     def _prepare_spare(self, size: int) -> None:
         """In the background: a file of ``size`` bytes in shm_dir, its pages allocated."""
         if not self.spare_file or self.shm_dir is None or size <= 0:
@@ -386,7 +414,14 @@ class StreamPublisher:
                 self.spare_file = False
                 return
             try:
-                os.posix_fallocate(fd, 0, size)
+                # Its pages written (zeros), not only allocated: a write into pages that
+                # posix_fallocate reserved cost the kernel 2.4-2.7 s for the 0.5B shape's
+                # 0.99 GB under the server's load, against 0.2 s into written ones (and
+                # 0.8-0.9 s into fresh ones) (``bench.py weight-sync``, second bump).
+                zeros = bytes(min(size, SPARE_CHUNK_BYTES))
+                for offset in range(0, size, len(zeros)):
+                    if os.pwrite(fd, zeros[:size - offset], offset) <= 0:
+                        raise OSError(f"short write at byte {offset}")
             except OSError as e:  # a small /dev/shm: the send itself will tell
                 with contextlib.suppress(OSError):
                     os.unlink(path)
