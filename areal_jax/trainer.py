@@ -45,7 +45,7 @@ import numpy as np
 from areal_jax.checkpoint.meta import CheckpointMeta
 from areal_jax.checkpoint.orbax_ckpt import CheckpointWriteError, rng_to_json
 from areal_jax.checkpoint.publish import join_inline_publish, serving_copy
-from areal_jax.checkpoint.stream import ServingArrays, serving_arrays
+from areal_jax.checkpoint.stream import ServingArrays, serving_arrays, warm_serving_cast
 from areal_jax.config import TrainConfig, to_dict
 from areal_jax.data.advantages import distill_metrics, gae_targets_for
 from areal_jax.data.trajectories import save_batch
@@ -223,6 +223,10 @@ class Trainer:
         """Trains version ``version`` into ``version + 1``; returns its metrics row (process 0)."""
         cfg, first = self.cfg, version == self.progress.start_version
         t_step = time.perf_counter()
+        if first and self._last_cast is None and jax.process_count() == 1 and \
+                cfg.publish_path in ("memory", "delta", "distributed"):
+            # the serving cast compiled and its buffers written while the batch comes
+            self._last_cast = warm_serving_cast(self.learner.model, cfg.serving_dtype)
         # Steps 1-3: generation has been going on all along; take the next packed batch.
         batch = self.next_batch(version)
         wait_s = time.perf_counter() - t_step

@@ -23,7 +23,12 @@ from flax import nnx
 
 from areal_jax.checkpoint.delta import DeltaPublisher
 from areal_jax.checkpoint.publish import PublishError
-from areal_jax.checkpoint.stream import StreamPublisher, serving_arrays, serving_shapes
+from areal_jax.checkpoint.stream import (
+    StreamPublisher,
+    serving_arrays,
+    serving_shapes,
+    warm_serving_cast,
+)
 from areal_jax.weight_wire import (
     CHECKSUM_HEADER,
     bucket_views,
@@ -778,6 +783,33 @@ def test_the_next_cast_writes_into_the_last_versions_buffers(learners):
     f32 = serving_arrays(model, "float32", reuse=again)
     assert again.named and not any(a.is_deleted() for _, a in again.named)
     assert all(a.dtype == jnp.float32 for _, a in f32.named)
+
+
+def test_the_warm_cast_is_what_the_first_versions_cast_writes_into(learners):
+    """warm_serving_cast compiles both casts (fresh, and into donated buffers) and hands
+    back a CPU cast: the first version's cast writes into its buffers, compiling nothing,
+    and gives exactly a fresh cast's bytes."""
+    warm = warm_serving_cast(learners[1], "bfloat16")
+    assert warm is not None and warm.on_cpu
+    addresses = [a.unsafe_buffer_pointer() for _, a in warm.named]
+    compiles = []
+
+    def count(event, duration_secs, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        got = serving_arrays(learners[0], "bfloat16", reuse=warm)
+        jax.block_until_ready([a for _, a in got.named])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert compiles == []
+    assert [a.unsafe_buffer_pointer() for _, a in got.named] == addresses
+    for (_, a), (_, b) in zip(got.named, serving_arrays(learners[0], "bfloat16").named,
+                              strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
+                                      np.asarray(b).view(np.uint16))
 
 
 def test_no_spare_file_while_host_memory_is_short(tmp_path, monkeypatch):
