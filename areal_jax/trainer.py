@@ -156,6 +156,12 @@ class Trainer:
         self._last_cast: ServingArrays | None = None
 
     @property
+    def _publishes_cast(self) -> bool:
+        """Whether a version is published as the serving cast (``serving_arrays``) rather
+        than as a host copy for the disk path."""
+        return self.cfg.publish_path in ("memory", "delta", "distributed")
+
+    @property
     def is_main(self) -> bool:
         return self.rollout is not None
 
@@ -222,11 +228,10 @@ class Trainer:
     def step(self, version: int) -> dict[str, Any] | None:
         """Trains version ``version`` into ``version + 1``; returns its metrics row (process 0)."""
         cfg, first = self.cfg, version == self.progress.start_version
-        t_step = time.perf_counter()
-        if first and self._last_cast is None and jax.process_count() == 1 and \
-                cfg.publish_path in ("memory", "delta", "distributed"):
+        if first and self._publishes_cast and jax.process_count() == 1:
             # the serving cast compiled and its buffers written while the batch comes
             self._last_cast = warm_serving_cast(self.learner.model, cfg.serving_dtype)
+        t_step = time.perf_counter()
         # Steps 1-3: generation has been going on all along; take the next packed batch.
         batch = self.next_batch(version)
         wait_s = time.perf_counter() - t_step
@@ -331,7 +336,7 @@ class Trainer:
         ``distributed``: the same cast; :class:`WeightSync` broadcasts it to the servers
         through SGLang's weight update group."""
         self.wait_published()
-        if self.cfg.publish_path in ("memory", "delta", "distributed"):
+        if self._publishes_cast:
             # (the last version's cast is sent by now: on CPU the cast writes into it)
             arrays = serving_arrays(self.learner.model, self.cfg.serving_dtype,  # collective
                                     reuse=self._last_cast)

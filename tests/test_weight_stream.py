@@ -192,7 +192,7 @@ def test_a_send_writes_into_the_file_no_server_holds_any_more(on_a, ckpts, learn
         for version, model in plan:
             transfer = sender.send(serving_arrays(model, "float32"), version)
             kinds.append(sender.last.shm_file)
-            # only the spare's write can have waited for the spare's allocation, within it
+            # only the spare's write can have waited for the spare being made, within it
             assert (0.0 <= sender.last.spare_wait_s <= sender.last.write_s
                     if sender.last.shm_file == "spare" else sender.last.spare_wait_s == 0.0)
             name = next(n for n in _shm_files(shm) if n.endswith(transfer))

@@ -292,8 +292,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         delta.publish(host_params(model, args.dtype), 0)  # the base the server holds
     sender = StreamPublisher([server.url], bucket_bytes=args.bucket_mb << 20,
                              spare_file=args.spare_file)
-    if args.path == "memory":  # as the run does when it starts: the first file made ahead
-        sender.prepare(serving_shapes(model, args.dtype))
     group = None
     if args.path == "distributed":
         from areal_jax.checkpoint.distributed import DistributedPublisher
@@ -302,7 +300,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         group.send(serving_arrays(model, args.dtype), 0)  # makes the group; compiles the cast
     previous = named_host_arrays(host_params(model, args.dtype)) if args.delta_size else None
     arrays = last_cast = None
-    if args.path == "memory":  # as the run does while its first batch comes
+    if args.path == "memory":  # as the run does when it starts: the first file made ahead,
+        sender.prepare(serving_shapes(model, args.dtype))  # and the cast warmed
         last_cast = warm_serving_cast(model, args.dtype)
     load_tokens_per_s = float("nan")
     try:

@@ -188,11 +188,7 @@ def serving_arrays(model: CausalLM | nnx.State, dtype: str,
     version never sees the new one's bytes. Keep ``reuse`` only on CPU (``on_cpu``): on an
     accelerator the freed output returns to the device allocator's pool at no cost, and
     keeping it would hold half the float32 params' memory between versions."""
-    if isinstance(model, CausalLM):
-        model = nnx.state(merge_lora(model))
-    flat = jax.tree_util.tree_flatten_with_path(model)[0]
-    names = [leaf_name(path) for path, _ in flat]
-    leaves = [x for _, x in flat]
+    names, leaves = _named_leaves(_serving_state(model))
     if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
         leaves = jax.tree.leaves(_gather_to_host(leaves))
         want = parse_dtype(dtype)
@@ -229,13 +225,26 @@ def serving_shapes(model: CausalLM | nnx.State, dtype: str) -> list[tuple[str, A
     """What :func:`serving_arrays` would hand over, without computing it: ``(name,
     jax.ShapeDtypeStruct)`` per tensor, in its order (the LoRA merge and the cast are only
     traced). For :meth:`StreamPublisher.prepare`, before the first version exists."""
-    if isinstance(model, CausalLM):
-        plain = model
-        model = jax.eval_shape(lambda: nnx.state(merge_lora(plain)))
+    names, leaves = _named_leaves(jax.eval_shape(lambda: _serving_state(model)))
     want = parse_dtype(dtype)
-    return [(leaf_name(path), jax.ShapeDtypeStruct(
-                x.shape, want if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype))
-            for path, x in jax.tree_util.tree_flatten_with_path(model)[0]]
+    return [(name, jax.ShapeDtypeStruct(x.shape, _serving_dtype(x.dtype, want)))
+            for name, x in zip(names, leaves, strict=True)]
+
+
+def _serving_state(model: CausalLM | nnx.State) -> nnx.State:
+    """The params a version serves: the model's, its LoRA adapters merged."""
+    return nnx.state(merge_lora(model)) if isinstance(model, CausalLM) else model
+
+
+def _named_leaves(state: Any) -> tuple[list[str], list[Any]]:
+    """The leaves of ``state`` in order and their serving names."""
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    return [leaf_name(path) for path, _ in flat], [x for _, x in flat]
+
+
+def _serving_dtype(dtype: Any, want: Any) -> Any:
+    """What the serving cast makes of a leaf of ``dtype``: ``want`` for floating ones."""
+    return want if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
 def _reusable(reuse: ServingArrays | None, names: list[str], leaves: list[Any],
@@ -246,7 +255,7 @@ def _reusable(reuse: ServingArrays | None, names: list[str], leaves: list[Any],
         return None
     previous = []
     for name, x, (old_name, old) in zip(names, leaves, reuse.named, strict=True):
-        dtype = want if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+        dtype = _serving_dtype(x.dtype, want)
         if (old_name != name or old.is_deleted() or tuple(old.shape) != tuple(x.shape)
                 or old.dtype != dtype or not isinstance(x, jax.Array)
                 or old.sharding != x.sharding):
@@ -345,8 +354,8 @@ class SendReport:
     # where the shared-memory write went: "reused" (a kept file no server held), "spare"
     # (allocated ahead), "new" (fresh pages); "" when the stream went over HTTP
     shm_file: str = ""
-    # of write_s: the wait for the spare file's allocation to finish (it starts after the
-    # send before; a send that follows at once waits for the rest of it)
+    # of write_s: the wait for the spare file still being made (it starts after the send
+    # before, or at ``prepare``; a send that follows at once waits for the rest of it)
     spare_wait_s: float = 0.0
     server_replies: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -378,7 +387,6 @@ class StreamPublisher:
         self._spare: list[tuple[str, int]] = []
         self._spare_thread: threading.Thread | None = None
         self._spare_skipped = False  # a spare was skipped for want of host memory
-        self._spare_wait_s = 0.0  # the last write's wait for the spare being made
         # The stream files of the last sends (path, size, st_dev, st_ino), oldest first:
         # the next one is written into one no server holds (see the module doc).
         self._kept: list[tuple[str, int, int, int]] = []
@@ -404,7 +412,7 @@ class StreamPublisher:
         self._prepare_spare(file_layout(manifest_for(shapes, 0, self.bucket_bytes))[1])
 
     def _prepare_spare(self, size: int) -> None:
-        """In the background: a file of ``size`` bytes in shm_dir, its pages allocated."""
+        """In the background: a file of ``size`` bytes in shm_dir, its pages written."""
         if not self.spare_file or self.shm_dir is None or size <= 0:
             return
         shm_dir = self.shm_dir
@@ -484,14 +492,16 @@ class StreamPublisher:
             with contextlib.suppress(OSError):
                 os.unlink(old)
 
-    def _take_spare(self, size: int) -> str | None:
-        """The spare file's path if it holds ``size`` bytes (it is then the caller's);
-        otherwise None (a spare of another size is removed)."""
+    def _take_spare(self, size: int) -> tuple[str | None, float]:
+        """The spare file's path if it holds ``size`` bytes (it is then the caller's),
+        otherwise None (a spare of another size is removed); and the seconds waited for
+        the spare still being made."""
+        waited = 0.0
         if self._spare_thread is not None:
             t0 = time.perf_counter()
             self._spare_thread.join()  # being made: finishing it beats starting afresh
             self._spare_thread = None
-            self._spare_wait_s = time.perf_counter() - t0
+            waited = time.perf_counter() - t0
         spares, self._spare[:] = list(self._spare), []
         path = None
         for p, n in spares:
@@ -500,7 +510,7 @@ class StreamPublisher:
             else:
                 with contextlib.suppress(OSError):
                     os.unlink(p)
-        return path
+        return path, waited
 
     # ------------------------------------------------------------------ HTTP
     def _connect(self, url: str) -> http.client.HTTPConnection:
@@ -650,9 +660,8 @@ class StreamPublisher:
             if self.shm_dir is not None:
                 try:
                     t_write = time.perf_counter()
-                    self._spare_wait_s = 0.0
-                    shm_path, report.shm_file = self._write_shm(manifest, arrays, held)
-                    report.spare_wait_s = self._spare_wait_s
+                    shm_path, report.shm_file, report.spare_wait_s = self._write_shm(
+                        manifest, arrays, held)
                     report.write_s = time.perf_counter() - t_write
                 except OSError as e:  # e.g. a container's 64 MiB /dev/shm
                     logger.warning("weights v%d: cannot write %s (%s); sending them over "
@@ -674,18 +683,20 @@ class StreamPublisher:
                     _remove_files(self._spare)  # a file is reused from now on
 
     def _write_shm(self, manifest: Manifest, arrays: Sequence[np.ndarray],
-                   held: set[tuple[int, int]] | None) -> tuple[str, str]:
+                   held: set[tuple[int, int]] | None) -> tuple[str, str, float]:
         """The stream as one file in shared memory (readable by this user only): written
         into a kept file no server holds (``held``), else the spare, else a new file.
-        Returns its path and which of the three it was."""
+        Returns its path, which of the three it was, and the wait for the spare."""
         assert self.shm_dir is not None
         size = file_layout(manifest)[1]
         path = os.path.join(self.shm_dir,
                             f"{SHM_PREFIX}kept-{os.getpid()}-{manifest.transfer}")
         kind, fd = "reused", self._reopen(self._take_kept(size, held) if self.spare_file
                                           else None, path)
+        spare_wait_s = 0.0
         if fd is None:  # the spare is taken only now: it may still be being made
-            kind, fd = "spare", self._reopen(self._take_spare(size), path)
+            spare, spare_wait_s = self._take_spare(size)
+            kind, fd = "spare", self._reopen(spare, path)
         if fd is None:
             kind, fd = "new", os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -696,7 +707,7 @@ class StreamPublisher:
             raise
         finally:
             os.close(fd)
-        return path, kind
+        return path, kind, spare_wait_s
 
     @staticmethod
     def _reopen(old: str | None, path: str) -> int | None:
